@@ -1,0 +1,256 @@
+"""Typed configuration of a training run.
+
+Every field's docstring is its ``--help`` text. Nested models become flag groups: ``HvConfig`` fields are
+``--hv.*`` flags, ``CkptConfig`` fields ``--ckpt.*``. Checks that need only the config live here (a
+``ConfigError`` is turned into a one-line error by ``cli.py``); checks that need the launched world (how many
+ranks) live in :func:`check_against_world`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from cyclopts import Parameter
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user must fix. The message is one line naming the problem and the fix."""
+
+
+_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+
+Multiaddrs = Annotated[list[str], Parameter(consume_multiple=True, negative=())]
+
+
+class HvConfig(BaseModel):
+    """The galaxy: how this cluster finds the others and averages with them (DiLoCo outer loop)."""
+
+    model_config = _STRICT
+
+    initial_peers: Multiaddrs = []
+    """Multiaddrs of DHT peers to join (the line `hivemind-dht` prints); several allowed. Empty: this cluster
+    starts its own DHT (fine for a galaxy of one, or for the first cluster of a galaxy)."""
+
+    galaxy_size: Annotated[int, Field(ge=1)] = 1
+    """Number of clusters training together."""
+
+    world_rank: Annotated[int, Field(ge=0)] = 0
+    """This cluster's rank in the galaxy, 0 … galaxy-size − 1, unique per cluster."""
+
+    local_steps: Annotated[int, Field(ge=1)] = 500
+    """H: inner steps between two outer steps."""
+
+    outer_lr: Annotated[float, Field(gt=0)] = 0.7
+    """Learning rate of the outer optimizer (SGD with Nesterov momentum)."""
+
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    """Momentum of the outer optimizer."""
+
+    run_id: str = "open_diloco"
+    """Prefix of every DHT key of this run; clusters of one galaxy must share it."""
+
+    host_maddrs: Multiaddrs = ["/ip4/0.0.0.0/tcp/0"]
+    """Multiaddrs this cluster's peers listen on (port 0: any free port)."""
+
+    announce_maddrs: Multiaddrs = []
+    """Multiaddrs other clusters should dial, where they differ from what the host listens on (NAT, docker)."""
+
+    matchmaking_time: Annotated[float, Field(gt=0)] = 2.0
+    """Seconds a peer waits to gather a group before an all-reduce (hivemind's default of 5 s dominates small
+    runs)."""
+
+    averaging_timeout: Annotated[float, Field(gt=0)] = 120.0
+    """Seconds an outer-step all-reduce may take, matchmaking included, before the round counts as failed."""
+
+    join_timeout: Annotated[float, Field(gt=0)] = 60.0
+    """Seconds to wait for the DHT and (for a late joiner) for a peer to download the outer state from."""
+
+    compression: Literal["none", "fp16"] = "none"
+    """Wire compression of the pseudo-gradient all-reduce."""
+
+    on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
+    """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then
+    proceed), `proceed` with the clusters present, or `fail` (stop the run)."""
+
+    max_retries: Annotated[int, Field(ge=0)] = 2
+    """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
+
+    skip_load_from_peers: bool = False
+    """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
+
+    @model_validator(mode="after")
+    def _rank_in_galaxy(self) -> HvConfig:
+        if self.world_rank >= self.galaxy_size:
+            raise ConfigError(
+                f"--hv.world-rank {self.world_rank} is not below --hv.galaxy-size {self.galaxy_size}: "
+                f"give each cluster a rank in 0..{self.galaxy_size - 1}"
+            )
+        return self
+
+
+class CkptConfig(BaseModel):
+    """Checkpoints: sharded (torch.distributed.checkpoint), atomic, at outer-step boundaries."""
+
+    model_config = _STRICT
+
+    path: Path = Path("outputs/ckpt")
+    """Directory holding `step_<N>` checkpoints."""
+
+    interval: Annotated[int, Field(ge=1)] | None = None
+    """Save every N inner steps (in a galaxy a multiple of --hv.local-steps). Unset: never save."""
+
+    keep: Annotated[int, Field(ge=1)] = 3
+    """How many of the newest checkpoints to keep."""
+
+    resume: str | None = None
+    """Resume from a checkpoint directory, or `latest` for the newest one under --ckpt.path."""
+
+
+Precision = Literal["auto", "bf16-mixed", "fp16-mixed", "32-true"]
+
+
+@Parameter(name="*")
+class Config(BaseModel):
+    """One cluster's training run."""
+
+    model_config = _STRICT
+
+    # model
+    path_model: Path = Path("tests/models/llama-2m-fresh")
+    """A local model directory: a transformers `config.json` (weights initialised fresh from --seed) or a
+    `save_pretrained` directory with weights."""
+
+    seq_length: Annotated[int, Field(ge=2)] = 1024
+    """Tokens per sample."""
+
+    # batch and optimizer
+    per_device_train_batch_size: Annotated[int, Field(ge=1)] = 8
+    """Micro-batch size of one rank."""
+
+    total_batch_size: Annotated[int, Field(ge=1)] = 64
+    """Samples per inner step over the whole cluster; gradient accumulation makes up the difference."""
+
+    lr: Annotated[float, Field(gt=0)] = 4e-4
+    """Peak learning rate of the inner AdamW."""
+
+    warmup_steps: Annotated[int, Field(ge=0)] = 10
+    """Linear warm-up steps of the inner learning rate."""
+
+    total_steps: Annotated[int, Field(ge=1)] | None = None
+    """Length of the cosine schedule; unset: --max-steps."""
+
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Floor of the cosine schedule as a fraction of --lr."""
+
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    """AdamW weight decay."""
+
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+
+    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+    """Clip the global gradient norm to this."""
+
+    max_steps: Annotated[int, Field(ge=1)] = 1000
+    """Inner steps to train."""
+
+    seed: int = 42
+    """Seed of weight init, fake data and data order."""
+
+    # data
+    fake_data: bool = False
+    """Train on generated, learnable sequences instead of a dataset (no files needed)."""
+
+    dataset_path: str | None = None
+    """Local data: a directory or glob of text files, a .jsonl/.parquet file, or a `save_to_disk` dataset."""
+
+    dataset_text_field: str = "text"
+    """Field holding the text in JSONL, parquet and `datasets` data."""
+
+    path_tokenizer: Path | None = None
+    """A local tokenizer directory (transformers AutoTokenizer). Unset: the built-in byte-level tokenizer."""
+
+    num_workers: Annotated[int, Field(ge=0)] = 1
+    """Background data-loading processes per rank."""
+
+    eval_interval: Annotated[int, Field(ge=1)] | None = None
+    """Compute validation loss every N inner steps. Unset: never."""
+
+    eval_steps: Annotated[int, Field(ge=1)] = 10
+    """Batches per validation."""
+
+    # performance
+    precision: Precision = "auto"
+    """Numerics: `bf16-mixed` (bf16 compute, fp32 reduce), `fp16-mixed`, `32-true`; `auto` picks
+    bf16-mixed on GPUs that support it, else 32-true."""
+
+    torch_compile: bool = True
+    """Compile each transformer block with torch.compile."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to train; `auto`: CUDA when available."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; `auto`: nccl on CUDA, gloo on CPU."""
+
+    # logging
+    metric_logger_type: Literal["dummy", "jsonl", "wandb"] = "dummy"
+    """Where metrics go (rank 0 of each cluster only). wandb respects WANDB_MODE and never asks to log in."""
+
+    metrics_path: Path = Path("metrics.jsonl")
+    """File the `jsonl` logger appends to."""
+
+    project: str = "open_diloco"
+    """wandb project."""
+
+    run_name: str | None = None
+    """Run name in logs and wandb; unset: derived from the galaxy rank and time."""
+
+    log_interval: Annotated[int, Field(ge=1)] = 1
+    """Print a step line every N inner steps."""
+
+    hv: HvConfig | None = None
+    """Galaxy settings; any `--hv.*` flag turns DiLoCo on."""
+
+    ckpt: CkptConfig = CkptConfig()
+    """Checkpoint settings."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        if self.total_batch_size % self.per_device_train_batch_size:
+            raise ConfigError(
+                f"--total-batch-size {self.total_batch_size} is not a multiple of --per-device-train-batch-size "
+                f"{self.per_device_train_batch_size}: make it one"
+            )
+        if self.fake_data and self.dataset_path:
+            raise ConfigError("--fake-data and --dataset-path both given: choose one")
+        if not self.fake_data and not self.dataset_path:
+            raise ConfigError("no data: pass --fake-data or --dataset-path PATH")
+        if self.hv is not None and self.ckpt.interval is not None and self.ckpt.interval % self.hv.local_steps:
+            raise ConfigError(
+                f"--ckpt.interval {self.ckpt.interval} is not a multiple of --hv.local-steps {self.hv.local_steps}: "
+                "checkpoints must land on outer-step boundaries"
+            )
+        return self
+
+    @property
+    def schedule_steps(self) -> int:
+        """Length of the cosine schedule."""
+        return self.total_steps or self.max_steps
+
+
+def check_against_world(config: Config, world_size: int) -> int:
+    """Validate what depends on the number of ranks; return the gradient-accumulation steps."""
+    per_step = config.per_device_train_batch_size * world_size
+    if config.total_batch_size % per_step:
+        raise ConfigError(
+            f"--total-batch-size {config.total_batch_size} is not divisible by --per-device-train-batch-size "
+            f"{config.per_device_train_batch_size} x {world_size} ranks: use a total that is a multiple of {per_step}, "
+            "or fewer ranks"
+        )
+    return config.total_batch_size // per_step

@@ -1,0 +1,57 @@
+"""Build the causal LM a cluster trains, from local files only (nothing is ever downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from open_diloco.config import ConfigError
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def load_model_config(path_model: Path) -> PretrainedConfig:
+    """Read ``config.json`` from a local model directory, with a one-line error when it is not one."""
+    path = Path(path_model)
+    if not path.is_dir():
+        raise ConfigError(f"--path-model {path} is not a directory: point it at a local model dir with a config.json")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--path-model {path} has no config.json: point it at a transformers model directory")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"--path-model {path}/config.json is not a valid model config ({first_line}): fix or replace it") from None
+
+
+def has_weights(path_model: Path) -> bool:
+    """Whether the directory holds trained weights (else the model is initialised fresh)."""
+    return any((Path(path_model) / name).is_file() for name in _WEIGHT_FILES)
+
+
+def build_model(path_model: Path, seed: int) -> PreTrainedModel:
+    """The model in fp32 on CPU: local weights when present, else fresh weights from ``seed``.
+
+    Fresh init is seeded so every rank of every cluster starts from the same θ — DiLoCo's outer step
+    assumes all clusters share θ_outer at round 0.
+    """
+    model_config = load_model_config(path_model)
+    model_config.use_cache = False
+    if has_weights(path_model):
+        model = AutoModelForCausalLM.from_pretrained(path_model, local_files_only=True, dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    return model
+
+
+def transformer_blocks(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The repeated decoder blocks: the unit of FSDP sharding, compilation and activation checkpointing."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None) if inner is not None else None
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__} has no `model.layers`: only Llama-style decoder models are supported")
+    return list(layers)
