@@ -66,7 +66,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as err:  # each parser has its own error type; all mean "not parseable"
-        raise ConfigError(f"config file {path} does not parse ({str(err).splitlines()[0]}): fix its syntax") from None
+        raise ConfigError(
+            f"config file {path} does not parse ({str(err).splitlines()[0]}): fix its syntax"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table of settings at the top level")
     return {key.replace("-", "_"): value for key, value in data.items()}
@@ -75,7 +77,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            _deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
     return merged
 
 

@@ -231,7 +231,11 @@ class Config(BaseModel):
             raise ConfigError("--fake-data and --dataset-path both given: choose one")
         if not self.fake_data and not self.dataset_path:
             raise ConfigError("no data: pass --fake-data or --dataset-path PATH")
-        if self.hv is not None and self.ckpt.interval is not None and self.ckpt.interval % self.hv.local_steps:
+        if (
+            self.hv is not None
+            and self.ckpt.interval is not None
+            and self.ckpt.interval % self.hv.local_steps
+        ):
             raise ConfigError(
                 f"--ckpt.interval {self.ckpt.interval} is not a multiple of --hv.local-steps {self.hv.local_steps}: "
                 "checkpoints must land on outer-step boundaries"

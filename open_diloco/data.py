@@ -57,7 +57,9 @@ class FakeSequences(Dataset):
         gen = torch.Generator().manual_seed(_seed_of(self.seed, self.stream, index))
         draws = torch.multinomial(self.zipf, self.seq_length, replacement=True, generator=gen)
         positions = torch.arange(self.seq_length)
-        fresh = (torch.rand(self.seq_length, generator=gen) >= self.P_SUCCESSOR) | (positions % self.MAX_RUN == 0)
+        fresh = (torch.rand(self.seq_length, generator=gen) >= self.P_SUCCESSOR) | (
+            positions % self.MAX_RUN == 0
+        )
         run_start = torch.cummax(torch.where(fresh, positions, 0), dim=0).values
         symbols = self.successor_pow[positions - run_start, draws[run_start]]
         return {"input_ids": self.tokens[symbols], "sample_id": index}

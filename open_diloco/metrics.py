@@ -57,17 +57,23 @@ class WandbMetrics:
 
         mode = wandb_mode or ("online" if env_flag("WANDB_API_KEY") else "offline")
         self._wandb = wandb
-        self._run = wandb.init(project=project, name=run_name, config=config, mode=mode, settings=wandb.Settings(silent=True))
+        self._run = wandb.init(
+            project=project, name=run_name, config=config, mode=mode, settings=wandb.Settings(silent=True)
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")
-        self._run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
+        self._run.log(
+            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step
+        )
 
     def close(self) -> None:
         self._run.finish()
 
 
-def build_metrics(kind: str, is_main: bool, path: Path, project: str, run_name: str, config: dict[str, Any]) -> Metrics:
+def build_metrics(
+    kind: str, is_main: bool, path: Path, project: str, run_name: str, config: dict[str, Any]
+) -> Metrics:
     """The sink for this rank."""
     if not is_main or kind == "dummy":
         return DummyMetrics()

@@ -9,21 +9,32 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from open_diloco.config import ConfigError
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_model_config(path_model: Path) -> PretrainedConfig:
     """Read ``config.json`` from a local model directory, with a one-line error when it is not one."""
     path = Path(path_model)
     if not path.is_dir():
-        raise ConfigError(f"--path-model {path} is not a directory: point it at a local model dir with a config.json")
+        raise ConfigError(
+            f"--path-model {path} is not a directory: point it at a local model dir with a config.json"
+        )
     if not (path / "config.json").is_file():
-        raise ConfigError(f"--path-model {path} has no config.json: point it at a transformers model directory")
+        raise ConfigError(
+            f"--path-model {path} has no config.json: point it at a transformers model directory"
+        )
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError, KeyError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--path-model {path}/config.json is not a valid model config ({first_line}): fix or replace it") from None
+        raise ConfigError(
+            f"--path-model {path}/config.json is not a valid model config ({first_line}): fix or replace it"
+        ) from None
 
 
 def has_weights(path_model: Path) -> bool:
@@ -53,5 +64,7 @@ def transformer_blocks(model: PreTrainedModel) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None) if inner is not None else None
     if layers is None:
-        raise ConfigError(f"{type(model).__name__} has no `model.layers`: only Llama-style decoder models are supported")
+        raise ConfigError(
+            f"{type(model).__name__} has no `model.layers`: only Llama-style decoder models are supported"
+        )
     return list(layers)

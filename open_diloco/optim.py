@@ -7,7 +7,9 @@ import math
 import torch
 
 
-def build_inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+def build_inner_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
+) -> torch.optim.AdamW:
     """AdamW over all parameters; ``foreach`` keeps the step a handful of kernels per dtype."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, foreach=True)
 

@@ -21,10 +21,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             return "bf16-mixed"
         return "32-true"
     if precision == "fp16-mixed" and device.type != "cuda":
-        raise ConfigError("--precision fp16-mixed needs a CUDA GPU (fp16 on CPU is emulated and needs loss scaling): "
-                          "use --precision 32-true or bf16-mixed")
+        raise ConfigError(
+            "--precision fp16-mixed needs a CUDA GPU (fp16 on CPU is emulated and needs loss scaling): "
+            "use --precision 32-true or bf16-mixed"
+        )
     if precision == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("--precision bf16-mixed is not supported by this GPU: use --precision fp16-mixed or 32-true")
+        raise ConfigError(
+            "--precision bf16-mixed is not supported by this GPU: use --precision fp16-mixed or 32-true"
+        )
     return precision
 
 

@@ -38,24 +38,41 @@ def train(config: Config) -> None:
     join_process_group(world)
     signal.signal(signal.SIGTERM, _raise_stop)
     metrics = build_metrics(
-        config.metric_logger_type, world.is_main, config.metrics_path, config.project, run_name,
+        config.metric_logger_type,
+        world.is_main,
+        config.metrics_path,
+        config.project,
+        run_name,
         config.model_dump(mode="json"),
     )
     outer: OuterLoop = NullOuterLoop()
     try:
         model = build_model(config.path_model, config.seed)
-        model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+        model = parallelize(
+            model, world.device, precision, config.activation_checkpointing, config.torch_compile
+        )
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
-        scheduler = build_scheduler(optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio)
+        scheduler = build_scheduler(
+            optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
+        )
         loader = build_train_loader(
-            fake_data=config.fake_data, seed=config.seed, galaxy_rank=galaxy_rank, vocab_size=vocab_size,
-            seq_length=config.seq_length, per_device_batch=config.per_device_train_batch_size,
-            rank=world.rank, world_size=world.world_size, num_workers=config.num_workers,
+            fake_data=config.fake_data,
+            seed=config.seed,
+            galaxy_rank=galaxy_rank,
+            vocab_size=vocab_size,
+            seq_length=config.seq_length,
+            per_device_batch=config.per_device_train_batch_size,
+            rank=world.rank,
+            world_size=world.world_size,
+            num_workers=config.num_workers,
         )
         batches = iter(loader)
         tokens_per_step = config.total_batch_size * config.seq_length
-        _say(world, f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
-                    f"grad accumulation {grad_accum}, {config.max_steps} steps")
+        _say(
+            world,
+            f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
+            f"grad accumulation {grad_accum}, {config.max_steps} steps",
+        )
 
         for step in range(1, config.max_steps + 1):
             started = time.perf_counter()

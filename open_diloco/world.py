@@ -90,7 +90,9 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     """CUDA when requested or available (one GPU per local rank), else CPU."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA GPU is visible: use --device cpu, or check CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                "--device cuda but no CUDA GPU is visible: use --device cpu, or check CUDA_VISIBLE_DEVICES"
+            )
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(
                 f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): "
