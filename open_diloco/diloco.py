@@ -57,7 +57,11 @@ class Averager(Protocol):
 
 
 class OuterLoop(Protocol):
-    """What the trainer calls after every inner step."""
+    """What the trainer calls: once to join the galaxy, then after every inner step."""
+
+    def join_galaxy(self) -> int:
+        """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
+        ...
 
     def after_inner_step(self, inner_step: int) -> dict[str, Any]:
         """Run an outer step if ``inner_step`` (1-based) ends a round; return its metrics, else ``{}``."""
@@ -68,6 +72,9 @@ class OuterLoop(Protocol):
 
 class NullOuterLoop:
     """No galaxy: plain data-parallel training inside the cluster."""
+
+    def join_galaxy(self) -> int:
+        return 0
 
     def after_inner_step(self, inner_step: int) -> dict[str, Any]:
         return {}
@@ -125,6 +132,8 @@ class DiLoCo:
         max_retries: int = 2,
         cluster: ClusterComm | None = None,
         warn: Any = print,
+        join_timeout: float = 60.0,
+        skip_load_from_peers: bool = False,
     ):
         self.averager = averager
         self.local_steps = local_steps
@@ -132,6 +141,7 @@ class DiLoCo:
         self.on_partial_round, self.max_retries = on_partial_round, max_retries
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
+        self.join_timeout, self.skip_load_from_peers = join_timeout, skip_load_from_peers
         self.outer_step = 0
         self._shards = local_shards(model)
         self._numels = [shard.numel() for shard in self._shards]
@@ -172,15 +182,17 @@ class DiLoCo:
             self.outer_step = int(metadata["outer_step"])
         self._scatter_outer_into_model()
 
-    def join_galaxy(self, timeout: float) -> int:
+    def join_galaxy(self) -> int:
         """Download the galaxy's current outer state if any cluster serves it; return the inner step to resume
         at (0 when this cluster starts the galaxy). All local ranks must agree, else the shards would mix two
         galaxy states, so a download that fails on any rank is dropped on every rank."""
-        downloaded = self.averager.download_state(timeout) if self.galaxy_size > 1 else None
+        wanted = self.galaxy_size > 1 and not self.skip_load_from_peers
+        downloaded = self.averager.download_state(self.join_timeout) if wanted else None
         got = torch.tensor([1.0 if downloaded is not None else 0.0])
         self.cluster.all_reduce_min(got)
         if downloaded is not None and got.item() == 1.0:
             self.load_outer_state(*downloaded)
+            self.warn(f"joined the galaxy at outer step {self.outer_step}: downloaded θ_outer from a peer")
         return self.outer_step * self.local_steps
 
     # -- the outer step --------------------------------------------------------------------------------

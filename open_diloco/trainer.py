@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from open_diloco.config import Config, check_against_world
+from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_train_loader
-from open_diloco.diloco import NullOuterLoop, OuterLoop
+from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler
@@ -51,6 +51,8 @@ def train(config: Config) -> None:
         model = parallelize(
             model, world.device, precision, config.activation_checkpointing, config.torch_compile
         )
+        outer = build_outer_loop(config.hv, model, world)
+        start_step = outer.join_galaxy()
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(
             optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
@@ -66,15 +68,20 @@ def train(config: Config) -> None:
             world_size=world.world_size,
             num_workers=config.num_workers,
         )
+        loader.sampler.next_block = (
+            start_step * grad_accum
+        )  # a late joiner skips the batches it did not train
+        for _ in range(start_step):
+            scheduler.step()
         batches = iter(loader)
         tokens_per_step = config.total_batch_size * config.seq_length
         _say(
             world,
             f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
-            f"grad accumulation {grad_accum}, {config.max_steps} steps",
+            f"grad accumulation {grad_accum}, steps {start_step + 1}..{config.max_steps}",
         )
 
-        for step in range(1, config.max_steps + 1):
+        for step in range(start_step + 1, config.max_steps + 1):
             started = time.perf_counter()
             loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
             scheduler.step()
@@ -92,10 +99,65 @@ def train(config: Config) -> None:
             metrics.log(record)
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
+    except Stop as stop:
+        _say(world, f"stopping: {stop}")
+        raise SystemExit(143) from None
     finally:
         outer.close()
         metrics.close()
         leave_process_group()
+
+
+def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) -> OuterLoop:
+    """DiLoCo over hivemind when a galaxy is configured, else the no-op loop.
+
+    Each local rank averages its own FSDP shard with the same shard of every other cluster. When no
+    initial peers are given, rank 0's DHT is the entry point and the other ranks join it.
+    """
+    if hv is None:
+        return NullOuterLoop()
+    from open_diloco.galaxy import start_shard_averager  # the only hivemind importer, loaded only when needed
+
+    def start(initial_peers: list[str]):
+        return start_shard_averager(
+            initial_peers=initial_peers,
+            host_maddrs=hv.host_maddrs,
+            announce_maddrs=hv.announce_maddrs,
+            run_id=hv.run_id,
+            shard_index=world.rank,
+            galaxy_rank=hv.world_rank,
+            galaxy_size=hv.galaxy_size,
+            matchmaking_time=hv.matchmaking_time,
+            averaging_timeout=hv.averaging_timeout,
+            join_timeout=hv.join_timeout,
+            compression=hv.compression,
+        )
+
+    cluster = ClusterComm(world.device)
+    if hv.initial_peers or world.world_size == 1:
+        averager = start(hv.initial_peers)
+    else:
+        entry: list[list[str]] = [[]]
+        averager = start([]) if world.rank == 0 else None
+        if averager is not None:
+            entry = [averager.visible_maddrs]
+        dist.broadcast_object_list(entry, src=0)
+        averager = averager or start(entry[0])
+    return DiLoCo(
+        model,
+        averager,
+        local_steps=hv.local_steps,
+        outer_lr=hv.outer_lr,
+        outer_momentum=hv.outer_momentum,
+        galaxy_rank=hv.world_rank,
+        galaxy_size=hv.galaxy_size,
+        on_partial_round=hv.on_partial_round,
+        max_retries=hv.max_retries,
+        cluster=cluster,
+        warn=lambda message: _say(world, f"warning: {message}"),
+        join_timeout=hv.join_timeout,
+        skip_load_from_peers=hv.skip_load_from_peers,
+    )
 
 
 def inner_step(

@@ -1,0 +1,207 @@
+"""The DiLoCo outer step against hand-computed numbers, with an in-process averager (no hivemind)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from open_diloco.diloco import DiLoCo, RoundReport
+
+
+class InProcessGalaxy:
+    """Averages the buffers of N threads ("clusters") with a barrier; bitwise identical by construction."""
+
+    def __init__(self, size: int, drop: set[int] | None = None):
+        self.size = size
+        self.drop = drop or set()  # galaxy ranks that are "missing" from every round
+        self.barrier = threading.Barrier(size)
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.meta: dict[int, dict] = {}
+
+    def averager(self, rank: int) -> InProcessAverager:
+        return InProcessAverager(self, rank)
+
+
+class InProcessAverager:
+    def __init__(self, galaxy: InProcessGalaxy, rank: int):
+        self.galaxy, self.rank = galaxy, rank
+        self.calls = 0
+
+    def all_reduce(self, buffer, round_id, fingerprint):
+        self.calls += 1
+        galaxy = self.galaxy
+        galaxy.buffers[self.rank] = buffer.clone()
+        galaxy.meta[self.rank] = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
+        galaxy.barrier.wait()
+        present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop or r == self.rank]
+        if self.rank not in galaxy.drop:
+            present = [r for r in present if r not in galaxy.drop]
+        else:
+            present = [self.rank]
+        average = torch.stack([galaxy.buffers[r] for r in present]).mean(0)
+        peers = {r: galaxy.meta[r] for r in present}
+        galaxy.barrier.wait()
+        buffer.copy_(average)
+        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=buffer.numel() * 4)
+
+    def serve_state(self, get_state):
+        self.get_state = get_state
+
+    def download_state(self, timeout):
+        return None
+
+    def shutdown(self):
+        pass
+
+
+def _model(values: list[float]) -> torch.nn.Module:
+    model = torch.nn.Linear(len(values), 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([values]))
+    return model
+
+
+def _run_clusters(galaxy, starts, locals_per_round, **kwargs):
+    """Each cluster starts at ``starts``, and before each round sets its local weights to the given values."""
+    results = {}
+
+    def cluster(rank: int):
+        model = _model(starts)
+        outer = DiLoCo(
+            model,
+            galaxy.averager(rank),
+            local_steps=1,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            galaxy_rank=rank,
+            galaxy_size=galaxy.size,
+            warn=lambda *_: None,
+            **kwargs,
+        )
+        records = []
+        for local in locals_per_round[rank]:
+            with torch.no_grad():
+                model.weight.copy_(torch.tensor([local]))
+            records.append(outer.after_inner_step(1))
+        results[rank] = (model.weight.detach().clone(), records, outer)
+
+    threads = [threading.Thread(target=cluster, args=(r,)) for r in range(galaxy.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_outer_step_matches_hand_computed_nesterov():
+    # θ0 = [1, 2]; round 1 locals A=[0.5, 2.5], B=[0.9, 1.5] → Δ = [0.5, −0.5], [0.1, 0.5] → avg [0.3, 0.0]
+    # momentum buf = [0.3, 0]; nesterov update = g + 0.9·buf = [0.57, 0]; θ1 = θ0 − 0.7·update = [0.601, 2.0]
+    # round 2 locals A=[0.401, 2.2], B=[0.601, 1.8] → Δ = [0.2, −0.2], [0, 0.2] → avg [0.1, 0.0]
+    # buf = 0.9·[0.3, 0] + [0.1, 0] = [0.37, 0]; update = [0.1 + 0.333, 0] = [0.433, 0]; θ2 = [0.601 − 0.3031, 2.0]
+    galaxy = InProcessGalaxy(2)
+    locals_ = {0: [[0.5, 2.5], [0.401, 2.2]], 1: [[0.9, 1.5], [0.601, 1.8]]}
+    results = _run_clusters(galaxy, [1.0, 2.0], locals_)
+    expected = [[0.601, 2.0], [0.601 - 0.7 * 0.433, 2.0]]
+    for rank in (0, 1):
+        weight, records, _ = results[rank]
+        torch.testing.assert_close(weight, torch.tensor([expected[1]]), rtol=0, atol=1e-6)
+        assert [r["outer_step"] for r in records] == [1, 2]
+        assert all(r["in_sync"] and r["galaxy_peers"] == 2 for r in records)
+    assert results[0][1][-1]["param_hash"] == results[1][1][-1]["param_hash"]
+    assert results[0][1][0]["param_hash"] != results[0][1][1]["param_hash"]
+
+
+def test_outer_step_equals_torch_reference_over_many_rounds():
+    torch.manual_seed(0)
+    size, rounds = 3, 4
+    start = torch.randn(64).tolist()
+    locals_ = {
+        r: [(torch.tensor(start) + 0.1 * torch.randn(64)).tolist() for _ in range(rounds)]
+        for r in range(size)
+    }
+    results = _run_clusters(InProcessGalaxy(size), start, locals_)
+    # reference: plain fp64 loop of the same formula
+    theta = torch.tensor(start, dtype=torch.float64)
+    buf = None
+    for k in range(rounds):
+        delta = torch.stack(
+            [theta - torch.tensor(locals_[r][k], dtype=torch.float64) for r in range(size)]
+        ).mean(0)
+        buf = delta.clone() if buf is None else 0.9 * buf + delta
+        theta = theta - 0.7 * (delta + 0.9 * buf)
+    for r in range(size):
+        torch.testing.assert_close(results[r][0][0].double(), theta, rtol=0, atol=1e-5)
+
+
+def test_inner_steps_between_rounds_do_nothing():
+    galaxy = InProcessGalaxy(1)
+    averager = galaxy.averager(0)
+    outer = DiLoCo(
+        _model([1.0]),
+        averager,
+        local_steps=5,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        galaxy_rank=0,
+        galaxy_size=1,
+        warn=lambda *_: None,
+    )
+    assert [bool(outer.after_inner_step(s)) for s in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [
+        True
+    ]
+    assert averager.calls == 2
+
+
+@pytest.mark.parametrize("policy, expected_calls", [("proceed", 1), ("retry", 3)])
+def test_partial_round_policy(policy, expected_calls):
+    galaxy = InProcessGalaxy(2, drop={1})
+    results = _run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, on_partial_round=policy, max_retries=2)
+    weight, records, outer = results[0]
+    assert records[0]["galaxy_peers"] == 1 and records[0]["retries"] == expected_calls - 1
+    assert outer.averager.calls == expected_calls
+    # proceeding alone: the outer step used this cluster's own Δ = 1.0 → θ = 1 − 0.7·(1 + 0.9) = −0.33
+    torch.testing.assert_close(weight, torch.tensor([[1.0 - 0.7 * 1.9]]))
+
+
+def test_partial_round_fail_policy_stops():
+    galaxy = InProcessGalaxy(1)
+    outer = DiLoCo(
+        _model([1.0]),
+        galaxy.averager(0),
+        local_steps=1,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        galaxy_rank=0,
+        galaxy_size=2,
+        on_partial_round="fail",
+        warn=lambda *_: None,
+    )
+    with pytest.raises(RuntimeError, match="only 1 of 2 clusters"):
+        outer.after_inner_step(1)
+
+
+def test_out_of_sync_is_reported():
+    galaxy = InProcessGalaxy(2)
+    # cluster 1 starts from other weights: the hashes they exchange differ → in_sync False on both
+    results = {}
+
+    def cluster(rank):
+        model = _model([1.0, 2.0] if rank == 0 else [1.0, 2.5])
+        outer = DiLoCo(
+            model,
+            galaxy.averager(rank),
+            local_steps=1,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            galaxy_rank=rank,
+            galaxy_size=2,
+            warn=lambda *_: None,
+        )
+        results[rank] = outer.after_inner_step(1)
+
+    threads = [threading.Thread(target=cluster, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert results[0]["in_sync"] is False and results[1]["in_sync"] is False
