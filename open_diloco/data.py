@@ -118,5 +118,7 @@ def build_train_loader(
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
-        pin_memory=torch.cuda.is_available(),
+        # No pinning: a token batch is a few hundred KB, and a pin-memory thread would contend for the GIL
+        # with the thread that launches kernels.
+        pin_memory=False,
     )

@@ -178,14 +178,15 @@ def inner_step(
         loss.backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if world.world_size > 1:
         dist.all_reduce(loss_sum)
         loss_sum /= world.world_size
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    return loss_sum.item(), float(grad_norm)
+    loss, norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()  # one host sync per step
+    return loss, norm
 
 
 def format_step_line(record: dict[str, Any], max_steps: int) -> str:
