@@ -22,8 +22,8 @@ EXIT_USAGE = 2
 app = cyclopts.App(
     name="open-diloco",
     help="Decentralized multi-cluster LLM training: DiLoCo over hivemind, FSDP2 inside each cluster.\n\n"
-    "Flags may also come from a file: --config FILE (TOML, YAML or JSON; keys are the flag names with "
-    "underscores, `hv` and `ckpt` as tables). Flags on the command line override the file.",
+    "Flags may also come from a file: --config FILE (TOML, YAML or JSON; keys are the flag names, `hv` and "
+    "`ckpt` as tables). Flags on the command line override the file.",
     help_format="plaintext",
     version_flags=[],
 )
@@ -39,50 +39,32 @@ def train(config: Config | None = None) -> None:
 
 @app.command(name="check-config")
 def check_config(path: Path) -> None:
-    """Validate a config file and print the resolved configuration."""
-    config = Config.model_validate(load_config_file(path))
+    """Validate a config file (TOML, YAML or JSON) and print the resolved configuration."""
+    _, bound = parse(["--config", str(path)])
+    config = bound.arguments.get("config") or Config()
     print(json.dumps(config.model_dump(mode="json"), indent=2))
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """Read a TOML, YAML or JSON config file into a dict keyed like :class:`Config`."""
+_CONFIG_PROVIDERS = {
+    ".toml": cyclopts.config.Toml,
+    ".yaml": cyclopts.config.Yaml,
+    ".yml": cyclopts.config.Yaml,
+    ".json": cyclopts.config.Json,
+}
+
+
+def config_file_provider(path: Path) -> Any:
+    """A cyclopts provider that fills flags missing from the command line from a config file.
+
+    Keys are flag names (``lr``, ``per_device_train_batch_size`` or ``per-device-train-batch-size``), with
+    ``[hv]`` and ``[ckpt]`` tables for the groups; an unknown key is an error like an unknown flag."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist: check the path")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {path} has an unknown type: use .toml, .yaml, .yml or .json")
-    except ConfigError:
-        raise
-    except Exception as err:  # each parser has its own error type; all mean "not parseable"
-        raise ConfigError(
-            f"config file {path} does not parse ({str(err).splitlines()[0]}): fix its syntax"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a table of settings at the top level")
-    return {key.replace("-", "_"): value for key, value in data.items()}
-
-
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in override.items():
-        merged[key] = (
-            _deep_merge(merged[key], value)
-            if isinstance(value, dict) and isinstance(merged.get(key), dict)
-            else value
-        )
-    return merged
+    provider = _CONFIG_PROVIDERS.get(path.suffix)
+    if provider is None:
+        raise ConfigError(f"config file {path} has an unknown type: use .toml, .yaml, .yml or .json")
+    return provider(path, must_exist=True)
 
 
 def _split_config_flag(argv: list[str]) -> tuple[Path | None, list[str]]:
@@ -115,16 +97,18 @@ def describe_validation_error(err: pydantic.ValidationError) -> str:
     return f"{flag}: {first['msg']}{given_text}: see --help for accepted values"
 
 
+def parse(argv: Sequence[str]) -> tuple[Any, Any]:
+    """Resolve argv to ``(command, bound arguments)``; ``--config FILE`` values sit under the flags."""
+    config_path, rest = _split_config_flag(list(argv))
+    app.config = [config_file_provider(config_path)] if config_path is not None else []
+    command, bound, _ = app.parse_args(rest, exit_on_error=False, print_error=False)
+    return command, bound
+
+
 def run(argv: Sequence[str]) -> int:
     """Parse and run; return the exit code."""
     try:
-        config_path, rest = _split_config_flag(list(argv))
-        command, bound, _ = app.parse_args(rest, exit_on_error=False, print_error=False)
-        if command is train and config_path is not None:
-            from_flags = bound.arguments.get("config")
-            flag_values = from_flags.model_dump(exclude_unset=True) if from_flags is not None else {}
-            merged = _deep_merge(load_config_file(config_path), flag_values)
-            bound.arguments["config"] = Config.model_validate(merged)
+        command, bound = parse(argv)
         command(*bound.args, **bound.kwargs)
     except ConfigError as err:
         return _fail(str(err))

@@ -1,0 +1,113 @@
+"""Flags, config files and their one-line errors (no processes, no training)."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_diloco.cli import parse, run
+from open_diloco.config import Config, ConfigError, check_against_world
+from open_diloco.optim import warmup_cosine
+
+BASE = ["--fake-data", "--path-model", "tests/models/llama-2m-fresh"]
+
+
+def config_of(*argv: str) -> Config:
+    _, bound = parse([*BASE, *argv] if "--config" not in argv else list(argv))
+    return bound.arguments["config"]
+
+
+def test_seed_style_flags_parse():
+    config = config_of(
+        "--per-device-train-batch-size",
+        "4",
+        "--total-batch-size",
+        "16",
+        "--lr",
+        "1e-2",
+        "--metric-logger-type",
+        "dummy",
+        "--no-torch-compile",
+        "--max-steps",
+        "5",
+        "--seq-length",
+        "1024",
+        "--precision",
+        "bf16-mixed",
+    )
+    assert (config.per_device_train_batch_size, config.total_batch_size, config.lr) == (4, 16, 1e-2)
+    assert config.torch_compile is False and config.precision == "bf16-mixed" and config.hv is None
+
+
+def test_hv_flags_turn_the_galaxy_on():
+    config = config_of(
+        "--hv.initial-peers",
+        "/ip4/127.0.0.1/tcp/1/p2p/QmA",
+        "/ip4/127.0.0.1/tcp/2/p2p/QmB",
+        "--hv.galaxy-size",
+        "2",
+        "--hv.world-rank",
+        "1",
+        "--hv.local-steps",
+        "10",
+    )
+    assert config.hv is not None
+    assert config.hv.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/QmA", "/ip4/127.0.0.1/tcp/2/p2p/QmB"]
+    assert (config.hv.galaxy_size, config.hv.world_rank, config.hv.local_steps) == (2, 1, 10)
+    assert (config.hv.outer_lr, config.hv.outer_momentum) == (0.7, 0.9)
+
+
+def test_config_file_with_flag_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'fake_data = true\npath_model = "tests/models/llama-2m-fresh"\nlr = 0.002\nmax_steps = 7\n'
+        "[hv]\ngalaxy_size = 3\nlocal_steps = 4\n"
+    )
+    config = config_of("--config", str(path), "--lr", "0.01", "--hv.world-rank", "2")
+    assert config.lr == 0.01 and config.max_steps == 7  # flag wins, file fills the rest
+    assert (config.hv.galaxy_size, config.hv.world_rank, config.hv.local_steps) == (3, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus"], "Unknown option: --bogus"),
+        (["--lr", "-1"], "--lr: Input should be greater than 0"),
+        (["--precision", "fp8"], "--precision: Input should be"),
+        (
+            ["--total-batch-size", "10", "--per-device-train-batch-size", "4"],
+            "not a multiple of --per-device",
+        ),
+        (
+            ["--hv.galaxy-size", "2", "--hv.world-rank", "5"],
+            "--hv.world-rank 5 is not below --hv.galaxy-size 2",
+        ),
+        (
+            ["--hv.local-steps", "10", "--ckpt.interval", "15"],
+            "--ckpt.interval 15 is not a multiple of --hv.local-steps 10",
+        ),
+        (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+    ],
+)
+def test_bad_flags_give_one_line(argv, message, capsys):
+    assert run([*BASE, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("open-diloco: error:") and message in err[0], err
+
+
+def test_no_data_source_is_refused(capsys):
+    assert run(["--path-model", "tests/models/llama-2m-fresh"]) == 2
+    assert "pass --fake-data or --dataset-path" in capsys.readouterr().err
+
+
+def test_world_size_checks():
+    config = config_of("--per-device-train-batch-size", "4", "--total-batch-size", "16")
+    assert check_against_world(config, 1) == 4 and check_against_world(config, 2) == 2
+    with pytest.raises(ConfigError, match="fewer ranks"):
+        check_against_world(config, 3)
+
+
+def test_warmup_cosine_schedule():
+    factors = [warmup_cosine(step, 4, 20, 0.1) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1, abs=0.01)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
