@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A local galaxy on 127.0.0.1: one hivemind DHT bootstrap peer, N clusters of M ranks (torchrun each), fake data.
+# Prints every cluster's step lines, then a summary (loss, rounds, whether θ_outer hashes matched every round).
+# Everything it starts is ended on exit or Ctrl+C, by PID.
+#
+#   scripts/run_galaxy.sh [--clusters N] [--ranks M] [--steps S] [--local-steps H] [-- extra trainer flags]
+#   e.g. scripts/run_galaxy.sh --clusters 2 --ranks 2 --steps 40 --local-steps 10 -- --hv.compression fp16
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+clusters=2 ranks=2 steps=40 local_steps=10
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --clusters) clusters="$2"; shift 2 ;;
+    --ranks) ranks="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --local-steps) local_steps="$2"; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    *) echo "run_galaxy.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+python="${PYTHON:-.venv/bin/python}"
+dht_bin="$(dirname "$python")/hivemind-dht"
+workdir="outputs/galaxy_demo/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$workdir"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+
+pids=()
+cleanup() {
+  trap - EXIT INT TERM
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 30); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.5
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'echo "interrupted: stopping the galaxy"; exit 130' INT TERM
+
+"$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddrs /ip4/127.0.0.1/tcp/0 >"$workdir/dht.log" 2>&1 &
+pids+=($!)
+maddr=""
+for _ in $(seq 1 60); do
+  maddr="$(grep -o -m1 '/ip4/127.0.0.1/tcp/[0-9]*/p2p/[A-Za-z0-9]*' "$workdir/dht.log" || true)"
+  [ -n "$maddr" ] && break
+  sleep 0.5
+done
+[ -n "$maddr" ] || { echo "the DHT did not start within 30 s; see $workdir/dht.log" >&2; exit 1; }
+echo "DHT bootstrap peer: $maddr  (logs and metrics in $workdir)"
+
+for rank in $(seq 0 $((clusters - 1))); do
+  "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
+    --path-model tests/models/llama-2m-fresh --fake-data --no-torch-compile --seq-length 128 \
+    --per-device-train-batch-size 4 --total-batch-size $((4 * ranks)) --lr 1e-2 --warmup-steps 5 \
+    --max-steps "$steps" --log-interval 5 --num-workers 0 \
+    --metric-logger-type jsonl --metrics-path "$workdir/cluster$rank.jsonl" --run-name "cluster$rank" \
+    --hv.initial-peers "$maddr" --hv.galaxy-size "$clusters" --hv.world-rank "$rank" \
+    --hv.local-steps "$local_steps" --hv.matchmaking-time 1.0 "$@" \
+    > >(grep --line-buffered -v '^W[0-9]' | sed -u "s/^/[cluster $rank] /" | tee "$workdir/cluster$rank.log") 2>&1 &
+  pids+=($!)
+done
+
+status=0
+for pid in "${pids[@]:1}"; do wait "$pid" || status=$?; done
+"$python" scripts/galaxy_summary.py "$workdir"/cluster*.jsonl || status=$?
+exit "$status"
