@@ -45,6 +45,14 @@ def check_config(path: Path) -> None:
     print(json.dumps(config.model_dump(mode="json"), indent=2))
 
 
+@app.command(name="export")
+def export(checkpoint_path: Path, out_dir: Path) -> None:
+    """Write a checkpoint as a transformers model directory (config.json + model.safetensors)."""
+    from open_diloco.checkpoint import export_pretrained
+
+    print(f"exported {checkpoint_path} to {export_pretrained(checkpoint_path, out_dir)}")
+
+
 _CONFIG_PROVIDERS = {
     ".toml": cyclopts.config.Toml,
     ".yaml": cyclopts.config.Yaml,

@@ -182,17 +182,40 @@ class DiLoCo:
             self.outer_step = int(metadata["outer_step"])
         self._scatter_outer_into_model()
 
+    def momentum_pieces(self) -> list[torch.Tensor] | None:
+        """The outer momentum split and shaped like this rank's parameter shards (for checkpoints)."""
+        momentum = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
+        if momentum is None:
+            return None
+        return [
+            piece.view_as(shard)
+            for piece, shard in zip(momentum.split(self._numels), self._shards, strict=True)
+        ]
+
+    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        """After a checkpoint load: the model holds θ_outer (saves land on outer-step boundaries), so θ_outer
+        is re-read from it; the momentum comes back from its reshardable pieces."""
+        with torch.no_grad(), self._state_lock:
+            self._gather_local_into(self.outer_params.data)
+            if momentum_pieces is not None:
+                flat = torch.cat([piece.reshape(-1).float() for piece in momentum_pieces])
+                self.outer_optimizer.state[self.outer_params]["momentum_buffer"] = flat
+            self.outer_step = outer_step
+
     def join_galaxy(self) -> int:
-        """Download the galaxy's current outer state if any cluster serves it; return the inner step to resume
-        at (0 when this cluster starts the galaxy). All local ranks must agree, else the shards would mix two
-        galaxy states, so a download that fails on any rank is dropped on every rank."""
+        """Adopt the galaxy's outer state if a peer serves a newer one than this cluster holds (a late joiner,
+        or a resume from an older checkpoint); return the inner step to continue after. All local ranks must
+        agree, else the shards would mix two galaxy states, so the state is adopted on every rank or none."""
         wanted = self.galaxy_size > 1 and not self.skip_load_from_peers
         downloaded = self.averager.download_state(self.join_timeout) if wanted else None
-        got = torch.tensor([1.0 if downloaded is not None else 0.0])
-        self.cluster.all_reduce_min(got)
-        if downloaded is not None and got.item() == 1.0:
+        newer = downloaded is not None and int(downloaded[0].get("outer_step", -1)) > self.outer_step
+        if self.cluster.min_int(int(newer)) == 1:
+            previous = self.outer_step
             self.load_outer_state(*downloaded)
-            self.warn(f"joined the galaxy at outer step {self.outer_step}: downloaded θ_outer from a peer")
+            self.warn(
+                f"the galaxy is at outer step {self.outer_step} (this cluster was at {previous}): "
+                "downloaded θ_outer and the outer momentum from a peer"
+            )
         return self.outer_step * self.local_steps
 
     # -- the outer step --------------------------------------------------------------------------------

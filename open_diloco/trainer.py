@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_train_loader
 from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop
@@ -31,7 +32,9 @@ def train(config: Config) -> None:
     world = describe_world(config.device, config.backend)
     grad_accum = check_against_world(config, world.world_size)
     precision = resolve_precision(config.precision, world.device)
-    vocab_size = load_model_config(config.path_model).vocab_size
+    model_config = load_model_config(config.path_model).to_dict()
+    vocab_size = model_config["vocab_size"]
+    resume = checkpoint.resolve_resume(config.ckpt, model_config)
     galaxy_rank = config.hv.world_rank if config.hv else 0
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -52,7 +55,6 @@ def train(config: Config) -> None:
             model, world.device, precision, config.activation_checkpointing, config.torch_compile
         )
         outer = build_outer_loop(config.hv, model, world)
-        start_step = outer.join_galaxy()
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(
             optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
@@ -68,6 +70,12 @@ def train(config: Config) -> None:
             world_size=world.world_size,
             num_workers=config.num_workers,
         )
+        start_step = 0
+        if resume is not None:
+            start_step = checkpoint.load(*resume, model=model, optimizer=optimizer, outer=outer)
+            _say(world, f"resumed from {resume[0]} at step {start_step}")
+        start_step = max(start_step, outer.join_galaxy())
+        # The data position and the schedule are functions of the step: derive them (resume, late join).
         loader.sampler.next_block = (
             start_step * grad_accum
         )  # a late joiner skips the batches it did not train
@@ -99,6 +107,18 @@ def train(config: Config) -> None:
             metrics.log(record)
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
+            if config.ckpt.interval and step % config.ckpt.interval == 0:
+                saved = checkpoint.save(
+                    config.ckpt.path,
+                    step,
+                    model=model,
+                    optimizer=optimizer,
+                    outer=outer,
+                    config=config.model_dump(mode="json"),
+                    model_config=model_config,
+                    keep=config.ckpt.keep,
+                )
+                _say(world, f"saved checkpoint {saved}")
     except Stop as stop:
         _say(world, f"stopping: {stop}")
         raise SystemExit(143) from None

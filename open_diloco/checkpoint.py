@@ -1,0 +1,257 @@
+"""Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP), taken at outer-step boundaries.
+
+What a checkpoint holds, and why that is enough for an exact resume:
+- model and inner-optimizer state as DTensors (DCP reshards them when the rank count changes);
+- the outer momentum, re-shaped like the parameters so DCP reshards it too. θ_outer itself is not stored:
+  saves land right after an outer step, where θ_local ← θ_outer, so the model weights *are* θ_outer;
+- step counters, each rank's RNG states, and the config and model config it was made with.
+The data position and the learning-rate schedule are pure functions of the step, so they are derived on
+resume rather than stored (the same derivation serves late joiners).
+
+Atomicity: every rank writes into ``step_<N>.tmp``; after a barrier rank 0 writes ``metadata.json`` last
+and renames the directory to ``step_<N>``. A kill at any point leaves either the old set of checkpoints or
+the new one, never a directory that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from open_diloco.config import CkptConfig, ConfigError
+from open_diloco.diloco import NullOuterLoop, OuterLoop
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+# Model-config keys that must match for a checkpoint to fit the model being built.
+_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (a directory without metadata is not one)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.glob("step_*")
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / METADATA).is_file()
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's metadata, or a one-line error for a partial or corrupt checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} does not exist: check --ckpt.resume (or use `latest`)")
+    meta_file = path / METADATA
+    if not meta_file.is_file() or not (path / ".metadata").is_file():
+        raise ConfigError(
+            f"checkpoint {path} is incomplete (no {METADATA} or DCP .metadata): resume from another one"
+        )
+    try:
+        metadata = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(
+            f"checkpoint {path} has an unreadable {METADATA} ({err}): resume from another one"
+        ) from None
+    if metadata.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path} has format {metadata.get('format')}, expected {FORMAT_VERSION}")
+    return metadata
+
+
+def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """Find and vet the checkpoint to resume from, before any rank talks to another (so a bad one makes
+    every rank exit on its own). Refuses a checkpoint of another model shape."""
+    if ckpt.resume is None:
+        return None
+    if ckpt.resume == "latest":
+        found = list_checkpoints(ckpt.path)
+        if not found:
+            raise ConfigError(
+                f"--ckpt.resume latest: no complete checkpoint under {ckpt.path}: check --ckpt.path"
+            )
+        path = found[-1]
+    else:
+        path = Path(ckpt.resume)
+    metadata = read_metadata(path)
+    saved = metadata.get("model_config", {})
+    differing = [k for k in _SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    if differing:
+        details = ", ".join(f"{k} {saved.get(k)} vs {model_config.get(k)}" for k in differing)
+        raise ConfigError(
+            f"checkpoint {path} was made for another model ({details}): use the matching --path-model"
+        )
+    return path, metadata
+
+
+def _clean_fqn(name: str) -> str:
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
+def _outer_momentum_state(model: torch.nn.Module, outer: OuterLoop) -> dict[str, DTensor]:
+    """The outer momentum as one DTensor per parameter, placed like the parameter, so DCP can reshard it."""
+    pieces = getattr(outer, "momentum_pieces", lambda: None)()
+    if pieces is None:
+        return {}
+    state = {}
+    for (name, param), piece in zip(model.named_parameters(), pieces, strict=True):
+        local = piece.to(param.device)
+        state[_clean_fqn(name)] = DTensor.from_local(
+            local,
+            device_mesh=param.device_mesh,
+            placements=param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return state
+
+
+def _app_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: OuterLoop, with_momentum: bool
+) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    momentum = _outer_momentum_state(model, outer) if with_momentum else {}
+    if momentum:
+        state["outer_momentum"] = momentum
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: OuterLoop,
+    config: dict[str, Any],
+    model_config: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write checkpoint ``step`` atomically on every rank; keep the newest ``keep``. Collective."""
+    rank = dist.get_rank()
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _app_state(model, optimizer, outer, with_momentum=True)
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        metadata = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "outer_step": getattr(outer, "outer_step", 0),
+            "has_outer_momentum": "outer_momentum" in state,
+            "world_size": dist.get_world_size(),
+            "model_config": model_config,
+            "config": config,
+        }
+        meta_tmp = tmp / (METADATA + ".part")
+        meta_tmp.write_text(json.dumps(metadata, indent=2))
+        os.replace(meta_tmp, tmp / METADATA)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(
+    path: Path,
+    metadata: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: OuterLoop,
+) -> int:
+    """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective."""
+    # A galaxy may start from a single-cluster checkpoint (fresh momentum) and vice versa (momentum unused).
+    state = _app_state(model, optimizer, outer, with_momentum=bool(metadata.get("has_outer_momentum")))
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as err:  # DCP raises its own wrappers for unreadable or mismatching files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"checkpoint {path} could not be loaded ({first[:200]}): it is corrupt or from another "
+            "model; resume from another checkpoint"
+        ) from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = Path(path) / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    if not isinstance(outer, NullOuterLoop):
+        momentum = state.get("outer_momentum")
+        pieces = (
+            [momentum[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
+            if momentum
+            else None
+        )
+        outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
+    return int(metadata["step"])
+
+
+def export_pretrained(path: Path, out_dir: Path) -> Path:
+    """Write a transformers ``save_pretrained`` directory (config + safetensors) from a checkpoint, in one
+    process without a process group, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it offline."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    metadata = read_metadata(Path(path))
+    model_config = dict(metadata["model_config"])
+    model_type = model_config.pop("model_type")
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **model_config), dtype=torch.float32
+    )
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "no process group: loading in one process" is the intent here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=Path(path))
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"checkpoint {path} could not be read for export ({first[:200]})") from None
+    model.load_state_dict(state["model"])
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

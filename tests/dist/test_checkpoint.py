@@ -1,0 +1,173 @@
+"""Checkpoint and resume under real torchrun: bit-exact resume after a kill, resharding, atomic saves,
+refusal of bad checkpoints, and export to a transformers directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, kill_tree, read_metrics, trainer_env
+
+pytestmark = pytest.mark.dist
+
+ARGS = ["--path-model", str(TINY_MODEL), "--fake-data", "--no-torch-compile", "--seq-length", "64", "--lr", "1e-2",
+        "--per-device-train-batch-size", "4", "--total-batch-size", "8", "--total-steps", "40", "--num-workers", "1",
+        "--metric-logger-type", "jsonl"]
+
+
+def command(nproc: int, metrics: Path, *extra: str) -> list[str]:
+    launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [TORCHRUN[0]]
+    base = [*ARGS, "--max-steps", "40"]
+    for flag in {arg for arg in extra if arg.startswith("--")} & set(base):  # extra wins over the defaults
+        at = base.index(flag)
+        del base[at : at + 2]
+    return [*launcher, str(TRAIN_SCRIPT), *base, "--metrics-path", str(metrics), *extra]
+
+
+def run(nproc: int, metrics: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(nproc, metrics, *extra), cwd=REPO, env=trainer_env(), capture_output=True,
+                          text=True, timeout=300)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def start_and_kill_when(nproc: int, metrics: Path, ready, *extra: str, timeout: float = 240) -> None:
+    """Start a cluster, SIGKILL its whole process group once ``ready()`` holds; assert it is gone."""
+    proc = subprocess.Popen(command(nproc, metrics, *extra), cwd=REPO, env=trainer_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before the kill point"
+    finally:
+        kill_tree(proc.pid)  # asserts that torchrun and every worker are gone
+        proc.wait(timeout=30)
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(metrics)}
+
+
+def last_step(metrics: Path) -> int:
+    return max(losses(metrics), default=0) if metrics.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, float]:
+    metrics = tmp_path_factory.mktemp("straight") / "m.jsonl"
+    run(2, metrics)
+    return losses(metrics)
+
+
+def test_kill_and_resume_is_bit_exact(tmp_path, straight):
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    start_and_kill_when(2, first, lambda: last_step(first) >= 23, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
+    assert [p.name for p in ckpt.iterdir()] == ["step_00000020"]
+    proc = run(2, second, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
+    assert "resumed from" in proc.stdout
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(21, 41)), proc.stdout[-3000:]
+    # bit-exact: fp32 on CPU, same reduction order, state restored exactly
+    assert [resumed[s] for s in range(21, 41)] == [straight[s] for s in range(21, 41)]
+
+
+def test_resume_with_fewer_ranks_reshards(tmp_path, straight):
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run(2, first, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--max-steps", "20")
+    run(1, second, "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(21, 41))
+    # one rank sees the same global batches; only the reduction order differs
+    for step in range(21, 41):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-3)
+
+
+def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for attempt in range(4):
+        metrics = tmp_path / f"kill{attempt}.jsonl"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        saving = lambda: last_step(metrics) >= 6 and any(p.name.endswith(".tmp") for p in ckpt.glob("*"))  # noqa: E731
+        start_and_kill_when(2, metrics, saving, "--ckpt.interval", "1", "--ckpt.keep", "2", "--ckpt.path", str(ckpt))
+        if any(p.name.endswith(".tmp") for p in ckpt.iterdir()):
+            break
+    else:
+        pytest.fail("never caught a save in flight")
+    complete = sorted(p.name for p in ckpt.iterdir() if not p.name.endswith(".tmp"))
+    assert complete, "the previous checkpoint must survive"
+    resumed = tmp_path / "resumed.jsonl"
+    saved_step = int(complete[-1][len("step_") :])
+    run(2, resumed, "--ckpt.path", str(ckpt), "--ckpt.resume", "latest", "--max-steps", str(saved_step + 2))
+    after_resume, before_kill = losses(resumed), losses(metrics)
+    assert sorted(after_resume) == [saved_step + 1, saved_step + 2]
+    # the killed run had already trained past the checkpoint: the resumed run retraces it exactly
+    common = set(after_resume) & set(before_kill)
+    assert common and all(after_resume[s] == before_kill[s] for s in common)
+
+
+def test_bad_checkpoints_are_refused_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(2, tmp_path / "m.jsonl", "--ckpt.interval", "2", "--ckpt.path", str(ckpt), "--max-steps", "2")
+    good = ckpt / "step_00000002"
+
+    def refused(path: Path, *extra: str, nproc: int = 2) -> str:
+        started = time.monotonic()
+        proc = run(nproc, tmp_path / "x.jsonl", "--ckpt.resume", str(path), *extra, expect_ok=False)
+        assert proc.returncode != 0 and time.monotonic() - started < 60
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("open-diloco: error:")]
+        assert ours, proc.stderr[-2000:]
+        return ours[0]
+
+    # another model
+    other_model = tmp_path / "other-model"
+    other_model.mkdir()
+    (other_model / "config.json").write_text((TINY_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64'))
+    assert "made for another model (hidden_size 128 vs 64)" in refused(good, "--path-model", str(other_model), nproc=1)
+    # partial: no metadata
+    partial = tmp_path / "partial"
+    shutil.copytree(good, partial)
+    (partial / "metadata.json").unlink()
+    assert "is incomplete" in refused(partial, nproc=1)
+    # corrupt shard file, detected at load time on every rank
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    shard = next(corrupt.glob("__0_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    assert "could not be loaded" in refused(corrupt)
+    assert "does not exist" in refused(tmp_path / "nowhere", nproc=1)
+
+
+def test_export_round_trip(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    run(2, tmp_path / "m.jsonl", "--ckpt.interval", "6", "--ckpt.path", str(ckpt), "--max-steps", "6")
+    source = ckpt / "step_00000006"
+    out = tmp_path / "exported"
+    proc = subprocess.run([str(Path(TORCHRUN[0]).parent / "open-diloco"), "export", str(source), str(out)],
+                          cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+
+    # reference: the trained weights read by DCP's own converter, into a fresh model
+    dcp_to_torch_save(source, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
+    reference.load_state_dict(full)
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
+    with torch.no_grad():
+        assert not torch.allclose(fresh(tokens).logits, reference(tokens).logits)
