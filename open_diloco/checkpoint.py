@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -208,7 +209,7 @@ def load(
     state = _app_state(model, optimizer, outer, with_momentum=bool(metadata.get("has_outer_momentum")))
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as err:  # DCP raises its own wrappers for unreadable or mismatching files
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException: name it
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"checkpoint {path} could not be loaded ({first[:200]}): it is corrupt or from another "
@@ -248,7 +249,7 @@ def export_pretrained(path: Path, out_dir: Path) -> Path:
         with warnings.catch_warnings():  # "no process group: loading in one process" is the intent here
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=Path(path))
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"checkpoint {path} could not be read for export ({first[:200]})") from None
     model.load_state_dict(state["model"])
