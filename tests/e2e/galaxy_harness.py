@@ -1,0 +1,160 @@
+"""Start a real galaxy on 127.0.0.1 for tests: a `hivemind-dht` bootstrap peer and torchrun clusters.
+
+Every process is tracked by PID (with all its descendants: ranks, hivemind's DHT/averager processes, p2pd
+daemons) and ended by PID; :meth:`Galaxy.close` asserts none is left."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import (
+    REPO,
+    TINY_MODEL,
+    TORCHRUN,
+    TRAIN_SCRIPT,
+    alive,
+    descendants,
+    kill_tree,
+    read_metrics,
+    trainer_env,
+)
+
+HIVEMIND_DHT = str(Path(sys.executable).parent / "hivemind-dht")
+
+CLUSTER_ARGS = [
+    "--path-model",
+    str(TINY_MODEL),
+    "--fake-data",
+    "--no-torch-compile",
+    "--seq-length",
+    "64",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "5",
+    "--per-device-train-batch-size",
+    "4",
+    "--num-workers",
+    "0",
+    "--metric-logger-type",
+    "jsonl",
+    "--hv.matchmaking-time",
+    "1.0",
+    "--hv.averaging-timeout",
+    "60",
+    "--hv.join-timeout",
+    "10",
+]
+
+
+class Galaxy:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.seen_pids: set[int] = set()
+        self.maddr = self._start_dht()
+
+    def _start_dht(self) -> str:
+        log = self.workdir / "dht.log"
+        proc = subprocess.Popen(
+            [
+                HIVEMIND_DHT,
+                "--host_maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--identity_path",
+                str(self.workdir / "dht.pem"),
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=trainer_env(),
+        )
+        self.procs["dht"] = proc
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            found = re.search(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", log.read_text())
+            if found:
+                return found.group(0)
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        raise AssertionError(f"hivemind-dht did not start: {log.read_text()}")
+
+    def start_cluster(
+        self, rank: int, size: int, *extra: str, nproc: int = 2, name: str | None = None
+    ) -> Path:
+        """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path."""
+        name = name or f"cluster{rank}"
+        metrics = self.workdir / f"{name}.jsonl"
+        cmd = [
+            *TORCHRUN,
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(TRAIN_SCRIPT),
+            *CLUSTER_ARGS,
+            "--total-batch-size",
+            str(4 * nproc),
+            "--metrics-path",
+            str(metrics),
+            "--run-name",
+            name,
+            "--hv.initial-peers",
+            self.maddr,
+            "--hv.galaxy-size",
+            str(size),
+            "--hv.world-rank",
+            str(rank),
+            *extra,
+        ]
+        log = (self.workdir / f"{name}.log").open("w")
+        self.procs[name] = subprocess.Popen(
+            cmd, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT
+        )
+        return metrics
+
+    def track(self) -> None:
+        """Remember every process the galaxy has now, so close() can check that all of them ended."""
+        for proc in self.procs.values():
+            self.seen_pids.update([proc.pid, *descendants(proc.pid)])
+
+    def wait(self, name: str, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        proc = self.procs[name]
+        while proc.poll() is None and time.monotonic() < deadline:
+            self.track()
+            time.sleep(0.2)
+        assert proc.poll() is not None, f"{name} did not finish in {timeout} s:\n{self.log(name)[-3000:]}"
+        return proc.returncode
+
+    def wait_for_step(self, metrics: Path, step: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.track()
+            if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{metrics.name} did not reach step {step} in {timeout} s")
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()
+
+    def close(self) -> None:
+        self.track()
+        for name, proc in self.procs.items():
+            if proc.poll() is None and name != "dht":
+                kill_tree(proc.pid)
+        kill_tree(self.procs["dht"].pid, timeout=30)
+        for proc in self.procs.values():
+            proc.wait(timeout=10)
+        deadline = time.monotonic() + 20  # hivemind's DHT/averager children and p2pd exit after their parents
+        while alive(sorted(self.seen_pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = alive(sorted(self.seen_pids))
+        details = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left}
+        assert not left, f"processes left behind: {details}"
+
+
+def outer_records(metrics: Path) -> dict[int, dict]:
+    return {r["outer_step"]: r for r in read_metrics(metrics) if "outer_step" in r}

@@ -1,0 +1,119 @@
+"""DiLoCo across real clusters: DHT + torchrun clusters x 2 ranks on 127.0.0.1, hivemind all-reduce."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.conftest import kill_tree, read_metrics
+from tests.e2e.galaxy_harness import Galaxy, outer_records
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def galaxy(tmp_path):
+    g = Galaxy(tmp_path)
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_two_clusters_stay_bitwise_identical(galaxy, compression):
+    steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
+    metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    rounds = [outer_records(m) for m in metrics]
+    assert sorted(rounds[0]) == sorted(rounds[1]) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = rounds[0][step], rounds[1][step]
+        assert a["param_hash"] == b["param_hash"], (step, a["param_hash"], b["param_hash"])
+        assert a["param_checksum"] == b["param_checksum"]
+        assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"]
+        assert a["bytes_sent"] > 0 and a["allreduce_seconds"] > 0
+    # the clusters trained on different data, yet share θ; and each one's loss fell
+    for m in metrics:
+        losses = [r["loss"] for r in read_metrics(m)]
+        assert losses[-1] < 0.8 * losses[0]
+    assert rounds[0][1]["pseudo_grad_norm"] != rounds[1][1]["pseudo_grad_norm"]
+
+
+def test_galaxy_of_one(galaxy):
+    metrics = galaxy.start_cluster(0, 1, "--max-steps", "6", "--hv.local-steps", "2")
+    assert galaxy.wait("cluster0", 180) == 0, galaxy.log("cluster0")[-3000:]
+    rounds = outer_records(metrics)
+    assert sorted(rounds) == [1, 2, 3] and all(r["galaxy_peers"] == 1 for r in rounds.values())
+
+
+def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
+    # cluster 0 trains alone for two rounds (partial rounds proceed), then cluster 1 joins
+    early = galaxy.start_cluster(
+        0,
+        2,
+        "--max-steps",
+        "40",
+        "--hv.local-steps",
+        "5",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "15",
+    )
+    galaxy.wait_for_step(early, 12, 240)
+    late = galaxy.start_cluster(
+        1,
+        2,
+        "--max-steps",
+        "40",
+        "--hv.local-steps",
+        "5",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "15",
+    )
+    for rank in (0, 1):
+        assert galaxy.wait(f"cluster{rank}", 400) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    assert "downloaded θ_outer" in galaxy.log("cluster1")
+    first_round_of_late = min(outer_records(late))
+    assert first_round_of_late > 2  # it skipped the rounds it missed
+    early_rounds, late_rounds = outer_records(early), outer_records(late)
+    together = [s for s in late_rounds if late_rounds[s]["galaxy_peers"] == 2]
+    assert together, "the late joiner never averaged with the early cluster"
+    for step in together:
+        assert early_rounds[step]["param_hash"] == late_rounds[step]["param_hash"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_lost_cluster_does_not_stop_the_other(galaxy, sig):
+    common = [
+        "--max-steps",
+        "30",
+        "--hv.local-steps",
+        "5",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "20",
+    ]
+    survivor, victim = galaxy.start_cluster(0, 2, *common), galaxy.start_cluster(1, 2, *common)
+    galaxy.wait_for_step(victim, 7, 240)
+    galaxy.track()
+    started = time.monotonic()
+    if sig == signal.SIGKILL:
+        kill_tree(galaxy.procs["cluster1"].pid, signal.SIGKILL)
+    else:
+        galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # what Ctrl+C does to torchrun
+        assert galaxy.wait("cluster1", 15) != 0 or True
+        assert time.monotonic() - started < 15, "SIGINT must end a cluster within 15 s"
+    assert galaxy.wait("cluster0", 300) == 0, galaxy.log("cluster0")[-3000:]
+    rounds = outer_records(survivor)
+    assert sorted(rounds) == list(range(1, 7))
+    assert rounds[6]["galaxy_peers"] == 1 and rounds[1]["galaxy_peers"] == 2
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(survivor))
