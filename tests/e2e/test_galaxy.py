@@ -110,8 +110,9 @@ def test_a_lost_cluster_does_not_stop_the_other(galaxy, sig):
         kill_tree(galaxy.procs["cluster1"].pid, signal.SIGKILL)
     else:
         galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # what Ctrl+C does to torchrun
-        assert galaxy.wait("cluster1", 15) != 0 or True
-        assert time.monotonic() - started < 15, "SIGINT must end a cluster within 15 s"
+        galaxy.wait("cluster1", 15)  # asserts that every rank ended within 15 s
+        assert time.monotonic() - started < 15
+        assert "stopping" in galaxy.log("cluster1") or "interrupted" in galaxy.log("cluster1")
     assert galaxy.wait("cluster0", 300) == 0, galaxy.log("cluster0")[-3000:]
     rounds = outer_records(survivor)
     assert sorted(rounds) == list(range(1, 7))
