@@ -49,10 +49,11 @@ def launcher_env(env: dict[str, str] | None = None) -> dict[str, int | str]:
             "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             "launcher": "torchrun",
         }
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        # srun sets the SLURM_STEP_* names for the tasks it starts; the job-wide names describe the whole
-        # allocation, which is larger when a step uses part of it.
-        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
+    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_ID" in env):
+        # Only srun-started tasks count: an sbatch script's own shell also has SLURM_PROCID=0 and
+        # SLURM_NTASKS=<whole job>, yet it is one process, and believing the job size would hang the
+        # rendezvous. srun's SLURM_STEP_* names describe the step, which may use part of the allocation.
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
         return {
             "rank": int(env["SLURM_PROCID"]),
             "world_size": ntasks,

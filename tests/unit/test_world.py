@@ -13,10 +13,16 @@ from open_diloco.world import (
 )
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-# What srun gives task 5 of `srun -N 3 -n 6` (2 tasks per node) on node[01-03].
+# What srun gives task 5 of `srun -N 3 -n 6` (2 tasks per node) on node[01-03] (names checked against
+# Slurm 22.05's srun).
 SLURM = {
     "SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_NNODES": "3",
-    "SLURM_NODELIST": "node[01-03]", "SLURM_TASKS_PER_NODE": "2(x3)",
+    "SLURM_NODELIST": "node[01-03]", "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_STEP_ID": "0",
+}
+# What an sbatch script's own shell sees for `sbatch -N 3 -n 6`: one process, whatever SLURM_NTASKS says.
+SLURM_BATCH_SHELL = {
+    "SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "3",
+    "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_TASKS_PER_NODE": "2(x3)",
 }
 PBS = {"PBS_JOBID": "123.pbs", "PMI_RANK": "2", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "0", "PMI_LOCAL_SIZE": "2"}
 
@@ -71,6 +77,10 @@ def test_slurm_without_task_list_falls_back_to_even_split():
     env = dict(SLURM)
     del env["SLURM_TASKS_PER_NODE"]
     assert launcher_env(env)["local_world_size"] == 2  # 6 tasks / 3 nodes
+
+
+def test_slurm_batch_shell_is_a_single_process():
+    assert launcher_env(SLURM_BATCH_SHELL)["launcher"] == "single"
 
 
 def test_pbs_mpich_and_openmpi():
