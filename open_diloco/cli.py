@@ -10,10 +10,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import cyclopts
 import pydantic
+from cyclopts import Parameter, validators
 
 from open_diloco.config import Config, ConfigError
 
@@ -53,6 +54,62 @@ def export(checkpoint_path: Path, out_dir: Path) -> None:
     print(f"exported {checkpoint_path} to {export_pretrained(checkpoint_path, out_dir)}")
 
 
+@app.command(name="preflight")
+def preflight(
+    *trainer_args: str,
+    num_nodes: Annotated[int, Parameter(validator=validators.Number(gte=1))] = 1,
+    node_rank: Annotated[int, Parameter(validator=validators.Number(gte=0))] = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: Annotated[int, Parameter(validator=validators.Number(gte=1, lte=65535))] = 29500,
+    nproc_per_node: Annotated[int, Parameter(validator=validators.Number(gte=1))] = 1,
+    timeout: Annotated[float, Parameter(validator=validators.Number(gt=0))] = 5.0,
+    master_wait: Annotated[float, Parameter(validator=validators.Number(gte=0))] = 60.0,
+) -> None:
+    """Check that this node can launch its part of a cluster: one PASS/FAIL line per check, exit 1 on a failure.
+
+    Usage: open-diloco preflight [OPTIONS] -- TRAINER_FLAGS, where TRAINER_FLAGS are the flags torchrun will
+    give the trainer (e.g. --config configs/demo-2m.toml --hv.initial-peers ...). scripts/cluster_train.sh
+    runs this before it starts torchrun.
+
+    Parameters
+    ----------
+    trainer_args
+        The trainer's flags, after `--`.
+    num_nodes
+        Nodes in this cluster.
+    node_rank
+        This node's rank (0 hosts the rendezvous; the others must reach it).
+    master_addr
+        Host of node_rank 0.
+    master_port
+        Rendezvous port on master_addr.
+    nproc_per_node
+        Ranks this node will start.
+    timeout
+        Seconds each network check may take.
+    master_wait
+        Seconds a node_rank > 0 waits for the master to listen (nodes start together and node 0 runs its own
+        preflight first).
+    """
+    from open_diloco.preflight import EXIT_FAILED, Launch, build_checks, run_checks
+
+    if node_rank >= num_nodes:
+        raise ConfigError(f"--node-rank {node_rank} is not below --num-nodes {num_nodes}: use 0..{num_nodes - 1}")
+    launch = Launch(num_nodes, node_rank, master_addr, master_port, nproc_per_node)
+
+    def load_config() -> Config:
+        try:
+            command, bound = parse(trainer_args)
+        except (pydantic.ValidationError, cyclopts.CycloptsError) as err:
+            raise ConfigError(describe_error(err)) from None
+        if command is not train:
+            raise ConfigError(f"expected the trainer's flags after `--`, got the subcommand {trainer_args[0]!r}")
+        return bound.arguments.get("config") or Config()
+
+    if not run_checks(build_checks(load_config, launch, timeout, master_wait), lambda line: print(line, flush=True)):
+        sys.exit(EXIT_FAILED)
+
+
 _CONFIG_PROVIDERS = {
     ".toml": cyclopts.config.Toml,
     ".yaml": cyclopts.config.Yaml,
@@ -76,12 +133,15 @@ def config_file_provider(path: Path) -> Any:
 
 
 def _split_config_flag(argv: list[str]) -> tuple[Path | None, list[str]]:
-    """Take ``--config PATH`` (or ``--config=PATH``) out of argv."""
+    """Take ``--config PATH`` (or ``--config=PATH``) out of argv, up to a ``--``: what follows that belongs
+    to ``preflight``, which reads the trainer's ``--config`` itself."""
     rest: list[str] = []
     config_path: Path | None = None
     args = iter(argv)
     for arg in args:
-        if arg == "--config":
+        if arg == "--":
+            rest += [arg, *args]
+        elif arg == "--config":
             value = next(args, None)
             if value is None:
                 raise ConfigError("--config needs a file path: --config configs/NAME.toml")
@@ -105,11 +165,28 @@ def describe_validation_error(err: pydantic.ValidationError) -> str:
     return f"{flag}: {first['msg']}{given_text}: see --help for accepted values"
 
 
+def describe_error(err: ConfigError | pydantic.ValidationError | cyclopts.CycloptsError) -> str:
+    """One line for a user error from any layer: our checks, pydantic, cyclopts' flag parsing."""
+    if isinstance(err, ConfigError):
+        return str(err)
+    if isinstance(err, pydantic.ValidationError):
+        return describe_validation_error(err)
+    cause = err.__cause__
+    while cause is not None and not isinstance(cause, (pydantic.ValidationError, ConfigError)):
+        cause = cause.__cause__
+    if isinstance(cause, (pydantic.ValidationError, ConfigError)):
+        return describe_error(cause)
+    return " ".join(str(err).split()) + " (see --help)"
+
+
 def parse(argv: Sequence[str]) -> tuple[Any, Any]:
     """Resolve argv to ``(command, bound arguments)``; ``--config FILE`` values sit under the flags."""
     config_path, rest = _split_config_flag(list(argv))
     app.config = [config_file_provider(config_path)] if config_path is not None else []
     command, bound, _ = app.parse_args(rest, exit_on_error=False, print_error=False)
+    if config_path is not None and command is not train:
+        raise ConfigError("--config belongs to training: check-config takes the file as its argument, "
+                          "preflight after its `--`")
     return command, bound
 
 
@@ -118,20 +195,8 @@ def run(argv: Sequence[str]) -> int:
     try:
         command, bound = parse(argv)
         command(*bound.args, **bound.kwargs)
-    except ConfigError as err:
-        return _fail(str(err))
-    except pydantic.ValidationError as err:
-        return _fail(describe_validation_error(err))
-    except cyclopts.CycloptsError as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, (pydantic.ValidationError, ConfigError)):
-            cause = cause.__cause__
-        if isinstance(cause, pydantic.ValidationError):
-            return _fail(describe_validation_error(cause))
-        if isinstance(cause, ConfigError):
-            return _fail(str(cause))
-        message = " ".join(str(err).split())
-        return _fail(f"{message} (see --help)")
+    except (ConfigError, pydantic.ValidationError, cyclopts.CycloptsError) as err:
+        return _fail(describe_error(err))
     except KeyboardInterrupt:
         print("open-diloco: interrupted", file=sys.stderr)
         return 130

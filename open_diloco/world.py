@@ -35,9 +35,10 @@ class World:
 
 
 def launcher_env(env: dict[str, str] | None = None) -> dict[str, int | str]:
-    """Ranks from torchrun's variables, else SLURM's, else PBS's, else a single process.
+    """Ranks from torchrun's variables, else SLURM's, else PBS's (MPI launchers), else a single process.
 
-    Returns ``rank``, ``world_size``, ``local_rank``, ``local_world_size`` and ``launcher``.
+    Returns ``rank``, ``world_size``, ``local_rank``, ``local_world_size`` and ``launcher``. torchrun wins
+    because our launchers run torchrun *inside* a SLURM or PBS allocation, where both sets are present.
     """
     env = dict(os.environ) if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -48,42 +49,101 @@ def launcher_env(env: dict[str, str] | None = None) -> dict[str, int | str]:
             "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             "launcher": "torchrun",
         }
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        ntasks = int(env["SLURM_NTASKS"])
-        nnodes = int(env.get("SLURM_NNODES", len(expand_slurm_nodelist(env.get("SLURM_NODELIST", ""))) or 1))
+    if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_ID" in env):
+        # Only srun-started tasks count: an sbatch script's own shell also has SLURM_PROCID=0 and
+        # SLURM_NTASKS=<whole job>, yet it is one process, and believing the job size would hang the
+        # rendezvous. srun's SLURM_STEP_* names describe the step, which may use part of the allocation.
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
         return {
             "rank": int(env["SLURM_PROCID"]),
             "world_size": ntasks,
             "local_rank": int(env.get("SLURM_LOCALID", 0)),
-            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or ntasks // nnodes),
+            "local_world_size": _slurm_tasks_on_this_node(env, ntasks),
             "launcher": "slurm",
         }
-    if "PBS_JOBID" in env and "PMI_RANK" in env:
-        size = int(env.get("PMI_SIZE", 1))
+    if "PBS_JOBID" in env and ("PMI_RANK" in env or "OMPI_COMM_WORLD_RANK" in env):
+        # PBS starts no ranks itself: mpiexec does (MPICH/Cray PALS: PMI_*, Intel MPI: MPI_LOCAL*, Open MPI: OMPI_*).
+        rank = int(_first(env, "PMI_RANK", "OMPI_COMM_WORLD_RANK", default="0"))
+        size = int(_first(env, "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", default="1"))
         return {
-            "rank": int(env["PMI_RANK"]),
+            "rank": rank,
             "world_size": size,
-            "local_rank": int(env.get("PMI_LOCAL_RANK", env.get("MPI_LOCALRANKID", 0))),
-            "local_world_size": int(env.get("PMI_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", size))),
+            "local_rank": int(_first(env, "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
+                                     "OMPI_COMM_WORLD_LOCAL_RANK", default="0")),
+            "local_world_size": int(_first(env, "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                                           "OMPI_COMM_WORLD_LOCAL_SIZE", default=str(size))),
             "launcher": "pbs",
         }
     return {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "launcher": "single"}
 
 
+def _first(env: dict[str, str], *names: str, default: str) -> str:
+    return next((env[name] for name in names if env.get(name, "") != ""), default)
+
+
+def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
+    """Tasks on this node: this node's entry of SLURM's ``2(x3),1`` task list, which, unlike
+    SLURM_NTASKS_PER_NODE (set only when the user asked for it), is always set and also covers uneven nodes."""
+    per_node = expand_slurm_tasks_per_node(_first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=""))
+    node_id = int(env.get("SLURM_NODEID", 0))
+    if node_id < len(per_node):
+        return per_node[node_id]
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    nnodes = int(env.get("SLURM_NNODES", 0)) or len(expand_slurm_nodelist(slurm_nodelist(env))) or 1
+    return max(1, ntasks // nnodes)
+
+
+def slurm_nodelist(env: dict[str, str] | None = None) -> str:
+    """The compressed host list of this job step (srun) or, outside a step, of the job."""
+    env = dict(os.environ) if env is None else env
+    return _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", default="")
+
+
+def expand_slurm_tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's task counts per node (``2(x3),1`` means 2, 2, 2, 1)."""
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ConfigError(f"cannot read SLURM tasks-per-node {spec!r}: expected e.g. 2(x3),1")
+        counts.extend([int(match[1])] * int(match[2] or 1))
+    return counts
+
+
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compressed host list (``node[01-03,07],gpu5``) into host names."""
+    """Expand SLURM's compressed host list (``node[01-03,07],gpu5``, ``rack[1-2]-n[1-2]``) into host names,
+    in SLURM's order (the first host is where rank 0 runs)."""
     hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            hosts.extend(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+    for name in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_brackets(name))
     return hosts
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """Split at commas outside brackets."""
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            names.append(nodelist[start:i])
+            start = i + 1
+    names.append(nodelist[start:])
+    return [name for name in names if name]
+
+
+def _expand_brackets(name: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", name)
+    if match is None:
+        return [name]
+    head, tail = name[: match.start()], name[match.end():]
+    expanded: list[str] = []
+    for part in match[1].split(","):
+        lo, _, hi = part.partition("-")
+        numbers = [lo] if not hi else [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+        for number in numbers:
+            expanded.extend(_expand_brackets(head + number + tail))
+    return expanded
 
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
@@ -140,17 +200,33 @@ def join_process_group(world: World, timeout_s: float = 600.0) -> None:
     if world.world_size == 1:
         dist.init_process_group(world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    if launcher_env()["launcher"] in ("slurm", "pbs"):
+    launcher = launcher_env()["launcher"]
+    if launcher in ("slurm", "pbs"):
         # torch.distributed's env:// rendezvous reads torchrun's names; SLURM/PBS gave us their own.
         os.environ.setdefault("RANK", str(world.rank))
         os.environ.setdefault("WORLD_SIZE", str(world.world_size))
         os.environ.setdefault("LOCAL_RANK", str(world.local_rank))
-        if "MASTER_ADDR" not in os.environ:
-            nodes = expand_slurm_nodelist(os.environ.get("SLURM_NODELIST", "")) or ["127.0.0.1"]
-            os.environ["MASTER_ADDR"] = nodes[0]
+        os.environ.setdefault("MASTER_ADDR", default_master_addr(launcher, world))
         os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(
         world.backend, timeout=timeout, device_id=world.device if world.device.type == "cuda" else None
+    )
+
+
+def default_master_addr(launcher: str, world: World, env: dict[str, str] | None = None) -> str:
+    """Where rank 0 listens when the launcher set no MASTER_ADDR: SLURM's first host (rank 0 runs there), or
+    this host when every rank is on it. A multi-node PBS/MPI launch must say where: guessing 127.0.0.1 would
+    leave the other nodes waiting on themselves."""
+    env = dict(os.environ) if env is None else env
+    if launcher == "slurm":
+        hosts = expand_slurm_nodelist(slurm_nodelist(env))
+        if hosts:
+            return hosts[0]
+    if world.world_size <= world.local_world_size:
+        return "127.0.0.1"
+    raise ConfigError(
+        f"{world.world_size} ranks over several nodes but MASTER_ADDR is not set: export MASTER_ADDR=<host of rank 0> "
+        "(e.g. the first line of $PBS_NODEFILE), or launch with scripts/cluster_train.sh"
     )
 
 
