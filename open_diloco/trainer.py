@@ -15,7 +15,7 @@ import torch.distributed as dist
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_train_loader
-from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop
+from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop, local_shards
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler
@@ -145,6 +145,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             announce_maddrs=hv.announce_maddrs,
             run_id=hv.run_id,
             shard_index=world.rank,
+            numel=sum(shard.numel() for shard in local_shards(model)),
             galaxy_rank=hv.world_rank,
             galaxy_size=hv.galaxy_size,
             matchmaking_time=hv.matchmaking_time,
