@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from open_diloco.config import Config, check_against_world
-from open_diloco.data import build_train_loader
+from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.diloco import NullOuterLoop, OuterLoop
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
@@ -32,7 +32,8 @@ def train(config: Config) -> None:
     grad_accum = check_against_world(config, world.world_size)
     precision = resolve_precision(config.precision, world.device)
     vocab_size = load_model_config(config.path_model).vocab_size
-    galaxy_rank = config.hv.world_rank if config.hv else 0
+    galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
+    data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     join_process_group(world)
@@ -47,11 +48,9 @@ def train(config: Config) -> None:
         model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio)
-        loader = build_train_loader(
-            fake_data=config.fake_data, seed=config.seed, galaxy_rank=galaxy_rank, vocab_size=vocab_size,
-            seq_length=config.seq_length, per_device_batch=config.per_device_train_batch_size,
-            rank=world.rank, world_size=world.world_size, num_workers=config.num_workers,
-        )
+        batch_args = dict(per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size)
+        loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
+        eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
         batches = iter(loader)
         tokens_per_step = config.total_batch_size * config.seq_length
         _say(world, f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
@@ -72,6 +71,8 @@ def train(config: Config) -> None:
                 "memory_gib": _memory_gib(world.device),
             }
             record.update(outer.after_inner_step(step))
+            if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
+                record["val_loss"] = evaluate(model, eval_loader, world)
             metrics.log(record)
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
@@ -109,12 +110,31 @@ def inner_step(
     return loss_sum.item(), float(grad_norm)
 
 
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], world: World) -> float:
+    """Mean loss over the held-out batches, averaged over the cluster's ranks (the same batches every time, so
+    values compare across steps and clusters)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, count = torch.zeros((), device=world.device), 0
+    for batch in batches:
+        input_ids = batch["input_ids"].to(world.device, non_blocking=True)
+        loss_sum += model(input_ids=input_ids, labels=input_ids).loss
+        count += 1
+    model.train(was_training)
+    if world.world_size > 1:
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / (count * world.world_size)
+
+
 def format_step_line(record: dict[str, Any], max_steps: int) -> str:
     """The per-step line a person scans: step, loss, lr, throughput, memory, and outer-step facts if any."""
     line = (
         f"step {record['step']:>6}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"{record['tokens_per_second'] / 1e3:8.1f}k tok/s | mem {record['memory_gib']:.2f} GiB"
     )
+    if "val_loss" in record:
+        line += f" | val {record['val_loss']:.4f}"
     if "outer_step" in record:
         line += (
             f" | outer {record['outer_step']} peers {record.get('galaxy_peers', '?')} "
