@@ -73,7 +73,7 @@ def prepare_data(
     tokenizer = load_tokenizer(path_tokenizer)
     source = find_source(dataset_path, dataset_text_field)
     corpus = pack_corpus(source, dataset_text_field, tokenizer, output)
-    print(f"packed {corpus.num_tokens:,} tokens ({corpus.dtype}, tokenizer {corpus.tokenizer}) into {output}")
+    print(f"wrote {output} ({corpus.dtype} tokens, tokenizer {corpus.tokenizer}): pass it as --dataset-path")
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

@@ -233,11 +233,14 @@ def pack_corpus(
     tmp.mkdir(parents=True)
     num_tokens = num_documents = 0
     eos = np.array([tokenizer.eos_id], dtype=dtype)
+    console = Console(stderr=True)
     columns = (TextColumn("[bold]packing[/] {task.description}"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"),
                TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn())
+    started = time.monotonic()
     try:
+        # A live bar on a terminal only (it vanishes when done, so an error stays one line); logs get a summary.
         with open(tmp / TOKENS_FILE, "wb") as out, Progress(
-            *columns, console=Console(stderr=True), disable=not progress, transient=False
+            *columns, console=console, disable=not (progress and console.is_terminal), transient=True
         ) as bar:
             task = bar.add_task(source.path, total=None, docs=0, tokens=0)
             for texts in iter_text_batches(source, text_field):
@@ -254,6 +257,9 @@ def pack_corpus(
             "tokenizer_fingerprint": tokenizer.fingerprint, "source": source.path, "text_field": text_field,
         }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        if progress:
+            console.print(f"packed {source.path}: {num_documents:,} documents, {num_tokens:,} tokens in "
+                          f"{time.monotonic() - started:.1f}s", highlight=False, soft_wrap=True)
         if not out_dir.exists():
             with contextlib.suppress(OSError):  # another process published the same corpus first: keep theirs
                 os.replace(tmp, out_dir)

@@ -186,6 +186,7 @@ def plan_data(config: Config, model_vocab_size: int, world_size: int, galaxy_ran
     if config.dataset_path is None:
         return plan
     tokenizer = load_tokenizer(config.path_tokenizer)
+    check_fits_model(tokenizer.vocab_size, tokenizer.name, model_vocab_size)
     source = find_source(config.dataset_path, config.dataset_text_field)
     corpus = prepare_cached(source, config.dataset_text_field, tokenizer, config.data_cache_dir)
     if config.path_tokenizer is not None and corpus.tokenizer_fingerprint != tokenizer.fingerprint:
