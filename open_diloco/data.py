@@ -12,7 +12,7 @@ way in every process, with no communication):
 * The packed corpus (see :mod:`open_diloco.corpus`) holds N = num_tokens // seq_length samples.
 * Validation: the last ``max(1, N // 100)`` samples, always held out (whether or not eval runs, so turning
   eval on never changes training). Every cluster evaluates the same held-out batches, so val_loss compares
-  across clusters and steps.
+  across clusters and steps; a pass wanting more samples than are held out reads some twice.
 * Training: the other samples, shuffled by a permutation seeded by --seed; cluster c of a galaxy of G takes
   every G-th of them starting at c. The clusters' parts are disjoint and together cover the training set.
 * Inside a cluster: position p reads the part's sample ``p mod n``; each pass over the part (an epoch) is
@@ -186,8 +186,9 @@ def plan_data(config: Config, model_vocab_size: int, world_size: int, galaxy_ran
     if config.dataset_path is None:
         return plan
     tokenizer = load_tokenizer(config.path_tokenizer)
-    check_fits_model(tokenizer.vocab_size, tokenizer.name, model_vocab_size)
     source = find_source(config.dataset_path, config.dataset_text_field)
+    if source.kind != "packed":  # fail before spending the packing time
+        check_fits_model(tokenizer.vocab_size, tokenizer.name, model_vocab_size)
     corpus = prepare_cached(source, config.dataset_text_field, tokenizer, config.data_cache_dir)
     if config.path_tokenizer is not None and corpus.tokenizer_fingerprint != tokenizer.fingerprint:
         raise ConfigError(
