@@ -172,11 +172,15 @@ class Config(BaseModel):
     path_tokenizer: Path | None = None
     """A local tokenizer directory (transformers AutoTokenizer). Unset: the built-in byte-level tokenizer."""
 
+    data_cache_dir: Path = Path("outputs/data_cache")
+    """Where raw data given to --dataset-path is tokenized and packed once, reused by later runs with the same
+    files and tokenizer. Share it between a node's ranks (the first prepares, the others wait)."""
+
     num_workers: Annotated[int, Field(ge=0)] = 1
     """Background data-loading processes per rank."""
 
     eval_interval: Annotated[int, Field(ge=1)] | None = None
-    """Compute validation loss every N inner steps. Unset: never."""
+    """Compute validation loss every N inner steps (on held-out samples never trained on). Unset: never."""
 
     eval_steps: Annotated[int, Field(ge=1)] = 10
     """Batches per validation."""

@@ -1,10 +1,28 @@
 """Training data: what each rank of each cluster reads, in which order, resumably.
 
-Every source is a map-style dataset of fixed-length samples addressed by an integer id. A
-:class:`ClusterSampler` walks a cluster's sample ids in order and hands rank r of W the r-th
-``per_device_batch``-sized slice of every ``per_device_batch × W`` block, so a cluster of W ranks with
-gradient accumulation sees exactly the samples a single process would for the same total batch.
-Clusters of a galaxy read disjoint id ranges (see :func:`cluster_stream`).
+Every source is a map-style dataset addressed by an unbounded *position*. A :class:`ClusterSampler` walks
+a cluster's positions in order and hands rank r of W the r-th ``per_device_batch``-sized slice of every
+``per_device_batch × W`` block, so a cluster of W ranks with gradient accumulation sees exactly the samples a
+single process would for the same total batch. Every batch carries ``sample_id``: for real data the global id
+of the packed sample (its window in the packed corpus, the same in every cluster).
+
+How real data is split (all of it a pure function of --seed, the corpus and --seq-length, computed the same
+way in every process, with no communication):
+
+* The packed corpus (see :mod:`open_diloco.corpus`) holds N = num_tokens // seq_length samples.
+* Validation: the last ``max(1, N // 100)`` samples, always held out (whether or not eval runs, so turning
+  eval on never changes training). Every cluster evaluates the same held-out batches, so val_loss compares
+  across clusters and steps; a pass wanting more samples than are held out reads some twice.
+* Training: the other samples, shuffled by a permutation seeded by --seed; cluster c of a galaxy of G takes
+  every G-th of them starting at c. The clusters' parts are disjoint and together cover the training set.
+* Inside a cluster: position p reads the part's sample ``p mod n``; each pass over the part (an epoch) is
+  reshuffled, seeded by (seed, cluster, epoch). The ranks split positions as described above.
+
+When the galaxy size changes mid-run (a resume with another --hv.galaxy-size) the training set is dealt again
+into G' parts: the clusters stay disjoint from each other, but each cluster resumes at its saved position in
+its *new* part, so until the current epoch ends some samples are seen twice by the galaxy and others not at
+all (the more so the further into the epoch). Later epochs are clean. To keep exact coverage, change the
+galaxy size at an epoch boundary or start a fresh loader state.
 """
 
 from __future__ import annotations
@@ -12,14 +30,26 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from open_diloco.config import Config, ConfigError
+from open_diloco.corpus import PackedCorpus, find_source, prepare_cached
+from open_diloco.tokenizer import check_fits_model, load_tokenizer
 
 # torchdata 0.11 calls a deprecated torch API at every loader start; the warning is not actionable for users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+VAL_FRACTION_DENOMINATOR = 100
+"""One sample in this many (at least one) is held out for validation."""
+FAKE_VAL_STREAM = -1
+"""The fake-data stream validation reads (clusters use their galaxy rank, 0 … G − 1)."""
 
 
 def _seed_of(*parts: int | str) -> int:
@@ -65,12 +95,46 @@ class FakeSequences(Dataset):
         return {"input_ids": self.tokens[symbols], "sample_id": index}
 
 
-class ClusterSampler(Sampler[int]):
-    """Infinite, resumable walk over a cluster's sample ids, sliced for one rank (see module doc)."""
+class PackedSamples(Dataset):
+    """Samples of a packed corpus at the given ids: position p reads sample ``ids[p mod n]``, and each pass over
+    ``ids`` after the first is reshuffled by ``(reshuffle_seed, epoch)`` unless ``reshuffle_seed`` is None.
 
-    def __init__(self, per_device_batch: int, rank: int, world_size: int, num_samples: int | None = None):
+    The token file is memory-mapped lazily in the process that reads (a loader worker), never pickled."""
+
+    def __init__(self, corpus: PackedCorpus, seq_length: int, ids: np.ndarray, reshuffle_seed: int | None):
+        self.corpus, self.seq_length, self.ids, self.reshuffle_seed = corpus, seq_length, ids, reshuffle_seed
+        self._tokens: np.memmap | None = None
+        self._orders: dict[int, np.ndarray] = {0: ids}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        epoch, offset = divmod(position, len(self.ids))
+        sample_id = int(self._order(epoch)[offset])
+        if self._tokens is None:
+            self._tokens = self.corpus.tokens()
+        start = sample_id * self.seq_length
+        window = np.array(self._tokens[start : start + self.seq_length], dtype=np.int64)
+        return {"input_ids": torch.from_numpy(window), "sample_id": sample_id}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self.reshuffle_seed is None:
+            return self.ids
+        if epoch not in self._orders:
+            rng = np.random.default_rng(_seed_of(self.reshuffle_seed, "epoch", epoch))
+            self._orders = {0: self.ids, epoch: self.ids[rng.permutation(len(self.ids))]}
+        return self._orders[epoch]
+
+
+class ClusterSampler(Sampler[int]):
+    """Infinite, resumable walk over a cluster's sample positions, sliced for one rank (see module doc)."""
+
+    def __init__(self, per_device_batch: int, rank: int, world_size: int):
         self.per_device_batch, self.rank, self.world_size = per_device_batch, rank, world_size
-        self.num_samples = num_samples  # None: ids are unbounded (fake data); else wrap around (epochs)
         self.next_block = 0
 
     def __iter__(self) -> Iterator[int]:
@@ -78,9 +142,7 @@ class ClusterSampler(Sampler[int]):
         while True:
             start = self.next_block * block_size + self.rank * self.per_device_batch
             self.next_block += 1
-            for offset in range(self.per_device_batch):
-                index = start + offset
-                yield index if self.num_samples is None else index % self.num_samples
+            yield from range(start, start + self.per_device_batch)
 
     def state_dict(self) -> dict[str, int]:
         return {"next_block": self.next_block}
@@ -94,27 +156,74 @@ def cluster_stream(galaxy_rank: int) -> int:
     return galaxy_rank
 
 
+def split_samples(num_samples: int, seed: int, galaxy_size: int, galaxy_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(this cluster's training sample ids in first-epoch order, the held-out validation ids); see module doc."""
+    num_val = max(1, num_samples // VAL_FRACTION_DENOMINATOR)
+    num_train = max(0, num_samples - num_val)
+    dtype = np.uint32 if num_samples < 1 << 32 else np.int64  # 4 bytes per sample of this cluster's part
+    order = np.random.default_rng(_seed_of(seed, "split")).permutation(num_train)
+    return order[galaxy_rank::galaxy_size].astype(dtype), np.arange(num_train, num_samples, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What this cluster's loaders read, settled (and checked) before the process group forms."""
+
+    seed: int
+    seq_length: int
+    galaxy_rank: int
+    vocab_size: int
+    corpus: PackedCorpus | None = None
+    """None: fake data."""
+    train_ids: np.ndarray | None = None
+    val_ids: np.ndarray | None = None
+
+
+def plan_data(config: Config, model_vocab_size: int, world_size: int, galaxy_rank: int, galaxy_size: int) -> DataPlan:
+    """Check the data flags, pack raw data into the cache if needed, and split it for this cluster.
+
+    Every failure is a one-line ConfigError raised in every rank on its own (the ranks not packing wait for the
+    one that does and re-raise its error), so no rank is left waiting in a rendezvous."""
+    plan = DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size)
+    if config.dataset_path is None:
+        return plan
+    tokenizer = load_tokenizer(config.path_tokenizer)
+    source = find_source(config.dataset_path, config.dataset_text_field)
+    if source.kind != "packed":  # fail before spending the packing time
+        check_fits_model(tokenizer.vocab_size, tokenizer.name, model_vocab_size)
+    corpus = prepare_cached(source, config.dataset_text_field, tokenizer, config.data_cache_dir)
+    if config.path_tokenizer is not None and corpus.tokenizer_fingerprint != tokenizer.fingerprint:
+        raise ConfigError(
+            f"--dataset-path {config.dataset_path} was packed with tokenizer {corpus.tokenizer}, not "
+            f"--path-tokenizer {config.path_tokenizer}: repack it, or drop --path-tokenizer"
+        )
+    check_fits_model(corpus.vocab_size, corpus.tokenizer, model_vocab_size)
+    num_samples = corpus.num_tokens // config.seq_length
+    train_ids, val_ids = split_samples(num_samples, config.seed, galaxy_size, galaxy_rank)
+    if num_samples < 2 or (num_samples - len(val_ids)) // galaxy_size < world_size:
+        raise ConfigError(
+            f"--dataset-path {config.dataset_path}: {corpus.num_tokens} tokens pack into {num_samples} samples of "
+            f"--seq-length {config.seq_length} ({len(val_ids)} held out), fewer than one per rank ({galaxy_size} "
+            f"cluster(s) x {world_size} rank(s)): use more data or a shorter --seq-length"
+        )
+    return DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size, corpus, train_ids, val_ids)
+
+
 def build_train_loader(
-    *,
-    fake_data: bool,
-    seed: int,
-    galaxy_rank: int,
-    vocab_size: int,
-    seq_length: int,
-    per_device_batch: int,
-    rank: int,
-    world_size: int,
-    num_workers: int,
+    plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, num_workers: int
 ) -> StatefulDataLoader:
-    """A stateful loader of ``{"input_ids": [B, T], "sample_id": [B]}`` micro-batches for this rank."""
-    if not fake_data:
-        raise NotImplementedError("real datasets arrive with the data issue")
-    dataset = FakeSequences(seed, cluster_stream(galaxy_rank), vocab_size, seq_length)
-    sampler = ClusterSampler(per_device_batch, rank, world_size)
+    """A stateful loader of ``{"input_ids": [B, T], "sample_id": [B]}`` micro-batches for this rank.
+
+    ``state_dict()`` / ``load_state_dict()`` resume exactly at the next batch (the sampler's position is the
+    whole state; the datasets are pure functions of position)."""
+    if plan.corpus is None:
+        dataset: Dataset = FakeSequences(plan.seed, cluster_stream(plan.galaxy_rank), plan.vocab_size, plan.seq_length)
+    else:
+        dataset = PackedSamples(plan.corpus, plan.seq_length, plan.train_ids, _seed_of(plan.seed, plan.galaxy_rank))
     return StatefulDataLoader(
         dataset,
         batch_size=per_device_batch,
-        sampler=sampler,
+        sampler=ClusterSampler(per_device_batch, rank, world_size),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
@@ -122,3 +231,14 @@ def build_train_loader(
         # with the thread that launches kernels.
         pin_memory=False,
     )
+
+
+def build_eval_loader(plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, steps: int) -> DataLoader:
+    """``steps`` held-out micro-batches for this rank, the same ones on every iteration (read in-process: a
+    validation pass is short, and worker start-up would cost more than it saves)."""
+    if plan.corpus is None:
+        dataset: Dataset = FakeSequences(plan.seed, FAKE_VAL_STREAM, plan.vocab_size, plan.seq_length)
+    else:
+        dataset = PackedSamples(plan.corpus, plan.seq_length, plan.val_ids, reshuffle_seed=None)
+    positions = list(islice(iter(ClusterSampler(per_device_batch, rank, world_size)), steps * per_device_batch))
+    return DataLoader(dataset, batch_size=per_device_batch, sampler=positions, num_workers=0)

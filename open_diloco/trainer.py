@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
-from open_diloco.data import build_train_loader
+from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop, local_shards
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
@@ -35,7 +35,8 @@ def train(config: Config) -> None:
     model_config = load_model_config(config.path_model).to_dict()
     vocab_size = model_config["vocab_size"]
     resume = checkpoint.resolve_resume(config.ckpt, model_config)
-    galaxy_rank = config.hv.world_rank if config.hv else 0
+    galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
+    data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     join_process_group(world)
@@ -51,34 +52,20 @@ def train(config: Config) -> None:
     outer: OuterLoop = NullOuterLoop()
     try:
         model = build_model(config.path_model, config.seed)
-        model = parallelize(
-            model, world.device, precision, config.activation_checkpointing, config.torch_compile
-        )
+        model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
         outer = build_outer_loop(config.hv, model, world)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
-        scheduler = build_scheduler(
-            optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
-        )
-        loader = build_train_loader(
-            fake_data=config.fake_data,
-            seed=config.seed,
-            galaxy_rank=galaxy_rank,
-            vocab_size=vocab_size,
-            seq_length=config.seq_length,
-            per_device_batch=config.per_device_train_batch_size,
-            rank=world.rank,
-            world_size=world.world_size,
-            num_workers=config.num_workers,
-        )
+        scheduler = build_scheduler(optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio)
+        batch_args = dict(per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size)
+        loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
+        eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
         start_step = 0
         if resume is not None:
             start_step = checkpoint.load(*resume, model=model, optimizer=optimizer, outer=outer)
             _say(world, f"resumed from {resume[0]} at step {start_step}")
         start_step = max(start_step, outer.join_galaxy())
         # The data position and the schedule are functions of the step: derive them (resume, late join).
-        loader.sampler.next_block = (
-            start_step * grad_accum
-        )  # a late joiner skips the batches it did not train
+        loader.sampler.next_block = start_step * grad_accum
         for _ in range(start_step):
             scheduler.step()
         batches = iter(loader)
@@ -104,6 +91,8 @@ def train(config: Config) -> None:
                 "memory_gib": _memory_gib(world.device),
             }
             record.update(outer.after_inner_step(step))
+            if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
+                record["val_loss"] = evaluate(model, eval_loader, world)
             metrics.log(record)
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
@@ -210,12 +199,31 @@ def inner_step(
     return loss, norm
 
 
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], world: World) -> float:
+    """Mean loss over the held-out batches, averaged over the cluster's ranks (the same batches every time, so
+    values compare across steps and clusters)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, count = torch.zeros((), device=world.device), 0
+    for batch in batches:
+        input_ids = batch["input_ids"].to(world.device, non_blocking=True)
+        loss_sum += model(input_ids=input_ids, labels=input_ids).loss
+        count += 1
+    model.train(was_training)
+    if world.world_size > 1:
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / (count * world.world_size)
+
+
 def format_step_line(record: dict[str, Any], max_steps: int) -> str:
     """The per-step line a person scans: step, loss, lr, throughput, memory, and outer-step facts if any."""
     line = (
         f"step {record['step']:>6}/{max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"{record['tokens_per_second'] / 1e3:8.1f}k tok/s | mem {record['memory_gib']:.2f} GiB"
     )
+    if "val_loss" in record:
+        line += f" | val {record['val_loss']:.4f}"
     if "outer_step" in record:
         line += (
             f" | outer {record['outer_step']} peers {record.get('galaxy_peers', '?')} "
