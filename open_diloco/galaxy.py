@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -58,7 +59,9 @@ from open_diloco.config import ConfigError
 from open_diloco.diloco import RoundReport
 
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
-_GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up on it
+_GRACE = (
+    1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up on it
+)
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
 
 
@@ -192,6 +195,10 @@ class _CanonicalAverager(DecentralizedAverager):
     get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]] | None = None
     _round_stats: dict[bytes, dict[str, int]]
 
+    # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
+    # the default start method inside processes started with spawn (and wherever a program chose it).
+    _Popen = staticmethod(mp.context.ForkProcess._Popen)
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
         runner = _CanonicalAllReduce(
@@ -234,8 +241,16 @@ class HivemindAverager:
     tensor lock, so a round that outlives our timeout can never write into the caller's buffer.
     """
 
-    def __init__(self, dht: DHT, averager: _CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
-                 averaging_timeout: float, join_timeout: float):
+    def __init__(
+        self,
+        dht: DHT,
+        averager: _CanonicalAverager,
+        *,
+        galaxy_rank: int,
+        galaxy_size: int,
+        averaging_timeout: float,
+        join_timeout: float,
+    ):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout, self.join_timeout = averaging_timeout, join_timeout
@@ -262,29 +277,43 @@ class HivemindAverager:
         start = time.monotonic()
         metadata = {"galaxy_rank": self.galaxy_rank, "round_id": round_id, **fingerprint}
         if self.galaxy_size == 1:
-            return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
-                               seconds=time.monotonic() - start)
+            return RoundReport(
+                group_size=1,
+                complete=True,
+                peers={self.galaxy_rank: metadata},
+                seconds=time.monotonic() - start,
+            )
         with self._tensors(start) as (private,):
             private.copy_(buffer.view(-1))
-        control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False,
-                                     wait=False)
+        control = self.averager.step(
+            gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False
+        )
         try:
-            result = control.result(timeout=max(0.0, start + self.averaging_timeout + _GRACE - time.monotonic()))
+            result = control.result(
+                timeout=max(0.0, start + self.averaging_timeout + _GRACE - time.monotonic())
+            )
         except TimeoutError:
             control.cancel()
-            raise RoundFailed(f"round {round_id} did not finish within averaging_timeout="
-                              f"{self.averaging_timeout}s") from None
+            raise RoundFailed(
+                f"round {round_id} did not finish within averaging_timeout={self.averaging_timeout}s"
+            ) from None
         except Exception as e:
             if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
-                return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
-                                   seconds=time.monotonic() - start)
+                return RoundReport(
+                    group_size=1,
+                    complete=True,
+                    peers={self.galaxy_rank: metadata},
+                    seconds=time.monotonic() - start,
+                )
             raise RoundFailed(f"round {round_id} failed: {e!r}") from e
         peers: dict[int, dict[str, Any]] = {}
         for peer, data in result["gathered"].items():
             rank = data.get("galaxy_rank")
             if rank == self.galaxy_rank and peer != self.peer_id:
-                raise DuplicateGalaxyRank(f"peer {peer} also claims galaxy rank {rank}; give every cluster a "
-                                          f"unique --hv.world-rank in 0..{self.galaxy_size - 1}")
+                raise DuplicateGalaxyRank(
+                    f"peer {peer} also claims galaxy rank {rank}; give every cluster a "
+                    f"unique --hv.world-rank in 0..{self.galaxy_size - 1}"
+                )
             peers[rank] = data
         with self._tensors(start) as (private,):
             buffer.view(-1).copy_(private)
@@ -368,36 +397,64 @@ def start_shard_averager(
     addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
     """
     if compression not in COMPRESSIONS:
-        raise ConfigError(f"--hv.compression {compression!r} is not supported; use one of {sorted(COMPRESSIONS)}")
+        raise ConfigError(
+            f"--hv.compression {compression!r} is not supported; use one of {sorted(COMPRESSIONS)}"
+        )
     if averaging_timeout <= matchmaking_time:
-        raise ConfigError(f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time "
-                          f"({matchmaking_time}s)")
+        raise ConfigError(
+            f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time "
+            f"({matchmaking_time}s)"
+        )
     _check_initial_peers(initial_peers)
     _check_ports_free(host_maddrs)
     dht = DHT(
-        initial_peers=list(initial_peers), host_maddrs=list(host_maddrs),
-        announce_maddrs=list(announce_maddrs) or None, start=True, await_ready=False, client_mode=False,
-        nat_port_map=False, use_relay=False, use_auto_relay=False, auto_nat=False,
+        initial_peers=list(initial_peers),
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None,
+        start=True,
+        await_ready=False,
+        client_mode=False,
+        nat_port_map=False,
+        use_relay=False,
+        use_auto_relay=False,
+        auto_nat=False,
         wait_timeout=min(join_timeout, 3.0),
     )
     try:
         dht.wait_until_ready(timeout=join_timeout)
     except TimeoutError:
         _shutdown_dht(dht)
-        raise ConfigError(f"could not join the DHT via --hv.initial-peers {list(initial_peers)} within "
-                          f"--hv.join-timeout={join_timeout}s; check that a peer runs there") from None
+        raise ConfigError(
+            f"could not join the DHT via --hv.initial-peers {list(initial_peers)} within "
+            f"--hv.join-timeout={join_timeout}s; check that a peer runs there"
+        ) from None
     except Exception as e:
         _shutdown_dht(dht)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"could not start the DHT ({reason}); check --hv.initial-peers {list(initial_peers)} "
-                          f"and --hv.host-maddrs {list(host_maddrs)}") from None
+        if "bootstrap" in reason:
+            raise ConfigError(
+                f"no DHT peer answered at --hv.initial-peers {list(initial_peers)}; start hivemind-dht "
+                "there first or fix the address"
+            ) from None
+        raise ConfigError(
+            f"could not start the DHT ({reason}); check --hv.initial-peers {list(initial_peers)} "
+            f"and --hv.host-maddrs {list(host_maddrs)}"
+        ) from None
     chunk_timeout = max(1.0, min(averaging_timeout / 4, 30.0))
     averager = _CanonicalAverager(
-        [torch.zeros(numel, dtype=torch.float32)], dht, start=False,
-        prefix=f"{run_id}/shard{shard_index}", target_group_size=galaxy_size, min_group_size=2,
-        min_matchmaking_time=matchmaking_time, request_timeout=min(3.0, matchmaking_time / 2),
-        allreduce_timeout=averaging_timeout, next_chunk_timeout=chunk_timeout,
-        compression=COMPRESSIONS[compression](), client_mode=False, allow_state_sharing=False,
+        [torch.zeros(numel, dtype=torch.float32)],
+        dht,
+        start=False,
+        prefix=f"{run_id}/shard{shard_index}",
+        target_group_size=galaxy_size,
+        min_group_size=2,
+        min_matchmaking_time=matchmaking_time,
+        request_timeout=min(3.0, matchmaking_time / 2),
+        allreduce_timeout=averaging_timeout,
+        next_chunk_timeout=chunk_timeout,
+        compression=COMPRESSIONS[compression](),
+        client_mode=False,
+        allow_state_sharing=False,
     )
     try:
         _start_keeping_signal_handlers(averager, join_timeout)
@@ -406,8 +463,14 @@ def start_shard_averager(
             averager.terminate()
         _shutdown_dht(dht)
         raise
-    return HivemindAverager(dht, averager, galaxy_rank=galaxy_rank, galaxy_size=galaxy_size,
-                            averaging_timeout=averaging_timeout, join_timeout=join_timeout)
+    return HivemindAverager(
+        dht,
+        averager,
+        galaxy_rank=galaxy_rank,
+        galaxy_size=galaxy_size,
+        averaging_timeout=averaging_timeout,
+        join_timeout=join_timeout,
+    )
 
 
 def _start_keeping_signal_handlers(averager: DecentralizedAverager, timeout: float) -> None:
@@ -432,8 +495,10 @@ def _check_initial_peers(initial_peers: Sequence[str]) -> None:
             parsed["p2p"]
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError(f"--hv.initial-peers {maddr!r} is not a full peer multiaddr ({reason}); pass the "
-                              "line hivemind-dht prints, e.g. /ip4/10.0.0.1/tcp/31337/p2p/12D3KooW...") from None
+            raise ConfigError(
+                f"--hv.initial-peers {maddr!r} is not a full peer multiaddr ({reason}); pass the "
+                "line hivemind-dht prints, e.g. /ip4/10.0.0.1/tcp/31337/p2p/12D3KooW..."
+            ) from None
 
 
 def _check_ports_free(host_maddrs: Sequence[str]) -> None:
@@ -445,8 +510,9 @@ def _check_ports_free(host_maddrs: Sequence[str]) -> None:
             host, port = parsed["ip6" if family == socket.AF_INET6 else "ip4"], int(parsed["tcp"])
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError(f"--hv.host-maddrs {maddr!r} is not a valid multiaddr ({reason}); "
-                              "e.g. /ip4/0.0.0.0/tcp/0") from None
+            raise ConfigError(
+                f"--hv.host-maddrs {maddr!r} is not a valid multiaddr ({reason}); e.g. /ip4/0.0.0.0/tcp/0"
+            ) from None
         if port == 0:
             continue
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -455,9 +521,12 @@ def _check_ports_free(host_maddrs: Sequence[str]) -> None:
                 probe.bind((host, port))
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
-                    raise ConfigError(f"--hv.host-maddrs {maddr!r}: cannot listen there ({e.strerror})") from None
-                raise ConfigError(f"--hv.host-maddrs {maddr!r}: port {port} is already in use; pick a free "
-                                  "port or tcp/0") from None
+                    raise ConfigError(
+                        f"--hv.host-maddrs {maddr!r}: cannot listen there ({e.strerror})"
+                    ) from None
+                raise ConfigError(
+                    f"--hv.host-maddrs {maddr!r}: port {port} is already in use; pick a free port or tcp/0"
+                ) from None
 
 
 def _shutdown_dht(dht: DHT) -> None:
