@@ -58,6 +58,12 @@ from hivemind.utils.multiaddr import Multiaddr
 from open_diloco.config import ConfigError
 from open_diloco.diloco import RoundReport
 
+# Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
+# which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
+# killed; it also changes how the trainer's DataLoader workers share batches. Put torch's default back: we
+# only pass a few tensors between the trainer and its averager process.
+torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
 _GRACE = (
     1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up on it
@@ -359,7 +365,7 @@ class HivemindAverager:
                 return None
             if state is not None and state[0]:
                 metadata, tensors = state
-                return metadata, list(tensors)
+                return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
