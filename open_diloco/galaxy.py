@@ -29,6 +29,7 @@ needs bitsandbytes. Checked on hivemind 1.1.12, NumPy 2.4.6.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import multiprocessing as mp
 import os
@@ -255,21 +256,18 @@ class HivemindAverager:
         galaxy_rank: int,
         galaxy_size: int,
         averaging_timeout: float,
-        join_timeout: float,
     ):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
-        self.averaging_timeout, self.join_timeout = averaging_timeout, join_timeout
+        self.averaging_timeout = averaging_timeout
+        self.peer_id = dht.peer_id.to_base58()
+        """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
 
     @property
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs other peers can pass as ``initial_peers`` to join this peer's DHT."""
         return [str(m) for m in self.dht.get_visible_maddrs()]
-
-    @property
-    def peer_id(self) -> str:
-        return self.dht.peer_id.to_base58()
 
     def all_reduce(self, buffer: torch.Tensor, round_id: int, fingerprint: dict[str, Any]) -> RoundReport:
         """Average ``buffer`` in place with the same shard of the other clusters; see ``Averager.all_reduce``.
@@ -281,7 +279,7 @@ class HivemindAverager:
         :class:`DuplicateGalaxyRank` when another peer of the group claims our galaxy rank.
         """
         start = time.monotonic()
-        metadata = {"galaxy_rank": self.galaxy_rank, "round_id": round_id, **fingerprint}
+        metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id}
         if self.galaxy_size == 1:
             return RoundReport(
                 group_size=1,
@@ -332,21 +330,16 @@ class HivemindAverager:
             bytes_received=result["bytes_received"],
         )
 
+    @contextlib.contextmanager
     def _tensors(self, start: float):
-        """Hivemind's tensor lock, with a timeout: a previous round may still be writing the buffer."""
+        """Hivemind's tensor lock, with a timeout: a round that outlived its timeout may still be writing."""
         lock = self.averager.lock_averaged_tensors
-        averager = self.averager
-
-        class _Locked:
-            def __enter__(self_):
-                if not lock.acquire(timeout=max(1.0, start + self.averaging_timeout - time.monotonic())):
-                    raise RoundFailed("the averager is still busy with a previous round")
-                return averager._averaged_tensors
-
-            def __exit__(self_, *exc):
-                lock.release()
-
-        return _Locked()
+        if not lock.acquire(timeout=max(1.0, start + self.averaging_timeout - time.monotonic())):
+            raise RoundFailed("the averager is still busy with a previous round")
+        try:
+            yield self.averager._averaged_tensors
+        finally:
+            lock.release()
 
     def serve_state(self, get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]) -> None:
         """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on demand)."""
@@ -475,7 +468,6 @@ def start_shard_averager(
         galaxy_rank=galaxy_rank,
         galaxy_size=galaxy_size,
         averaging_timeout=averaging_timeout,
-        join_timeout=join_timeout,
     )
 
 

@@ -59,11 +59,19 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
 
     if crash:
         _crash_when_reducing(galaxy)
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     try:
         av = start_shard_averager(**kwargs)
     except Exception as e:
         queue.put(("error", rank, type(e).__name__, str(e)))
         return
+    if handlers != (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)):
+        queue.put(("error", rank, "SignalHandlers", "start_shard_averager changed SIGINT/SIGTERM handlers"))
     queue.put(("ready", rank, av.visible_maddrs, av.peer_id))
     try:
         if serve:
@@ -279,7 +287,7 @@ def test_peer_killed_before_round_does_not_hang_survivor(galaxy):
 def test_peer_killed_mid_round_does_not_hang_survivor(galaxy):
     barrier = CTX.Barrier(3)
     galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=2, averaging_timeout=8.0)
-    (_, _, maddrs, _), = galaxy.wait_for("ready", 1)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
     galaxy.start(1, 1, barrier, initial_peers=maddrs, galaxy_size=2, averaging_timeout=8.0, crash=True)
     galaxy.wait_for("ready", 2)
     barrier.wait(60)
