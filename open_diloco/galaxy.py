@@ -196,6 +196,30 @@ class _CountingStub:
         return counted_outputs()
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Called first thing in our hivemind child processes. Hivemind's DHT and averager processes outlive a
+    SIGKILLed trainer (and the DHT's p2pd keeps listening) because nothing tells them; a watchdog thread
+    notices the re-parenting, ends this process's own children (p2pd) by PID, and exits."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        for pid in _child_pids(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+class _DHT(DHT):
+    """hivemind.DHT that exits (taking its p2pd with it) when the process that started it dies."""
+
+    def run(self) -> None:
+        _exit_with_parent(self._parent_pid)
+        super().run()
+
+
 class _CanonicalAverager(DecentralizedAverager):
     """DecentralizedAverager running :class:`_CanonicalAllReduce`, copying results, serving a caller's state."""
 
@@ -231,6 +255,10 @@ class _CanonicalAverager(DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._round_stats.pop(group_info.group_id)
         return dict(gathered={peer.to_base58(): data for peer, data in gathered.items()}, **stats)
+
+    def run(self) -> None:
+        _exit_with_parent(self._parent_pid)
+        super().run()
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``."""
@@ -406,7 +434,7 @@ def start_shard_averager(
         )
     _check_initial_peers(initial_peers)
     _check_ports_free(host_maddrs)
-    dht = DHT(
+    dht = _DHT(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,

@@ -306,6 +306,18 @@ def test_peer_killed_mid_round_does_not_hang_survivor(galaxy):
         assert result["each_mean_or_own"], "a failed span must keep our own values, the rest the average"
 
 
+def test_trainer_killed_alone_takes_dht_averager_and_p2pd_along(galaxy):
+    galaxy.start(0, 0, None, initial_peers=[], galaxy_size=2)  # idles
+    galaxy.wait_for("ready", 1)
+    children = _descendants(galaxy.workers[0].pid)
+    assert "p2pd" in children.values() and len(children) == 3, children  # DHT, averager, p2pd
+    os.kill(galaxy.workers[0].pid, signal.SIGKILL)  # only the trainer process, as the OOM killer would
+    deadline = time.monotonic() + 10
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(children), {pid: children[pid] for pid in _alive(children)}
+
+
 def test_late_joiner_downloads_state(galaxy):
     barrier = CTX.Barrier(2)
     galaxy.start(0, 0, barrier, initial_peers=[], galaxy_size=2, serve=True)
