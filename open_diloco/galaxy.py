@@ -66,9 +66,8 @@ from open_diloco.diloco import RoundReport
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
-_GRACE = (
-    1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up on it
-)
+# seconds past averaging_timeout for hivemind to report a lonely deadline before we give up on the round
+_GRACE = 1.0
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
 
 
@@ -99,14 +98,12 @@ class _CanonicalAllReduce(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
-        alone = len(self.sender_peer_ids) == 1  # a group of one keeps its exact values: nobody to agree with
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight
             )
-            if not alone:
-                averaged = deserialize_torch_tensor(self._serialize_result(averaged))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
+            self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         # Copy of AllReduceRunner._accumulate_parts_streaming, sending compress(avg) instead of
