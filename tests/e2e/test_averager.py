@@ -1,0 +1,401 @@
+"""End-to-end tests of ``open_diloco.galaxy`` on 127.0.0.1 with real hivemind.
+
+Every peer runs in its own spawned process (its DHT, averager and p2pd daemon are its children). The test
+records every descendant process by PID once the peers are up, and asserts at the end that all of them are
+gone: no p2pd daemon or averager may outlive a test. Processes are only ever ended by PID.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+CTX = mp.get_context("spawn")
+NUMEL = 250_007  # odd, and more than one 512 KiB part so every peer reduces a span
+BASE = dict(
+    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    announce_maddrs=[],
+    run_id="e2e",
+    shard_index=0,
+    matchmaking_time=2.0,
+    averaging_timeout=15.0,
+    join_timeout=10.0,
+    compression="none",
+)
+
+
+def _buffer(round_id: int, rank: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_id + rank))
+
+
+def _crash_when_reducing(galaxy_module) -> None:
+    """Fault injection: the first time this peer's averager serializes an averaged part (the all-reduce is
+    under way), SIGKILL the whole peer: worker, DHT, averager and p2pd, as if the machine died."""
+
+    def crash(*args, **kwargs):
+        worker = os.getppid()  # we run inside the averager process, a child of the worker
+        tree = [worker, *galaxy_module._child_pids(worker)]
+        tree += [grandchild for pid in tree[1:] for grandchild in galaxy_module._child_pids(pid)]
+        for pid in sorted(set(tree), key=lambda pid: pid == os.getpid()):  # ourselves last
+            os.kill(pid, signal.SIGKILL)
+
+    galaxy_module._CanonicalAllReduce._serialize_result = crash
+
+
+def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False):
+    """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
+    from open_diloco import galaxy
+    from open_diloco.galaxy import start_shard_averager
+
+    if crash:
+        _crash_when_reducing(galaxy)
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    try:
+        av = start_shard_averager(**kwargs)
+    except Exception as e:
+        queue.put(("error", rank, type(e).__name__, str(e)))
+        return
+    if handlers != (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)):
+        queue.put(("error", rank, "SignalHandlers", "start_shard_averager changed SIGINT/SIGTERM handlers"))
+    queue.put(("ready", rank, av.visible_maddrs, av.peer_id))
+    try:
+        if serve:
+            av.serve_state(lambda: ({"outer_step": 7, "lr": 0.5}, [_buffer(7, 0, 1001), torch.arange(5)]))
+        if download:
+            start = time.monotonic()
+            state = av.download_state(download)
+            queue.put(("state", rank, state, time.monotonic() - start))
+        n, numel = kwargs["galaxy_size"], kwargs["numel"]
+        for round_id in range(rounds):
+            barrier.wait(60)
+            inputs = [_buffer(round_id, r, numel) for r in range(n)]
+            mine = inputs[rank].clone()
+            start = time.monotonic()
+            try:
+                report = av.all_reduce(mine, round_id, {"fingerprint": f"rank{rank}"})
+            except Exception as e:
+                queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
+                continue
+            present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
+            mean = present.mean(0)
+            error = (mine.double() - mean).abs()
+            # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
+            fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
+            result = dict(
+                sha256=hashlib.sha256(mine.numpy().tobytes()).hexdigest(),
+                rel_err=float(error.max() / mean.abs().max()),
+                fp16_ok=bool((error <= fp16_tolerance).all()),
+                unchanged=bool(torch.equal(mine, inputs[rank])),
+                each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
+                wall=time.monotonic() - start,
+            )
+            queue.put(("round", rank, round_id, asdict(report), result))
+        if not rounds and not serve and not download:
+            time.sleep(300)  # idle: waits to be killed
+        if serve:
+            barrier.wait(60)  # keep serving until the downloader is done
+    finally:
+        av.shutdown()
+        queue.put(("done", rank))
+
+
+def _process_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, state, comm) for every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        table[int(entry)] = (int(ppid), state, comm)
+    return table
+
+
+def _descendants(root: int) -> dict[int, str]:
+    table = _process_table()
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, state, comm) in table.items():
+            if ppid == parent and pid not in found and state != "Z":
+                found[pid] = comm
+                frontier.append(pid)
+    return found
+
+
+def _alive(pids) -> list[int]:
+    table = _process_table()
+    return [pid for pid in pids if pid in table and table[pid][1] != "Z"]
+
+
+class Galaxy:
+    """Starts peers, collects their messages, and accounts for every process they start."""
+
+    def __init__(self):
+        self.queue = CTX.Queue()
+        self.workers: list = []
+        self.seen: dict[int, str] = {}
+        self.messages: list[tuple] = []
+        self.barriers: list = []
+
+    def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
+        if barrier is not None and barrier not in self.barriers:
+            self.barriers.append(barrier)
+        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash") if k in kwargs}
+        args = (rank, {**BASE, "galaxy_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
+        worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
+        worker.start()
+        self.workers.append(worker)
+
+    def wait_for(self, kind: str, count: int, timeout: float = 45.0) -> list[tuple]:
+        deadline = time.monotonic() + timeout
+        while len(got := [m for m in self.messages if m[0] == kind]) < count:
+            errors = [m for m in self.messages if m[0] == "error"]
+            assert not errors or kind == "error", f"a peer failed to start: {errors}"
+            self.messages.append(self.queue.get(timeout=max(0.1, deadline - time.monotonic())))
+        self.snapshot()
+        return got
+
+    def snapshot(self) -> None:
+        """Record every process our peers started (not multiprocessing's own resource tracker)."""
+        for worker in self.workers:
+            if worker.pid is not None:
+                self.seen.update({worker.pid: "worker", **_descendants(worker.pid)})
+
+    def kill_tree(self, worker) -> None:
+        """SIGKILL a peer and everything it started, by PID: a crashed machine."""
+        tree = {worker.pid: "worker", **_descendants(worker.pid)}
+        self.seen.update(tree)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.join(10)
+
+    def close(self) -> None:
+        self.snapshot()
+        for barrier in self.barriers:
+            barrier.abort()  # a failed test must not leave peers waiting for rounds that never come
+        for worker in self.workers:
+            worker.join(20)
+        leftovers = {}
+        for worker in self.workers:
+            if worker.is_alive():
+                self.kill_tree(worker)
+                leftovers[worker.pid] = "worker (did not exit)"
+        deadline = time.monotonic() + 10
+        while _alive(self.seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in _alive(self.seen):
+            leftovers[pid] = self.seen[pid]
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.fixture
+def galaxy():
+    g = Galaxy()
+    try:
+        yield g
+    finally:
+        g.close()
+        assert "p2pd" in g.seen.values() or not any(m[0] == "ready" for m in g.messages), "never saw a p2pd"
+
+
+def _start_galaxy(galaxy: Galaxy, n: int, rounds: int, barrier, **kwargs) -> list[tuple]:
+    galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, **kwargs)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    for rank in range(1, n):
+        galaxy.start(rank, rounds, barrier, initial_peers=maddrs, galaxy_size=n, **kwargs)
+    return galaxy.wait_for("ready", n)
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_rounds_are_bitwise_identical(galaxy, n, compression):
+    rounds = 3
+    barrier = CTX.Barrier(n + 1)
+    _start_galaxy(galaxy, n, rounds, barrier, compression=compression)
+    for round_id in range(rounds):
+        barrier.wait(60)
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1)) if m[2] == round_id]
+        assert not [m for m in galaxy.messages if m[0] == "round_error"]
+        assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
+        for _, _, _, report, result in results:
+            assert report["group_size"] == n and report["complete"]
+            assert sorted(report["peers"]) == list(range(n))
+            assert all(
+                p["round_id"] == round_id and p["fingerprint"] == f"rank{r}"
+                for r, p in report["peers"].items()
+            )
+            if compression == "none":
+                assert result["rel_err"] < 1e-6
+            else:
+                assert result["fp16_ok"], result
+            assert report["bytes_sent"] > 0 and report["bytes_received"] > 0 and report["seconds"] > 0
+        # every tensor part is counted once by its sender and once by its receiver
+        assert sum(r[3]["bytes_sent"] for r in results) == sum(r[3]["bytes_received"] for r in results)
+        # a span goes to its reducer from n-1 peers and comes back to n-1 peers
+        payload = 2 * (n - 1) * NUMEL * (4 if compression == "none" else 2)
+        assert payload <= sum(r[3]["bytes_sent"] for r in results) <= payload * 1.01
+
+
+def test_group_of_one_returns_at_once_unchanged(galaxy):
+    barrier = CTX.Barrier(2)
+    _start_galaxy(galaxy, 1, 1, barrier)
+    barrier.wait(60)
+    ((_, _, _, report, result),) = galaxy.wait_for("round", 1)
+    assert report["group_size"] == 1 and report["complete"] and list(report["peers"]) == [0]
+    assert result["unchanged"] and result["wall"] < 1.0
+
+
+def test_peer_killed_before_round_does_not_hang_survivor(galaxy):
+    barrier = CTX.Barrier(2)
+    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=2, averaging_timeout=6.0)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, 0, None, initial_peers=maddrs, galaxy_size=2, averaging_timeout=6.0)  # idles
+    galaxy.wait_for("ready", 2)
+    galaxy.kill_tree(galaxy.workers[1])
+    barrier.wait(60)
+    start = time.monotonic()
+    ((_, _, _, report, result),) = galaxy.wait_for("round", 1, timeout=20)
+    assert time.monotonic() - start < 6.0 + 3.0
+    assert report["group_size"] == 1 and list(report["peers"]) == [0] and result["unchanged"]
+
+
+def test_peer_killed_mid_round_does_not_hang_survivor(galaxy):
+    barrier = CTX.Barrier(3)
+    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=2, averaging_timeout=8.0)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, 1, barrier, initial_peers=maddrs, galaxy_size=2, averaging_timeout=8.0, crash=True)
+    galaxy.wait_for("ready", 2)
+    barrier.wait(60)
+    start = time.monotonic()
+    deadline = start + 25
+    while not [m for m in galaxy.messages if m[0] in ("round", "round_error") and m[1] == 0]:
+        galaxy.messages.append(galaxy.queue.get(timeout=max(0.1, deadline - time.monotonic())))
+    assert time.monotonic() - start < 8.0 + 3.0
+    assert _alive([galaxy.workers[1].pid]) == [], "the crashing peer did not die"
+    (outcome,) = [m for m in galaxy.messages if m[0] in ("round", "round_error") and m[1] == 0]
+    if outcome[0] == "round_error":
+        assert outcome[3] == "RoundFailed", outcome
+    else:  # a result from a round that lost a peer must say so
+        report, result = outcome[3], outcome[4]
+        assert not report["complete"] and report["group_size"] == 2, report
+        assert result["each_mean_or_own"], "a failed span must keep our own values, the rest the average"
+
+
+def test_trainer_killed_alone_takes_dht_averager_and_p2pd_along(galaxy):
+    galaxy.start(0, 0, None, initial_peers=[], galaxy_size=2)  # idles
+    galaxy.wait_for("ready", 1)
+    children = _descendants(galaxy.workers[0].pid)
+    assert "p2pd" in children.values() and len(children) == 3, children  # DHT, averager, p2pd
+    os.kill(galaxy.workers[0].pid, signal.SIGKILL)  # only the trainer process, as the OOM killer would
+    deadline = time.monotonic() + 10
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(children), {pid: children[pid] for pid in _alive(children)}
+
+
+def test_late_joiner_downloads_state(galaxy):
+    barrier = CTX.Barrier(2)
+    galaxy.start(0, 0, barrier, initial_peers=[], galaxy_size=2, serve=True)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, 0, None, initial_peers=maddrs, galaxy_size=2, download=15.0)
+    ((_, _, state, seconds),) = galaxy.wait_for("state", 1)
+    barrier.wait(60)
+    assert state is not None, "no state downloaded"
+    metadata, tensors = state
+    assert metadata == {"outer_step": 7, "lr": 0.5}
+    assert (
+        len(tensors) == 2
+        and torch.equal(tensors[0], _buffer(7, 0, 1001))
+        and torch.equal(tensors[1], torch.arange(5))
+    )
+    assert tensors[0].dtype == torch.float32 and tensors[1].dtype == torch.int64
+
+
+def test_download_state_without_server_returns_none(galaxy):
+    galaxy.start(0, 0, None, initial_peers=[], galaxy_size=2, download=3.0)
+    ((_, _, state, seconds),) = galaxy.wait_for("state", 1)
+    assert state is None and seconds < 3.0 + 2.0
+
+
+def test_duplicate_galaxy_rank_is_an_error(galaxy):
+    barrier = CTX.Barrier(3)
+    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=2)
+    ((_, _, maddrs, peer0),) = galaxy.wait_for("ready", 1)
+    galaxy.start(0, 1, barrier, initial_peers=maddrs, galaxy_size=2)  # same galaxy rank 0
+    ready = galaxy.wait_for("ready", 2)
+    barrier.wait(60)
+    errors = galaxy.wait_for("round_error", 2)
+    ids = [m[3] for m in ready]
+    for _, _, _, kind, message, _ in errors:
+        assert kind == "DuplicateGalaxyRank"
+        assert "\n" not in message
+    assert {next(i for i in ids if i in m[4]) for m in errors} == set(ids), "each must name the other peer"
+
+
+def _busy_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PEER = "12D3KooWR2sdW3bUWbZyZhcegL51hKAq9VtJLcc658zQ9gbu7py8"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["malformed", "no_peer_id", "nothing_listening", "silent_listener", "port_in_use"],
+)
+def test_bad_network_config_is_a_one_line_config_error(galaxy, case):
+    busy = _busy_port()
+    port = busy.getsockname()[1]
+    kwargs = dict(initial_peers=[], join_timeout=4.0)
+    if case == "malformed":
+        kwargs["initial_peers"] = ["/ip4/127.0.0.1/tcp/notaport"]
+    elif case == "no_peer_id":
+        kwargs["initial_peers"] = ["/ip4/127.0.0.1/tcp/1234"]
+    elif case == "nothing_listening":
+        kwargs["initial_peers"] = [f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{PEER}"]
+    elif case == "silent_listener":  # something accepts TCP but never speaks libp2p: join_timeout applies
+        kwargs["initial_peers"] = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER}"]
+    else:
+        kwargs["host_maddrs"] = [f"/ip4/127.0.0.1/tcp/{port}"]
+    start = time.monotonic()
+    try:
+        galaxy.start(0, 0, None, galaxy_size=2, **kwargs)
+        ((_, _, kind, message),) = galaxy.wait_for("error", 1, timeout=40)
+    finally:
+        busy.close()
+    assert kind == "ConfigError" and "\n" not in message and "--hv." in message, message
+    assert time.monotonic() - start < 4.0 + 10.0  # join_timeout, plus spawning a Python with torch
