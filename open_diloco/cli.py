@@ -126,7 +126,9 @@ def preflight(
     from open_diloco.preflight import EXIT_FAILED, Launch, build_checks, run_checks
 
     if node_rank >= num_nodes:
-        raise ConfigError(f"--node-rank {node_rank} is not below --num-nodes {num_nodes}: use 0..{num_nodes - 1}")
+        raise ConfigError(
+            f"--node-rank {node_rank} is not below --num-nodes {num_nodes}: use 0..{num_nodes - 1}"
+        )
     launch = Launch(num_nodes, node_rank, master_addr, master_port, nproc_per_node)
 
     def load_config() -> Config:
@@ -135,10 +137,14 @@ def preflight(
         except (pydantic.ValidationError, cyclopts.CycloptsError) as err:
             raise ConfigError(describe_error(err)) from None
         if command is not train:
-            raise ConfigError(f"expected the trainer's flags after `--`, got the subcommand {trainer_args[0]!r}")
+            raise ConfigError(
+                f"expected the trainer's flags after `--`, got the subcommand {trainer_args[0]!r}"
+            )
         return bound.arguments.get("config") or Config()
 
-    if not run_checks(build_checks(load_config, launch, timeout, master_wait), lambda line: print(line, flush=True)):
+    if not run_checks(
+        build_checks(load_config, launch, timeout, master_wait), lambda line: print(line, flush=True)
+    ):
         sys.exit(EXIT_FAILED)
 
 
@@ -217,8 +223,10 @@ def parse(argv: Sequence[str]) -> tuple[Any, Any]:
     app.config = [config_file_provider(config_path)] if config_path is not None else []
     command, bound, _ = app.parse_args(rest, exit_on_error=False, print_error=False)
     if config_path is not None and command is not train:
-        raise ConfigError("--config belongs to training: check-config takes the file as its argument, "
-                          "preflight after its `--`")
+        raise ConfigError(
+            "--config belongs to training: check-config takes the file as its argument, "
+            "preflight after its `--`"
+        )
     return command, bound
 
 

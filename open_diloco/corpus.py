@@ -71,8 +71,14 @@ class PackedCorpus:
     @classmethod
     def open(cls, root: Path) -> PackedCorpus:
         index = json.loads((root / INDEX_FILE).read_text())
-        return cls(root, index["num_tokens"], index["dtype"], index["vocab_size"], index["tokenizer"],
-                   index["tokenizer_fingerprint"])
+        return cls(
+            root,
+            index["num_tokens"],
+            index["dtype"],
+            index["vocab_size"],
+            index["tokenizer"],
+            index["tokenizer_fingerprint"],
+        )
 
     def tokens(self) -> np.memmap:
         """The flat token array, memory-mapped read-only (cheap; call it in each process that reads)."""
@@ -96,7 +102,9 @@ def find_source(dataset_path: str, text_field: str) -> Source:
     elif glob.has_magic(dataset_path):
         files = sorted(Path(p) for p in glob.glob(dataset_path, recursive=True) if not Path(p).is_dir())
     else:
-        raise ConfigError(f"{flag} does not exist: give a directory, glob, .jsonl/.parquet file or save_to_disk dir")
+        raise ConfigError(
+            f"{flag} does not exist: give a directory, glob, .jsonl/.parquet file or save_to_disk dir"
+        )
     if not files:
         raise ConfigError(f"{flag} holds no files: point it at a directory or glob with data files")
     kinds = {_SUFFIX_KIND.get(f.suffix.lower(), "text") for f in files}
@@ -121,7 +129,9 @@ def _check_readable(file: Path, flag: str) -> None:
         with open(file, "rb") as handle:
             handle.read(1)
     except OSError as err:
-        raise ConfigError(f"{flag}: cannot read {file} ({err.strerror or type(err).__name__}): fix or remove it") from None
+        raise ConfigError(
+            f"{flag}: cannot read {file} ({err.strerror or type(err).__name__}): fix or remove it"
+        ) from None
 
 
 def _check_json_field(file: Path, text_field: str, flag: str) -> None:
@@ -134,7 +144,9 @@ def _check_json_field(file: Path, text_field: str, flag: str) -> None:
     except json.JSONDecodeError:
         if first.lstrip().startswith("["):
             return  # a JSON array file; datasets parses it whole and checks the field while packing
-        raise ConfigError(f"{flag}: {file} is not JSON lines (first line does not parse): fix or remove it") from None
+        raise ConfigError(
+            f"{flag}: {file} is not JSON lines (first line does not parse): fix or remove it"
+        ) from None
     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
         keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(
@@ -201,13 +213,17 @@ def iter_text_batches(source: Source, text_field: str, batch_size: int = 256) ->
         for batch in dataset.iter(batch_size=batch_size):
             texts = batch.get(text_field)
             if texts is None or any(not isinstance(t, str) for t in texts):
-                raise ConfigError(f"{flag}: a record has no text field {text_field!r}: fix the data or set --dataset-text-field")
+                raise ConfigError(
+                    f"{flag}: a record has no text field {text_field!r}: fix the data or set --dataset-text-field"
+                )
             yield texts
     except ConfigError:
         raise
     except Exception as err:  # a file that broke mid-read: pyarrow, json, OS errors all mean "fix the data"
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"{flag}: cannot read the data ({type(err).__name__}: {first_line}): fix or remove the file") from None
+        raise ConfigError(
+            f"{flag}: cannot read the data ({type(err).__name__}: {first_line}): fix or remove the file"
+        ) from None
 
 
 def pack_corpus(
@@ -234,14 +250,22 @@ def pack_corpus(
     num_tokens = num_documents = 0
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     console = Console(stderr=True)
-    columns = (TextColumn("[bold]packing[/] {task.description}"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"),
-               TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]packing[/] {task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[docs]:,} docs"),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeElapsedColumn(),
+    )
     started = time.monotonic()
     try:
         # A live bar on a terminal only (it vanishes when done, so an error stays one line); logs get a summary.
-        with open(tmp / TOKENS_FILE, "wb") as out, Progress(
-            *columns, console=console, disable=not (progress and console.is_terminal), transient=True
-        ) as bar:
+        with (
+            open(tmp / TOKENS_FILE, "wb") as out,
+            Progress(
+                *columns, console=console, disable=not (progress and console.is_terminal), transient=True
+            ) as bar,
+        ):
             task = bar.add_task(source.path, total=None, docs=0, tokens=0)
             for texts in iter_text_batches(source, text_field):
                 for ids in tokenizer.encode_batch([t for t in texts if t]):
@@ -252,14 +276,25 @@ def pack_corpus(
                 bar.update(task, docs=num_documents, tokens=num_tokens)
                 heartbeat()
         index = {
-            "format": FORMAT, "num_tokens": num_tokens, "num_documents": num_documents, "dtype": np.dtype(dtype).name,
-            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "tokenizer": tokenizer.name,
-            "tokenizer_fingerprint": tokenizer.fingerprint, "source": source.path, "text_field": text_field,
+            "format": FORMAT,
+            "num_tokens": num_tokens,
+            "num_documents": num_documents,
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "tokenizer": tokenizer.name,
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "source": source.path,
+            "text_field": text_field,
         }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
         if progress:
-            console.print(f"packed {source.path}: {num_documents:,} documents, {num_tokens:,} tokens in "
-                          f"{time.monotonic() - started:.1f}s", highlight=False, soft_wrap=True)
+            console.print(
+                f"packed {source.path}: {num_documents:,} documents, {num_tokens:,} tokens in "
+                f"{time.monotonic() - started:.1f}s",
+                highlight=False,
+                soft_wrap=True,
+            )
         if not out_dir.exists():
             with contextlib.suppress(OSError):  # another process published the same corpus first: keep theirs
                 os.replace(tmp, out_dir)
@@ -278,8 +313,13 @@ def cache_key(source: Source, text_field: str, tokenizer: TextTokenizer) -> str:
     return digest.hexdigest()[:20]
 
 
-def prepare_cached(source: Source, text_field: str, tokenizer: TextTokenizer, cache_dir: Path,
-                   wait_timeout_s: float = STALE_LOCK_SECONDS) -> PackedCorpus:
+def prepare_cached(
+    source: Source,
+    text_field: str,
+    tokenizer: TextTokenizer,
+    cache_dir: Path,
+    wait_timeout_s: float = STALE_LOCK_SECONDS,
+) -> PackedCorpus:
     """The packed corpus of ``source``: from the cache, else packed by the first process to take the lock while
     the others wait (see the module doc). Raises the preparer's ConfigError in every waiting process."""
     if source.kind == "packed":
@@ -328,7 +368,9 @@ def _wait_for_lock(lock: Path, error: Path, stale_after_s: float) -> None:
         except FileNotFoundError:
             break
         if age > stale_after_s:
-            lock.unlink(missing_ok=True)  # its holder died; a second preparer is harmless (publishing is atomic)
+            lock.unlink(
+                missing_ok=True
+            )  # its holder died; a second preparer is harmless (publishing is atomic)
             return
         time.sleep(0.2)
     with contextlib.suppress(FileNotFoundError):

@@ -156,7 +156,9 @@ def cluster_stream(galaxy_rank: int) -> int:
     return galaxy_rank
 
 
-def split_samples(num_samples: int, seed: int, galaxy_size: int, galaxy_rank: int) -> tuple[np.ndarray, np.ndarray]:
+def split_samples(
+    num_samples: int, seed: int, galaxy_size: int, galaxy_rank: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(this cluster's training sample ids in first-epoch order, the held-out validation ids); see module doc."""
     num_val = max(1, num_samples // VAL_FRACTION_DENOMINATOR)
     num_train = max(0, num_samples - num_val)
@@ -179,7 +181,9 @@ class DataPlan:
     val_ids: np.ndarray | None = None
 
 
-def plan_data(config: Config, model_vocab_size: int, world_size: int, galaxy_rank: int, galaxy_size: int) -> DataPlan:
+def plan_data(
+    config: Config, model_vocab_size: int, world_size: int, galaxy_rank: int, galaxy_size: int
+) -> DataPlan:
     """Check the data flags, pack raw data into the cache if needed, and split it for this cluster.
 
     Every failure is a one-line ConfigError raised in every rank on its own (the ranks not packing wait for the
@@ -217,9 +221,13 @@ def build_train_loader(
     ``state_dict()`` / ``load_state_dict()`` resume exactly at the next batch (the sampler's position is the
     whole state; the datasets are pure functions of position)."""
     if plan.corpus is None:
-        dataset: Dataset = FakeSequences(plan.seed, cluster_stream(plan.galaxy_rank), plan.vocab_size, plan.seq_length)
+        dataset: Dataset = FakeSequences(
+            plan.seed, cluster_stream(plan.galaxy_rank), plan.vocab_size, plan.seq_length
+        )
     else:
-        dataset = PackedSamples(plan.corpus, plan.seq_length, plan.train_ids, _seed_of(plan.seed, plan.galaxy_rank))
+        dataset = PackedSamples(
+            plan.corpus, plan.seq_length, plan.train_ids, _seed_of(plan.seed, plan.galaxy_rank)
+        )
     return StatefulDataLoader(
         dataset,
         batch_size=per_device_batch,
@@ -233,12 +241,16 @@ def build_train_loader(
     )
 
 
-def build_eval_loader(plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, steps: int) -> DataLoader:
+def build_eval_loader(
+    plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, steps: int
+) -> DataLoader:
     """``steps`` held-out micro-batches for this rank, the same ones on every iteration (read in-process: a
     validation pass is short, and worker start-up would cost more than it saves)."""
     if plan.corpus is None:
         dataset: Dataset = FakeSequences(plan.seed, FAKE_VAL_STREAM, plan.vocab_size, plan.seq_length)
     else:
         dataset = PackedSamples(plan.corpus, plan.seq_length, plan.val_ids, reshuffle_seed=None)
-    positions = list(islice(iter(ClusterSampler(per_device_batch, rank, world_size)), steps * per_device_batch))
+    positions = list(
+        islice(iter(ClusterSampler(per_device_batch, rank, world_size)), steps * per_device_batch)
+    )
     return DataLoader(dataset, batch_size=per_device_batch, sampler=positions, num_workers=0)

@@ -67,6 +67,10 @@ class OuterLoop(Protocol):
         """Run an outer step if ``inner_step`` (1-based) ends a round; return its metrics, else ``{}``."""
         ...
 
+    def inner_step_of_galaxy(self) -> int:
+        """The inner step the galaxy's current round started at (a cluster behind it catches up)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -74,6 +78,9 @@ class NullOuterLoop:
     """No galaxy: plain data-parallel training inside the cluster."""
 
     def join_galaxy(self) -> int:
+        return 0
+
+    def inner_step_of_galaxy(self) -> int:
         return 0
 
     def after_inner_step(self, inner_step: int) -> dict[str, Any]:
@@ -218,6 +225,9 @@ class DiLoCo:
             )
         return self.outer_step * self.local_steps
 
+    def inner_step_of_galaxy(self) -> int:
+        return self.outer_step * self.local_steps
+
     # -- the outer step --------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int) -> dict[str, Any]:
         """Run an outer step when ``inner_step`` ends a round (see :class:`OuterLoop`)."""
@@ -263,10 +273,17 @@ class DiLoCo:
                 f"outer step {self.outer_step + 1}: proceeding with {clusters} of {self.galaxy_size} clusters"
             )
 
-        peer_hashes = {rank: meta.get("param_hash") for rank, meta in report.peers.items()}
-        reference_rank = min(peer_hashes) if peer_hashes else self.galaxy_rank
-        shard_in_sync = all(h == own_hash for h in peer_hashes.values())
+        shard_in_sync = all(meta.get("param_hash") == own_hash for meta in report.peers.values())
         in_sync = self.cluster.min_int(int(shard_in_sync)) == 1
+        # After a mismatch, every cluster but the most advanced one (latest round, then lowest rank) adopts
+        # that one's state. Ranks of a cluster may have seen different peers, so they agree on the outcome.
+        reference = max(
+            ((meta.get("round_id", self.outer_step), -rank) for rank, meta in report.peers.items()),
+            default=(self.outer_step, -self.galaxy_rank),
+        )
+        behind = reference > (self.outer_step, -self.galaxy_rank)
+        must_resync = not in_sync and self.cluster.min_int(-int(behind)) == -1
+        wanted_step = -self.cluster.min_int(-(reference[0] + 1))
 
         with self._state_lock:
             self.outer_params.grad = self._pseudo_grad
@@ -274,9 +291,7 @@ class DiLoCo:
             self.outer_params.grad = None
             self.outer_step += 1
 
-        resynced = False
-        if not in_sync and reference_rank != self.galaxy_rank:
-            resynced = self._resync()
+        resynced = self._resync(wanted_step) if must_resync else False
         self._scatter_outer_into_model()
 
         return {
@@ -315,24 +330,28 @@ class DiLoCo:
                 )
         return report
 
-    def _resync(self, attempts: int = 5, timeout: float = 30.0) -> bool:
-        """Replace this cluster's outer state by the galaxy's after a hash mismatch.
+    def _resync(self, wanted_step: int, attempts: int = 5, timeout: float = 30.0) -> bool:
+        """Adopt the outer state (θ_outer, momentum, round counter) of the galaxy's most advanced cluster after
+        a hash mismatch, and say whether it worked.
 
-        The peer we download from may still be applying this round's outer step, so a state from an older
-        round is refused and asked for again. Every local rank takes part; if any shard cannot get the
-        current state, the cluster keeps its own on every shard (never a mix)."""
+        The peer may still be applying the round we want, so an older state is refused and asked for again.
+        Every local rank takes part and all must end on the same round, else the cluster keeps its own state
+        on every shard (never a mix)."""
         downloaded = None
         for _ in range(attempts):
             downloaded = self.averager.download_state(timeout)
-            if downloaded is not None and int(downloaded[0].get("outer_step", -1)) == self.outer_step:
+            if downloaded is not None and int(downloaded[0].get("outer_step", -1)) >= wanted_step:
                 break
             downloaded = None
             time.sleep(0.5)
-        ok = self.cluster.min_int(int(downloaded is not None)) == 1
+        step = int(downloaded[0]["outer_step"]) if downloaded is not None else -1
+        ok = step >= 0 and self.cluster.min_int(step) == step == -self.cluster.min_int(-step)
         if ok:
+            previous = self.outer_step
             self.load_outer_state(*downloaded)
             self.warn(
-                f"outer step {self.outer_step}: θ_outer differed from the galaxy: re-synced from a peer"
+                f"outer step {previous}: θ_outer differed from the galaxy: adopted a peer's state at outer step "
+                f"{self.outer_step}"
             )
         else:
             self.warn(f"outer step {self.outer_step}: θ_outer differs from the galaxy and re-sync failed")

@@ -29,3 +29,16 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio)
     )
+
+
+def move_scheduler_to(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put the schedule at inner step ``step`` (resume, late join, catching up with the galaxy): the learning
+    rate is a pure function of the step, so no scheduler state needs restoring."""
+    scheduler.last_epoch = step
+    lrs = [
+        base_lr * lr_lambda(step)
+        for base_lr, lr_lambda in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

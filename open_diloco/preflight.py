@@ -90,7 +90,10 @@ def _run_with_timeout(check: Check) -> tuple[str, str]:
     thread.start()
     thread.join(check.timeout_s)
     if not outcome:
-        return "FAIL", f"no answer within {check.timeout_s:g} s; fix: see what hangs (network, filesystem, driver)"
+        return (
+            "FAIL",
+            f"no answer within {check.timeout_s:g} s; fix: see what hangs (network, filesystem, driver)",
+        )
     return outcome[0]
 
 
@@ -123,9 +126,15 @@ def build_checks(
     return [
         Check("config", config_check, timeout_s),
         # Importing torch from a cold network filesystem can take tens of seconds: not a failure.
-        Check("python", lambda: check_python("config" in state and state["config"].hv is not None), max(60.0, timeout_s)),
+        Check(
+            "python",
+            lambda: check_python("config" in state and state["config"].hv is not None),
+            max(60.0, timeout_s),
+        ),
         Check("devices", lambda: check_devices(needs_config(), launch.nproc_per_node), max(30.0, timeout_s)),
-        Check("master", lambda: check_master(launch, timeout_s, master_wait_s), master_wait_s + 2 * timeout_s),
+        Check(
+            "master", lambda: check_master(launch, timeout_s, master_wait_s), master_wait_s + 2 * timeout_s
+        ),
         Check("dht-peers", lambda: check_dht_peers(needs_config(), timeout_s), 2 * timeout_s + 1),
         Check("distributed", lambda: check_distributed(needs_config()), max(30.0, timeout_s)),
     ]
@@ -160,7 +169,9 @@ def check_devices(config: Config, nproc_per_node: int) -> str:
         device = choose_device("cuda" if wants_cuda else config.device, nproc_per_node - 1)
         backend = choose_backend(config.backend, device)
     except ConfigError as err:
-        raise CheckFailed(str(err), "set BACKEND=gloo for CPU, or NPROC_PER_NODE to at most the GPUs visible") from None
+        raise CheckFailed(
+            str(err), "set BACKEND=gloo for CPU, or NPROC_PER_NODE to at most the GPUs visible"
+        ) from None
     if device.type == "cuda":
         return f"{torch.cuda.device_count()} GPU(s) visible for {nproc_per_node} local rank(s), backend {backend}"
     return f"cpu, backend {backend}, {nproc_per_node} local rank(s)"
@@ -177,10 +188,14 @@ def check_master(launch: Launch, timeout_s: float, master_wait_s: float) -> str:
                 sock.bind((_resolve(launch.master_addr), launch.master_port))
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
-                    raise CheckFailed(f"port {where} is already in use on this node",
-                                      "pick another master_port (and pass it to every node)") from None
-                raise CheckFailed(f"cannot listen on {where} ({err.strerror})",
-                                  "node_rank 0 must run on the host master_addr names") from None
+                    raise CheckFailed(
+                        f"port {where} is already in use on this node",
+                        "pick another master_port (and pass it to every node)",
+                    ) from None
+                raise CheckFailed(
+                    f"cannot listen on {where} ({err.strerror})",
+                    "node_rank 0 must run on the host master_addr names",
+                ) from None
         return f"node 0 of {launch.num_nodes}: {where} free to host the rendezvous"
     address = _resolve(launch.master_addr)
     deadline = time.monotonic() + master_wait_s
@@ -246,15 +261,25 @@ def check_distributed(config: Config) -> str:
     device = choose_device(config.device, 0)
     backend = choose_backend(config.backend, device)
     if dist.is_initialized():
-        raise CheckFailed("a process group already exists in this process", "run preflight in its own process")
+        raise CheckFailed(
+            "a process group already exists in this process", "run preflight in its own process"
+        )
     try:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=10),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=10),
+            device_id=device if device.type == "cuda" else None,
+        )
         value = torch.ones(1, device=device)
         dist.all_reduce(value)
     except Exception as err:  # gloo/nccl raise RuntimeError, DistBackendError, ...: all mean "broken stack"
-        raise CheckFailed(f"{backend} cannot form a process group ({str(err).splitlines()[0]})",
-                          "check GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and that the hostname resolves") from None
+        raise CheckFailed(
+            f"{backend} cannot form a process group ({str(err).splitlines()[0]})",
+            "check GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and that the hostname resolves",
+        ) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -267,4 +292,6 @@ def _resolve(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:
-        raise CheckFailed(f"host {host!r} does not resolve", "use an IP address or a name every node resolves") from None
+        raise CheckFailed(
+            f"host {host!r} does not resolve", "use an IP address or a name every node resolves"
+        ) from None

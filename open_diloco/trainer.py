@@ -18,7 +18,7 @@ from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop, local_shards
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
-from open_diloco.optim import build_inner_optimizer, build_scheduler
+from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.world import World, describe_world, join_process_group, leave_process_group
 
@@ -52,11 +52,17 @@ def train(config: Config) -> None:
     outer: OuterLoop = NullOuterLoop()
     try:
         model = build_model(config.path_model, config.seed)
-        model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+        model = parallelize(
+            model, world.device, precision, config.activation_checkpointing, config.torch_compile
+        )
         outer = build_outer_loop(config.hv, model, world)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
-        scheduler = build_scheduler(optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio)
-        batch_args = dict(per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size)
+        scheduler = build_scheduler(
+            optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
+        )
+        batch_args = dict(
+            per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
+        )
         loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
         eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
         start_step = 0
@@ -64,11 +70,7 @@ def train(config: Config) -> None:
             start_step = checkpoint.load(*resume, model=model, optimizer=optimizer, outer=outer)
             _say(world, f"resumed from {resume[0]} at step {start_step}")
         start_step = max(start_step, outer.join_galaxy())
-        # The data position and the schedule are functions of the step: derive them (resume, late join).
-        loader.sampler.next_block = start_step * grad_accum
-        for _ in range(start_step):
-            scheduler.step()
-        batches = iter(loader)
+        batches = position_at(start_step, loader, scheduler, grad_accum)
         tokens_per_step = config.total_batch_size * config.seq_length
         _say(
             world,
@@ -76,7 +78,9 @@ def train(config: Config) -> None:
             f"grad accumulation {grad_accum}, steps {start_step + 1}..{config.max_steps}",
         )
 
-        for step in range(start_step + 1, config.max_steps + 1):
+        step = start_step
+        while step < config.max_steps:
+            step += 1
             started = time.perf_counter()
             loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
             scheduler.step()
@@ -91,6 +95,11 @@ def train(config: Config) -> None:
                 "memory_gib": _memory_gib(world.device),
             }
             record.update(outer.after_inner_step(step))
+            galaxy_step = outer.inner_step_of_galaxy()
+            if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
+                _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
+                step = galaxy_step
+                batches = position_at(step, loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
             metrics.log(record)
@@ -115,6 +124,14 @@ def train(config: Config) -> None:
         outer.close()
         metrics.close()
         leave_process_group()
+
+
+def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches and learning rate for continuing after inner step ``step``. Both are pure functions of the
+    step, which is what makes resume, late join and catching up with the galaxy the same operation."""
+    loader.sampler.next_block = step * grad_accum
+    move_scheduler_to(scheduler, step)
+    return iter(loader)
 
 
 def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) -> OuterLoop:

@@ -68,10 +68,26 @@ def launcher_env(env: dict[str, str] | None = None) -> dict[str, int | str]:
         return {
             "rank": rank,
             "world_size": size,
-            "local_rank": int(_first(env, "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID",
-                                     "OMPI_COMM_WORLD_LOCAL_RANK", default="0")),
-            "local_world_size": int(_first(env, "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                                           "OMPI_COMM_WORLD_LOCAL_SIZE", default=str(size))),
+            "local_rank": int(
+                _first(
+                    env,
+                    "PMI_LOCAL_RANK",
+                    "PALS_LOCAL_RANKID",
+                    "MPI_LOCALRANKID",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    default="0",
+                )
+            ),
+            "local_world_size": int(
+                _first(
+                    env,
+                    "PMI_LOCAL_SIZE",
+                    "PALS_LOCAL_SIZE",
+                    "MPI_LOCALNRANKS",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    default=str(size),
+                )
+            ),
             "launcher": "pbs",
         }
     return {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "launcher": "single"}
@@ -84,7 +100,9 @@ def _first(env: dict[str, str], *names: str, default: str) -> str:
 def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
     """Tasks on this node: this node's entry of SLURM's ``2(x3),1`` task list, which, unlike
     SLURM_NTASKS_PER_NODE (set only when the user asked for it), is always set and also covers uneven nodes."""
-    per_node = expand_slurm_tasks_per_node(_first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default=""))
+    per_node = expand_slurm_tasks_per_node(
+        _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default="")
+    )
     node_id = int(env.get("SLURM_NODEID", 0))
     if node_id < len(per_node):
         return per_node[node_id]
@@ -136,7 +154,7 @@ def _expand_brackets(name: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", name)
     if match is None:
         return [name]
-    head, tail = name[: match.start()], name[match.end():]
+    head, tail = name[: match.start()], name[match.end() :]
     expanded: list[str] = []
     for part in match[1].split(","):
         lo, _, hi = part.partition("-")

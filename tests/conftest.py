@@ -95,3 +95,13 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> Non
         time.sleep(0.1)
     left = alive(targets)
     assert not left, f"processes still alive after signal {sig}: {left}"
+
+
+def with_overrides(defaults: list[str], extra: tuple[str, ...] | list[str]) -> list[str]:
+    """``defaults`` (flag/value pairs) followed by ``extra``, dropping each default flag that ``extra`` sets
+    again (the CLI refuses a flag given twice)."""
+    base = list(defaults)
+    for flag in {arg for arg in extra if arg.startswith("--")} & set(base):
+        at = base.index(flag)
+        del base[at : at + 2]
+    return [*base, *extra]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, kill_tree, read_metrics, trainer_env
+from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, kill_tree, read_metrics, trainer_env, with_overrides
 
 pytestmark = pytest.mark.dist
 
@@ -24,11 +24,8 @@ ARGS = ["--path-model", str(TINY_MODEL), "--fake-data", "--no-torch-compile", "-
 
 def command(nproc: int, metrics: Path, *extra: str) -> list[str]:
     launcher = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [TORCHRUN[0]]
-    base = [*ARGS, "--max-steps", "40"]
-    for flag in {arg for arg in extra if arg.startswith("--")} & set(base):  # extra wins over the defaults
-        at = base.index(flag)
-        del base[at : at + 2]
-    return [*launcher, str(TRAIN_SCRIPT), *base, "--metrics-path", str(metrics), *extra]
+    flags = with_overrides([*ARGS, "--max-steps", "40"], extra)
+    return [*launcher, str(TRAIN_SCRIPT), *flags, "--metrics-path", str(metrics)]
 
 
 def run(nproc: int, metrics: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:

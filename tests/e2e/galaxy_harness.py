@@ -21,6 +21,7 @@ from tests.conftest import (
     kill_tree,
     read_metrics,
     trainer_env,
+    with_overrides,
 )
 
 HIVEMIND_DHT = str(Path(sys.executable).parent / "hivemind-dht")
@@ -88,26 +89,10 @@ class Galaxy:
         """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path."""
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
-        cmd = [
-            *TORCHRUN,
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(TRAIN_SCRIPT),
-            *CLUSTER_ARGS,
-            "--total-batch-size",
-            str(4 * nproc),
-            "--metrics-path",
-            str(metrics),
-            "--run-name",
-            name,
-            "--hv.initial-peers",
-            self.maddr,
-            "--hv.galaxy-size",
-            str(size),
-            "--hv.world-rank",
-            str(rank),
-            *extra,
-        ]
+        identity = ["--total-batch-size", str(4 * nproc), "--metrics-path", str(metrics), "--run-name", name,
+                    "--hv.initial-peers", self.maddr, "--hv.galaxy-size", str(size), "--hv.world-rank", str(rank)]
+        flags = with_overrides(CLUSTER_ARGS, extra)
+        cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *flags, *identity]
         log = (self.workdir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             cmd, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT
@@ -130,7 +115,11 @@ class Galaxy:
 
     def wait_for_step(self, metrics: Path, step: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        proc = self.procs[metrics.stem]
         while time.monotonic() < deadline:
+            assert proc.poll() is None, (
+                f"{metrics.stem} exited ({proc.returncode}):\n{self.log(metrics.stem)[-3000:]}"
+            )
             self.track()
             if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
                 return

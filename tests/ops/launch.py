@@ -39,8 +39,13 @@ def launcher_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]:
     env = trainer_env()
     env.pop("VENV", None)
     env.pop("CONDA_ENV", None)
-    env.update(PATH=f"{BIN}:{env.get('PATH', '')}", NPROC_PER_NODE="1", BACKEND="gloo", PREFLIGHT_TIMEOUT="3",
-               RDZV_TIMEOUT="120")
+    env.update(
+        PATH=f"{BIN}:{env.get('PATH', '')}",
+        NPROC_PER_NODE="1",
+        BACKEND="gloo",
+        PREFLIGHT_TIMEOUT="3",
+        RDZV_TIMEOUT="120",
+    )
     env.update(extra)
     env.update(PATH=f"{spy_dir}:{env['PATH']}", OPEN_DILOCO_TEST_TAG=uuid.uuid4().hex)
     return env, marker

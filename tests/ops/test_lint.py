@@ -12,11 +12,17 @@ import pytest
 from tests.conftest import REPO
 
 SHELL_SCRIPTS = sorted(
-    p for pattern in ("scripts/**/*.sh", "scripts/**/*.sbatch", "scripts/**/*.pbs") for p in REPO.glob(pattern)
+    p
+    for pattern in ("scripts/**/*.sh", "scripts/**/*.sbatch", "scripts/**/*.pbs")
+    for p in REPO.glob(pattern)
 )
 # The cluster launchers are held to every shellcheck level; other scripts to warnings and errors.
-LAUNCHERS = {"scripts/cluster_train.sh", "scripts/slurm/cluster.sbatch", "scripts/slurm/dht.sbatch",
-             "scripts/pbs/cluster.pbs"}
+LAUNCHERS = {
+    "scripts/cluster_train.sh",
+    "scripts/slurm/cluster.sbatch",
+    "scripts/slurm/dht.sbatch",
+    "scripts/pbs/cluster.pbs",
+}
 
 
 def tool(name: str) -> str:
@@ -36,8 +42,11 @@ def test_launchers_exist():
 def test_shell_script_parses_and_passes_shellcheck(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     severity = "style" if script.relative_to(REPO).as_posix() in LAUNCHERS else "warning"
-    proc = subprocess.run([tool("shellcheck"), "--shell=bash", f"--severity={severity}", str(script)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [tool("shellcheck"), "--shell=bash", f"--severity={severity}", str(script)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout
 
 

@@ -40,19 +40,40 @@ def test_pbs_script_starts_one_cluster_train_per_node(tmp_path):
     workdir = tmp_path / "work dir"  # a space, to prove the quoting
     workdir.mkdir()
     env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "PBS_JOBID": "4321.pbs-server",
-        "PBS_NODEFILE": str(nodefile), "PBS_O_WORKDIR": str(workdir), "OPEN_DILOCO_ROOT": str(fake_root),
-        "CONFIG": "configs/my run.toml", "TRAINER_ARGS": "--hv.galaxy-size 2 --hv.world-rank 1",
-        "BACKEND": "gloo", "VENV": "/opt/venv",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "PBS_JOBID": "4321.pbs-server",
+        "PBS_NODEFILE": str(nodefile),
+        "PBS_O_WORKDIR": str(workdir),
+        "OPEN_DILOCO_ROOT": str(fake_root),
+        "CONFIG": "configs/my run.toml",
+        "TRAINER_ARGS": "--hv.galaxy-size 2 --hv.world-rank 1",
+        "BACKEND": "gloo",
+        "VENV": "/opt/venv",
     }
-    proc = subprocess.run(["bash", str(REPO / "scripts/pbs/cluster.pbs")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts/pbs/cluster.pbs")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 node(s) gpu-a gpu-b, master gpu-a:24321" in proc.stdout
     assert sorted((bin_dir / "slots").read_text().split()) == ["0", "2"]
     for rank in (0, 1):
         record = json.loads((tmp_path / f"node{rank}.json").read_text())
-        assert record["args"] == ["configs/my run.toml", "2", str(rank), "gpu-a", "24321",
-                                  "--hv.galaxy-size", "2", "--hv.world-rank", "1"]
+        assert record["args"] == [
+            "configs/my run.toml",
+            "2",
+            str(rank),
+            "gpu-a",
+            "24321",
+            "--hv.galaxy-size",
+            "2",
+            "--hv.world-rank",
+            "1",
+        ]
         assert record["cwd"] == str(workdir)
         assert record["env"] == {"BACKEND": "gloo", "RDZV_ID": "4321.pbs-server", "VENV": "/opt/venv"}

@@ -71,15 +71,27 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
     conf = ["-f", str(d / "slurm.conf")]
     pid_files = [d / "munged.pid", d / "slurmctld.pid", d / "slurmd.n1.pid", d / "slurmd.n2.pid"]
     try:
-        subprocess.run(["munged", "--force", f"--socket={d}/munge.sock", f"--key-file={d}/munge.key",
-                        f"--pid-file={d}/munged.pid", f"--log-file={d}/log/munged.log", f"--seed-file={d}/munge.seed"],
-                       check=True, env=env)
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--socket={d}/munge.sock",
+                f"--key-file={d}/munge.key",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/log/munged.log",
+                f"--seed-file={d}/munge.seed",
+            ],
+            check=True,
+            env=env,
+        )
         subprocess.run(["slurmctld", *conf], check=True, env=env)
         for name in ("n1", "n2"):
             subprocess.run(["slurmd", *conf, "-N", name], check=True, env=env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True).stdout
+            states = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True
+            ).stdout
             if states.split() == ["idle", "idle"]:
                 break
             time.sleep(0.5)
@@ -99,22 +111,39 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 
 def test_cluster_sbatch_trains_one_cluster_over_two_slurm_nodes(slurm, tmp_path):
     config = write_config(tmp_path / "cluster.toml")
-    env, torchrun_marker = launcher_env(tmp_path, OPEN_DILOCO_ROOT=str(REPO), MASTER_ADDR="127.0.0.1",
-                                        MASTER_PORT=str(free_port()))
+    env, torchrun_marker = launcher_env(
+        tmp_path, OPEN_DILOCO_ROOT=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     env["SLURM_CONF"] = slurm["SLURM_CONF"]
     try:
         proc = subprocess.run(
-            ["sbatch", "--wait", *SMALL, "--output", str(tmp_path / "job.out"),
-             str(REPO / "scripts/slurm/cluster.sbatch"), str(config), "--run-name", "slurm-test"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+            [
+                "sbatch",
+                "--wait",
+                *SMALL,
+                "--output",
+                str(tmp_path / "job.out"),
+                str(REPO / "scripts/slurm/cluster.sbatch"),
+                str(config),
+                "--run-name",
+                "slurm-test",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         left = kill_tagged(env["OPEN_DILOCO_TEST_TAG"])
     job_out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert proc.returncode == 0, proc.stderr + job_out[-4000:]
     assert not left, f"processes left behind: {left}"
     assert re.search(r"2 node\(s\) n\[1-2\], master 127\.0\.0\.1:", job_out)
-    logs = [(tmp_path / "logs/distributed_training" / f"cluster_train_latest_node{rank}.log").read_text()
-            for rank in (0, 1)]
+    logs = [
+        (tmp_path / "logs/distributed_training" / f"cluster_train_latest_node{rank}.log").read_text()
+        for rank in (0, 1)
+    ]
     assert all("torchrun exited with status 0" in log for log in logs)
     assert [int(n) for n in re.findall(r"step\s+(\d+)/3 \| loss", "".join(logs))] == [1, 2, 3]
     assert "training slurm-test: 2 rank(s)" in "".join(logs) and torchrun_marker.exists()
@@ -122,13 +151,31 @@ def test_cluster_sbatch_trains_one_cluster_over_two_slurm_nodes(slurm, tmp_path)
 
 def test_dht_sbatch_publishes_a_reachable_multiaddr(slurm, tmp_path):
     maddr_file = tmp_path / "peers.txt"
-    env, _ = launcher_env(tmp_path, DHT_MADDR_FILE=str(maddr_file), DHT_IDENTITY=str(tmp_path / "id.pem"),
-                          DHT_ANNOUNCE_HOST="127.0.0.1")
+    env, _ = launcher_env(
+        tmp_path,
+        DHT_MADDR_FILE=str(maddr_file),
+        DHT_IDENTITY=str(tmp_path / "id.pem"),
+        DHT_ANNOUNCE_HOST="127.0.0.1",
+    )
     env["SLURM_CONF"] = slurm["SLURM_CONF"]
     port = free_port()
-    submitted = subprocess.run(["sbatch", "--parsable", *SMALL, "--output", str(tmp_path / "dht.out"),
-                                str(REPO / "scripts/slurm/dht.sbatch"), str(port)],
-                               cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=30)
+    submitted = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            *SMALL,
+            "--output",
+            str(tmp_path / "dht.out"),
+            str(REPO / "scripts/slurm/dht.sbatch"),
+            str(port),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     job_id = submitted.stdout.strip().split(";")[0]
     try:
         deadline = time.monotonic() + 90

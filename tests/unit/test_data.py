@@ -46,7 +46,9 @@ def test_byte_tokenizer_matches_the_test_model() -> None:
     model = json.loads((TINY_MODEL / "config.json").read_text())
     tokenizer = ByteTokenizer()
     assert (tokenizer.BOS, tokenizer.EOS, tokenizer.PAD) == (
-        model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]
+        model["bos_token_id"],
+        model["eos_token_id"],
+        model["pad_token_id"],
     )
     assert tokenizer.encode_batch(["hé"])[0].tolist() == list("hé".encode())
 
@@ -60,7 +62,9 @@ def test_text_dir_packs_every_file_in_name_order_with_eos(tmp_path: Path) -> Non
     assert corpus.dtype == "uint16" and corpus.num_tokens == len(expected) + DOCS
 
 
-@pytest.mark.parametrize("make", [jsonl_file, parquet_file, saved_dataset], ids=["jsonl", "parquet", "save_to_disk"])
+@pytest.mark.parametrize(
+    "make", [jsonl_file, parquet_file, saved_dataset], ids=["jsonl", "parquet", "save_to_disk"]
+)
 def test_every_format_packs_to_the_same_tokens(tmp_path: Path, make) -> None:
     reference = np.asarray(_pack(tmp_path / "ref", text_dir(tmp_path, DOCS)).tokens())
     corpus = _pack(tmp_path, make(tmp_path, DOCS))
@@ -91,7 +95,9 @@ def test_cache_is_reused_and_keyed_by_tokenizer(tmp_path: Path) -> None:
     assert again.root == first.root and (again.root / "tokens.bin").stat().st_mtime_ns == stamp
     other = prepare_cached(source, "text", load_tokenizer(tokenizer_dir(tmp_path, 300)), tmp_path / "cache")
     assert other.root != first.root
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([first.root.name, other.root.name])
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [first.root.name, other.root.name]
+    )
 
 
 def test_waiting_rank_raises_the_preparers_error(tmp_path: Path) -> None:
@@ -150,14 +156,24 @@ def test_every_epoch_is_a_reshuffled_pass_over_the_part(tmp_path: Path) -> None:
 
 
 def _config(tmp_path: Path, dataset_path: Path | str, **overrides) -> Config:
-    base = dict(dataset_path=str(dataset_path), data_cache_dir=tmp_path / "cache", seq_length=64,
-                per_device_train_batch_size=2, total_batch_size=4, seed=3)
+    base = dict(
+        dataset_path=str(dataset_path),
+        data_cache_dir=tmp_path / "cache",
+        seq_length=64,
+        per_device_train_batch_size=2,
+        total_batch_size=4,
+        seed=3,
+    )
     return Config(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_loader_restored_from_state_dict_continues_with_the_next_batch(tmp_path: Path, num_workers: int) -> None:
-    plan = plan_data(_config(tmp_path, text_dir(tmp_path, DOCS)), 2048, world_size=2, galaxy_rank=0, galaxy_size=1)
+def test_loader_restored_from_state_dict_continues_with_the_next_batch(
+    tmp_path: Path, num_workers: int
+) -> None:
+    plan = plan_data(
+        _config(tmp_path, text_dir(tmp_path, DOCS)), 2048, world_size=2, galaxy_rank=0, galaxy_size=1
+    )
     args = dict(per_device_batch=2, rank=1, world_size=2, num_workers=num_workers)
     loader = build_train_loader(plan, **args)
     batches = iter(loader)
@@ -171,7 +187,9 @@ def test_loader_restored_from_state_dict_continues_with_the_next_batch(tmp_path:
 
 
 def test_eval_batches_are_held_out_and_repeat(tmp_path: Path) -> None:
-    plan = plan_data(_config(tmp_path, text_dir(tmp_path, DOCS)), 2048, world_size=1, galaxy_rank=0, galaxy_size=1)
+    plan = plan_data(
+        _config(tmp_path, text_dir(tmp_path, DOCS)), 2048, world_size=1, galaxy_rank=0, galaxy_size=1
+    )
     loader = build_eval_loader(plan, per_device_batch=2, rank=0, world_size=1, steps=2)
     first = [b["sample_id"].tolist() for b in loader]
     assert first == [b["sample_id"].tolist() for b in loader] and len(first) == 2

@@ -12,8 +12,19 @@ import pytest
 from open_diloco.cli import run
 from tests.data_corpus import TINY_MODEL, TRAIN_SCRIPT, jsonl_file, offline_env, text_dir, tokenizer_dir
 
-FLAGS = ["--path-model", str(TINY_MODEL), "--no-torch-compile", "--max-steps", "1", "--seq-length", "64",
-         "--per-device-train-batch-size", "1", "--total-batch-size", "1"]
+FLAGS = [
+    "--path-model",
+    str(TINY_MODEL),
+    "--no-torch-compile",
+    "--max-steps",
+    "1",
+    "--seq-length",
+    "64",
+    "--per-device-train-batch-size",
+    "1",
+    "--total-batch-size",
+    "1",
+]
 
 
 def _empty_dir(tmp: Path) -> list[str]:
@@ -64,7 +75,10 @@ CASES = {
     "field_missing_in_a_later_record": (_field_missing_later, "a record has no text field"),
     "corpus_smaller_than_one_sequence_per_rank": (_too_small, "fewer than one per rank"),
     "tokenizer_path_missing": (_tokenizer_missing, "--path-tokenizer"),
-    "tokenizer_larger_than_model_vocab": (_tokenizer_too_big, "has 3000 ids but the model's vocab_size is 2048"),
+    "tokenizer_larger_than_model_vocab": (
+        _tokenizer_too_big,
+        "has 3000 ids but the model's vocab_size is 2048",
+    ),
 }
 
 
@@ -82,8 +96,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, case: str) -> 
 
 def test_entry_point_exits_2_with_one_line(tmp_path: Path) -> None:
     args = [*FLAGS, *_empty_dir(tmp_path)]
-    done = subprocess.run([sys.executable, str(TRAIN_SCRIPT), *args], capture_output=True, text=True,
-                          env=offline_env(), timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=offline_env(),
+        timeout=120,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"open-diloco: error: --dataset-path {tmp_path / 'empty'} holds no files: "
-                                                "point it at a directory or glob with data files"]
+    assert done.stderr.strip().splitlines() == [
+        f"open-diloco: error: --dataset-path {tmp_path / 'empty'} holds no files: "
+        "point it at a directory or glob with data files"
+    ]

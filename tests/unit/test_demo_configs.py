@@ -18,9 +18,16 @@ def resolved(capsys, path) -> dict:
 
 
 def test_demo_toml_and_yaml_are_the_same_config(capsys):
-    toml, yaml = resolved(capsys, REPO / "configs/demo-2m.toml"), resolved(capsys, REPO / "configs/demo-2m.yaml")
+    toml, yaml = (
+        resolved(capsys, REPO / "configs/demo-2m.toml"),
+        resolved(capsys, REPO / "configs/demo-2m.yaml"),
+    )
     assert toml == yaml
-    assert toml["fake_data"] and toml["path_model"] == "tests/models/llama-2m-fresh" and not toml["torch_compile"]
+    assert (
+        toml["fake_data"]
+        and toml["path_model"] == "tests/models/llama-2m-fresh"
+        and not toml["torch_compile"]
+    )
     assert (REPO / toml["path_model"] / "config.json").is_file()
 
 

@@ -36,8 +36,14 @@ def test_every_check_runs_and_a_hung_one_times_out():
     def fail():
         raise CheckFailed("broken", "mend it")
 
-    ok = run_checks([Check("slow", lambda: time.sleep(30) or "", 0.3), Check("bad", fail, 1), Check("good", lambda: "fine", 1)],
-                    lines.append)
+    ok = run_checks(
+        [
+            Check("slow", lambda: time.sleep(30) or "", 0.3),
+            Check("bad", fail, 1),
+            Check("good", lambda: "fine", 1),
+        ],
+        lines.append,
+    )
     assert not ok and time.monotonic() - started < 5
     assert lines[0].startswith("preflight: FAIL slow") and "no answer within 0.3 s" in lines[0]
     assert lines[1] == "preflight: FAIL bad         broken; fix: mend it"

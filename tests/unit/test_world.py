@@ -16,13 +16,24 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 # What srun gives task 5 of `srun -N 3 -n 6` (2 tasks per node) on node[01-03] (names checked against
 # Slurm 22.05's srun).
 SLURM = {
-    "SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_NNODES": "3",
-    "SLURM_NODELIST": "node[01-03]", "SLURM_TASKS_PER_NODE": "2(x3)", "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "6",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "SLURM_NNODES": "3",
+    "SLURM_NODELIST": "node[01-03]",
+    "SLURM_TASKS_PER_NODE": "2(x3)",
+    "SLURM_STEP_ID": "0",
 }
 # What an sbatch script's own shell sees for `sbatch -N 3 -n 6`: one process, whatever SLURM_NTASKS says.
 SLURM_BATCH_SHELL = {
-    "SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "3",
-    "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_TASKS_PER_NODE": "2(x3)",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "6",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NNODES": "3",
+    "SLURM_JOB_NODELIST": "node[01-03]",
+    "SLURM_TASKS_PER_NODE": "2(x3)",
 }
 PBS = {"PBS_JOBID": "123.pbs", "PMI_RANK": "2", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "0", "PMI_LOCAL_SIZE": "2"}
 
@@ -68,8 +79,16 @@ def test_slurm_uneven_nodes_use_this_nodes_count():
 
 def test_slurm_step_variables_beat_job_variables():
     # A step using part of the allocation: the job has 8 tasks, this srun started 2 on one node.
-    env = launcher_env({**SLURM, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
-                        "SLURM_NODEID": "0", "SLURM_PROCID": "1"})
+    env = launcher_env(
+        {
+            **SLURM,
+            "SLURM_NTASKS": "8",
+            "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2",
+            "SLURM_NODEID": "0",
+            "SLURM_PROCID": "1",
+        }
+    )
     assert (env["world_size"], env["local_world_size"]) == (2, 2)
 
 
@@ -84,10 +103,27 @@ def test_slurm_batch_shell_is_a_single_process():
 
 
 def test_pbs_mpich_and_openmpi():
-    assert launcher_env(PBS) == {"rank": 2, "world_size": 4, "local_rank": 0, "local_world_size": 2, "launcher": "pbs"}
-    ompi = {"PBS_JOBID": "1", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    assert launcher_env(ompi) == {"rank": 1, "world_size": 2, "local_rank": 1, "local_world_size": 2, "launcher": "pbs"}
+    assert launcher_env(PBS) == {
+        "rank": 2,
+        "world_size": 4,
+        "local_rank": 0,
+        "local_world_size": 2,
+        "launcher": "pbs",
+    }
+    ompi = {
+        "PBS_JOBID": "1",
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    assert launcher_env(ompi) == {
+        "rank": 1,
+        "world_size": 2,
+        "local_rank": 1,
+        "local_world_size": 2,
+        "launcher": "pbs",
+    }
 
 
 def test_pbs_without_mpi_ranks_is_a_single_process():
@@ -96,7 +132,13 @@ def test_pbs_without_mpi_ranks_is_a_single_process():
 
 
 def test_nothing_set_is_a_single_process():
-    assert launcher_env({}) == {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "launcher": "single"}
+    assert launcher_env({}) == {
+        "rank": 0,
+        "world_size": 1,
+        "local_rank": 0,
+        "local_world_size": 1,
+        "launcher": "single",
+    }
 
 
 def _world(world_size: int, local_world_size: int) -> World:
