@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from open_diloco.config import CkptConfig, ConfigError
-from open_diloco.diloco import NullOuterLoop, OuterLoop
+from open_diloco.diloco import NullOuterLoop, OuterLoop, local_shards
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -114,9 +114,16 @@ def _clean_fqn(name: str) -> str:
     return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
 
 
-def _outer_momentum_state(model: torch.nn.Module, outer: OuterLoop) -> dict[str, DTensor]:
-    """The outer momentum as one DTensor per parameter, placed like the parameter, so DCP can reshard it."""
+def _outer_momentum_state(
+    model: torch.nn.Module, outer: OuterLoop, *, to_load: bool = False
+) -> dict[str, DTensor]:
+    """The outer momentum as one DTensor per parameter, placed like the parameter, so DCP can reshard it.
+
+    ``to_load``: DCP loads *into* the tensors it is given, and a freshly built outer loop has no momentum
+    yet, so zero placeholders shaped like this rank's shards receive it."""
     pieces = getattr(outer, "momentum_pieces", lambda: None)()
+    if pieces is None and to_load:
+        pieces = [torch.zeros_like(shard) for shard in local_shards(model)]
     if pieces is None:
         return {}
     state = {}
@@ -134,11 +141,15 @@ def _outer_momentum_state(model: torch.nn.Module, outer: OuterLoop) -> dict[str,
 
 
 def _app_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: OuterLoop, with_momentum: bool
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: OuterLoop,
+    with_momentum: bool,
+    to_load: bool = False,
 ) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    momentum = _outer_momentum_state(model, outer) if with_momentum else {}
+    momentum = _outer_momentum_state(model, outer, to_load=to_load) if with_momentum else {}
     if momentum:
         state["outer_momentum"] = momentum
     return state
@@ -206,7 +217,9 @@ def load(
 ) -> int:
     """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective."""
     # A galaxy may start from a single-cluster checkpoint (fresh momentum) and vice versa (momentum unused).
-    state = _app_state(model, optimizer, outer, with_momentum=bool(metadata.get("has_outer_momentum")))
+    galaxy = not isinstance(outer, NullOuterLoop)
+    with_momentum = galaxy and bool(metadata.get("has_outer_momentum"))
+    state = _app_state(model, optimizer, outer, with_momentum=with_momentum, to_load=True)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException: name it
@@ -222,7 +235,7 @@ def load(
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    if not isinstance(outer, NullOuterLoop):
+    if galaxy:
         momentum = state.get("outer_momentum")
         pieces = (
             [momentum[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
