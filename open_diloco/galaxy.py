@@ -52,7 +52,7 @@ from hivemind.compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -102,7 +102,10 @@ class _CanonicalAllReduce(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight
             )
-            canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
+            if self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
+                canonical = averaged  # fp32 on the wire is exact: the others got these very bytes
+            else:
+                canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
             self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):

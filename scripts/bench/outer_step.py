@@ -42,6 +42,10 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     from open_diloco.galaxy import COMPRESSIONS, start_shard_averager
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(1)))
+    mp.set_start_method("fork", force=True)  # hivemind forks its averager (a spawned child inherits "spawn")
+    # Each peer stands for a cluster on a machine of its own: give it its share of the cores, else the peers'
+    # OpenMP pools oversubscribe the machine and every local op stalls behind the other peer's threads.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.peers))
     common = dict(matchmaking_time=args.matchmaking_time, averaging_timeout=args.timeout)
     ours = start_shard_averager(
         initial_peers=initial_peers,
@@ -171,6 +175,7 @@ def run_size(args: argparse.Namespace, numel: int) -> dict:
         raw=raw,
         ours=ours,
         ratio=ours / raw,
+        allreduce=statistics.median(r[6]["allreduce_seconds"] for r in full),
         sent=statistics.median(r[6]["bytes_sent"] for r in full),
         identical=all(len(h) == 1 for h in hashes.values()),
     )
@@ -186,12 +191,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     print(f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is warm-up)")
-    print("| values | fp32 size | raw hivemind all-reduce | open_diloco outer step | ratio | bytes sent / peer / round | identical |")
+    print("| values | fp32 size | raw hivemind all-reduce | open_diloco outer step (its all-reduce) | ratio "
+          "| bytes sent / peer / round | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for numel in args.numel:
         r = run_size(args, numel)
         size = 4 * numel
-        print(f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s | {r['ratio']:.2f} | "
+        print(f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s ({r['allreduce']:.3f} s) | {r['ratio']:.2f} | "
               f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} |", flush=True)
 
 

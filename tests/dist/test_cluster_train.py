@@ -24,10 +24,17 @@ def test_two_launches_form_one_cluster_with_per_node_logs(tmp_path):
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)
     ]
+    deadline, outputs = started + 170, []
     try:
-        outputs = [proc.communicate(timeout=170)[0] for proc in procs]
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         left = kill_tagged(env["OPEN_DILOCO_TEST_TAG"])
+    if len(outputs) < len(procs):  # timed out: show what each node said before it was killed
+        outputs += [proc.communicate(timeout=30)[0] for proc in procs[len(outputs) :]]
+        pytest.fail("cluster_train.sh did not finish in 170 s:\n" + "\n----\n".join(o[-3000:] for o in outputs))
     elapsed = time.monotonic() - started
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert not left, f"processes left behind: {left}"
