@@ -50,6 +50,7 @@ def train(config: Config) -> None:
         config.model_dump(mode="json"),
     )
     outer: OuterLoop = NullOuterLoop()
+    finished = False
     try:
         model = build_model(config.path_model, config.seed)
         model = parallelize(
@@ -117,13 +118,14 @@ def train(config: Config) -> None:
                     keep=config.ckpt.keep,
                 )
                 _say(world, f"saved checkpoint {saved}")
+        finished = True
     except Stop as stop:
         _say(world, f"stopping: {stop}")
         raise SystemExit(143) from None
     finally:
         outer.close()
         metrics.close()
-        leave_process_group()
+        leave_process_group(synchronize=finished)
 
 
 def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -248,9 +248,13 @@ def default_master_addr(launcher: str, world: World, env: dict[str, str] | None 
     )
 
 
-def leave_process_group() -> None:
-    """Tear the process group down (idempotent)."""
+def leave_process_group(synchronize: bool = False) -> None:
+    """Tear the process group down (idempotent). ``synchronize`` (a clean finish): meet the other ranks
+    first, so no rank tears down its gloo/nccl connections while a peer still uses them (seen on gloo as
+    "terminate called without an active exception" in the slower rank)."""
     if dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

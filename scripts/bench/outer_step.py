@@ -178,6 +178,7 @@ def run_size(args: argparse.Namespace, numel: int) -> dict:
         allreduce=statistics.median(r[6]["allreduce_seconds"] for r in full),
         sent=statistics.median(r[6]["bytes_sent"] for r in full),
         identical=all(len(h) == 1 for h in hashes.values()),
+        broken=sum(1 for r in rounds if r[1] == 0 and not (r[6]["galaxy_complete"] and r[6]["galaxy_peers"] == args.peers)),
     )
 
 
@@ -192,13 +193,13 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is warm-up)")
     print("| values | fp32 size | raw hivemind all-reduce | open_diloco outer step (its all-reduce) | ratio "
-          "| bytes sent / peer / round | identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| bytes sent / peer / round | equal hashes every round | partial rounds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for numel in args.numel:
         r = run_size(args, numel)
         size = 4 * numel
         print(f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s ({r['allreduce']:.3f} s) | {r['ratio']:.2f} | "
-              f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} |", flush=True)
+              f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} | {r['broken']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,7 @@ def test_out_of_sync_is_reported():
             galaxy_rank=rank,
             galaxy_size=2,
             warn=lambda *_: None,
+            join_timeout=1.0,  # bounds cluster 1's re-sync attempt (nobody serves a state here)
         )
         results[rank] = outer.after_inner_step(1)
 
