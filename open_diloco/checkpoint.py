@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from open_diloco.config import CkptConfig, ConfigError
-from open_diloco.diloco import NullOuterLoop, OuterLoop, local_shards
+from open_diloco.outer.protocols import OuterLoop
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -120,10 +120,8 @@ def _outer_momentum_state(
     """The outer momentum as one DTensor per parameter, placed like the parameter, so DCP can reshard it.
 
     ``to_load``: DCP loads *into* the tensors it is given, and a freshly built outer loop has no momentum
-    yet, so zero placeholders shaped like this rank's shards receive it."""
-    pieces = getattr(outer, "momentum_pieces", lambda: None)()
-    if pieces is None and to_load:
-        pieces = [torch.zeros_like(shard) for shard in local_shards(model)]
+    yet, so zero placeholders shaped like this rank's shards receive it. No galaxy: nothing."""
+    pieces = outer.momentum_pieces(for_load=to_load)
     if pieces is None:
         return {}
     state = {}
@@ -189,7 +187,7 @@ def save(
         metadata = {
             "format": FORMAT_VERSION,
             "step": step,
-            "outer_step": getattr(outer, "outer_step", 0),
+            "outer_step": outer.outer_step,
             "has_outer_momentum": "outer_momentum" in state,
             "world_size": dist.get_world_size(),
             "model_config": model_config,
@@ -217,8 +215,7 @@ def load(
 ) -> int:
     """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective."""
     # A galaxy may start from a single-cluster checkpoint (fresh momentum) and vice versa (momentum unused).
-    galaxy = not isinstance(outer, NullOuterLoop)
-    with_momentum = galaxy and bool(metadata.get("has_outer_momentum"))
+    with_momentum = bool(metadata.get("has_outer_momentum"))
     state = _app_state(model, optimizer, outer, with_momentum=with_momentum, to_load=True)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -235,14 +232,13 @@ def load(
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    if galaxy:
-        momentum = state.get("outer_momentum")
-        pieces = (
-            [momentum[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
-            if momentum
-            else None
-        )
-        outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
+    momentum = state.get("outer_momentum")
+    pieces = (
+        [momentum[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
+        if momentum
+        else None
+    )
+    outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
     return int(metadata["step"])
 
 

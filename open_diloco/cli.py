@@ -17,6 +17,7 @@ import pydantic
 from cyclopts import Parameter, validators
 
 from open_diloco.config import Config, ConfigError
+from open_diloco.errors import OpenDilocoError
 
 EXIT_USAGE = 2
 
@@ -237,15 +238,17 @@ def run(argv: Sequence[str]) -> int:
         command(*bound.args, **bound.kwargs)
     except (ConfigError, pydantic.ValidationError, cyclopts.CycloptsError) as err:
         return _fail(describe_error(err))
+    except OpenDilocoError as err:  # the galaxy cannot go on: one line, not a traceback
+        return _fail(str(err), err.exit_code)
     except KeyboardInterrupt:
         print("open-diloco: interrupted", file=sys.stderr)
         return 130
     return 0
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, exit_code: int = EXIT_USAGE) -> int:
     print(f"open-diloco: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+    return exit_code
 
 
 def main() -> None:

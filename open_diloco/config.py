@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from cyclopts import Parameter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from open_diloco.addresses import listen_address, peer_address
+from open_diloco.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration problem a user must fix. The message is one line naming the problem and the fix."""
-
+__all__ = ["CkptConfig", "Config", "ConfigError", "HvConfig", "check_against_world"]
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -46,7 +46,10 @@ class HvConfig(BaseModel):
     """Learning rate of the outer optimizer (SGD with Nesterov momentum)."""
 
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    """Momentum of the outer optimizer."""
+    """Momentum of the outer optimizer; 0 is plain SGD (lr 1.0 and momentum 0: plain averaging)."""
+
+    outer_nesterov: bool = True
+    """Nesterov momentum in the outer step (off: heavy-ball momentum)."""
 
     run_id: str = "open_diloco"
     """Prefix of every DHT key of this run; clusters of one galaxy must share it."""
@@ -79,6 +82,20 @@ class HvConfig(BaseModel):
 
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _full_peer_maddrs(cls, maddrs: list[str]) -> list[str]:
+        for maddr in maddrs:
+            peer_address(maddr)
+        return maddrs
+
+    @field_validator("host_maddrs")
+    @classmethod
+    def _listen_maddrs(cls, maddrs: list[str]) -> list[str]:
+        for maddr in maddrs:
+            listen_address(maddr)
+        return maddrs
 
     @model_validator(mode="after")
     def _rank_in_galaxy(self) -> HvConfig:

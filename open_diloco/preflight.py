@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import importlib
 import platform
-import re
 import shutil
 import socket
 import sys
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from open_diloco.addresses import peer_address
 from open_diloco.config import Config, ConfigError, check_against_world
 
 EXIT_FAILED = 1
@@ -214,18 +214,15 @@ def check_master(launch: Launch, timeout_s: float, master_wait_s: float) -> str:
             time.sleep(0.5)
 
 
-_MULTIADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?")
-
-
 def parse_multiaddr(maddr: str) -> tuple[str, int]:
     """Host and TCP port of a hivemind multiaddr such as ``/ip4/10.0.0.1/tcp/31337/p2p/Qm...``."""
-    match = _MULTIADDR.fullmatch(maddr.strip())
-    if match is None or "/p2p/" not in (match[4] or ""):
+    try:
+        return peer_address(maddr)
+    except ConfigError:
         raise CheckFailed(
             f"initial peer {maddr!r} is not a /ip4|ip6|dns/HOST/tcp/PORT/p2p/PEER_ID multiaddr",
             "copy the full line `hivemind-dht` prints (it ends in /p2p/<peer id>)",
-        )
-    return match[2], int(match[3])
+        ) from None
 
 
 def check_dht_peers(config: Config, timeout_s: float) -> str:

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
+import resource
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -15,16 +14,17 @@ import torch.distributed as dist
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
-from open_diloco.diloco import ClusterComm, DiLoCo, NullOuterLoop, OuterLoop, local_shards
+from open_diloco.errors import Stop
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
+from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
+from open_diloco.outer.state import local_shards
 from open_diloco.parallelize import parallelize, resolve_precision
+from open_diloco.shutdown import StopGuard
 from open_diloco.world import World, describe_world, join_process_group, leave_process_group
-
-
-class Stop(Exception):
-    """Raised by the SIGTERM handler so the loop unwinds through its ``finally`` blocks."""
 
 
 def train(config: Config) -> None:
@@ -39,8 +39,8 @@ def train(config: Config) -> None:
     data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    guard = StopGuard().install()
     join_process_group(world)
-    signal.signal(signal.SIGTERM, _raise_stop)
     metrics = build_metrics(
         config.metric_logger_type,
         world.is_main,
@@ -120,9 +120,10 @@ def train(config: Config) -> None:
                 _say(world, f"saved checkpoint {saved}")
         finished = True
     except Stop as stop:
-        _say(world, f"stopping: {stop}")
-        raise SystemExit(143) from None
+        _say(world, f"stopping: {stop.reason}")
+        raise SystemExit(stop.exit_code) from None
     finally:
+        guard.begin_shutdown()
         outer.close()
         metrics.close()
         leave_process_group(synchronize=finished)
@@ -144,7 +145,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
     """
     if hv is None:
         return NullOuterLoop()
-    from open_diloco.galaxy import start_shard_averager  # the only hivemind importer, loaded only when needed
+    from open_diloco.galaxy.averager import start_shard_averager  # hivemind, loaded only when needed
 
     def start(initial_peers: list[str]):
         return start_shard_averager(
@@ -172,21 +173,13 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             entry = [averager.visible_maddrs]
         dist.broadcast_object_list(entry, src=0)
         averager = averager or start(entry[0])
-    return DiLoCo(
-        model,
-        averager,
-        local_steps=hv.local_steps,
-        outer_lr=hv.outer_lr,
-        outer_momentum=hv.outer_momentum,
-        galaxy_rank=hv.world_rank,
-        galaxy_size=hv.galaxy_size,
-        on_partial_round=hv.on_partial_round,
-        max_retries=hv.max_retries,
-        cluster=cluster,
-        warn=lambda message: _say(world, f"warning: {message}"),
-        join_timeout=hv.join_timeout,
-        skip_load_from_peers=hv.skip_load_from_peers,
-    )
+    try:
+        return DiLoCo(
+            model, averager, hv, cluster=cluster, warn=lambda message: _say(world, f"warning: {message}")
+        )
+    except BaseException:
+        averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
+        raise
 
 
 def inner_step(
@@ -253,18 +246,13 @@ def format_step_line(record: dict[str, Any], max_steps: int) -> str:
 
 
 def _memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank so far, as the README says: the CUDA allocator's peak on a GPU, the process's
+    peak resident set (ru_maxrss, KiB on Linux) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096 / 2**30
-    return 0.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _say(world: World, message: str) -> None:
     if world.is_main:
         print(message, flush=True)
-
-
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise Stop(f"signal {signum}")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from open_diloco import processes
+from open_diloco.processes import alive, descendants  # noqa: F401  (the tests' process bookkeeping)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "tests" / "models" / "llama-2m-fresh"
@@ -50,50 +51,9 @@ def tiny_model() -> Path:
     return TINY_MODEL
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc; torchrun starts its workers in their own sessions, so a
-    process group does not cover them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pids: list[int]) -> list[int]:
-    """The pids that still exist and are not zombies."""
-    living = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            living.append(pid)
-    return living
-
-
 def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> None:
     """Send ``sig`` to ``pid`` and every descendant, by PID; assert all are gone within ``timeout``."""
-    targets = [pid, *descendants(pid)]
-    for target in targets:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target, sig)
-    deadline = time.monotonic() + timeout
-    while alive(targets) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = alive(targets)
+    left = processes.kill_tree(pid, sig, timeout)
     assert not left, f"processes still alive after signal {sig}: {left}"
 
 

@@ -7,6 +7,7 @@ outer momentum) vs a plain `torch.save` of the same model + optimizer state, mea
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,26 +16,14 @@ import torch
 import torch.distributed as dist
 
 from open_diloco import checkpoint
-from open_diloco.diloco import DiLoCo, RoundReport
+from open_diloco.config import HvConfig
 from open_diloco.model import build_model
 from open_diloco.optim import build_inner_optimizer
+from open_diloco.outer.diloco import DiLoCo
 from open_diloco.parallelize import parallelize
 
-
-class AloneAverager:
-    """A galaxy of one, without hivemind: enough to give DiLoCo an outer momentum to checkpoint."""
-
-    def all_reduce(self, buffer, round_id, fingerprint):
-        return RoundReport(group_size=1, complete=True)
-
-    def serve_state(self, get_state):
-        pass
-
-    def download_state(self, timeout):
-        return None
-
-    def shutdown(self):
-        pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests/support is shared
+from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
 
 
 def size_of(path: Path) -> int:
@@ -47,8 +36,8 @@ def bench(path_model: str, workdir: Path) -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    outer = DiLoCo(model, AloneAverager(), local_steps=1, outer_lr=0.7, outer_momentum=0.9, galaxy_rank=0,
-                   galaxy_size=1, warn=lambda *_: None)
+    numel = sum(p.numel() for p in model.parameters())
+    outer = DiLoCo(model, InProcessGalaxy(1).averager(0, numel), HvConfig(local_steps=1), warn=lambda *_: None)
     outer.step()  # creates the momentum buffer
     n_params = sum(p.numel() for p in model.parameters())
     model_config = model.config.to_dict()

@@ -7,7 +7,7 @@ the same run, on the same DHT, with the same matchmaking settings and compressio
 
 Each peer is a process of its own (its DHT, averager and p2pd are its children). Rounds alternate: a raw
 hivemind round, then one open_diloco outer step, each started together behind a barrier. Printed per size:
-median seconds of each, their ratio (target <= 1.3), and the bytes this peer put on the wire per round
+median seconds of each, their ratio (target <= 1.2), and the bytes this peer put on the wire per round
 against the model's fp32 size. Every process is ended by PID before the script exits.
 """
 
@@ -21,6 +21,8 @@ import statistics
 import time
 
 import torch
+
+from open_diloco.processes import alive, descendants, signal_pids, wait_gone
 
 CTX = mp.get_context("spawn")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -38,8 +40,9 @@ class FlatModel(torch.nn.Module):
 def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initial_peers) -> None:
     from hivemind.averaging import DecentralizedAverager
 
-    from open_diloco.diloco import DiLoCo
-    from open_diloco.galaxy import COMPRESSIONS, start_shard_averager
+    from open_diloco.config import HvConfig
+    from open_diloco.galaxy.averager import COMPRESSIONS, start_shard_averager
+    from open_diloco.outer.diloco import DiLoCo
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(1)))
     mp.set_start_method("fork", force=True)  # hivemind forks its averager (a spawned child inherits "spawn")
@@ -75,10 +78,8 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
-        diloco = DiLoCo(
-            model, ours, local_steps=1, outer_lr=0.7, outer_momentum=0.9,
-            galaxy_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", warn=lambda *_: None,
-        )
+        hv = HvConfig(local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed")
+        diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
         noise = torch.Generator().manual_seed(100 + rank)
         for round_id in range(args.rounds):
             with raw.get_tensors() as (tensor,):
@@ -101,34 +102,6 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
         queue.put(("done", rank))
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        for pid in children.get(frontier.pop(), []):
-            found.append(pid)
-            frontier.append(pid)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def run_size(args: argparse.Namespace, numel: int) -> dict:
     queue, barrier = CTX.Queue(), CTX.Barrier(args.peers)
     procs, seen = [], set()
@@ -146,7 +119,7 @@ def run_size(args: argparse.Namespace, numel: int) -> dict:
         deadline = time.monotonic() + 120 + args.rounds * 2 * args.timeout
         while done < args.peers:
             for proc in procs:
-                seen.update([proc.pid, *_descendants(proc.pid)])
+                seen.update([proc.pid, *descendants(proc.pid)])
             message = queue.get(timeout=max(1.0, deadline - time.monotonic()))
             if message[0] == "round":
                 rounds.append(message)
@@ -155,11 +128,8 @@ def run_size(args: argparse.Namespace, numel: int) -> dict:
         for proc in procs:
             proc.join(30)
     finally:
-        for pid in sorted(seen | {p.pid for p in procs if p.pid}):  # end stragglers by PID
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
-        left = [pid for pid in seen if _alive(pid)]
+        signal_pids(alive(seen | {p.pid for p in procs if p.pid}), signal.SIGKILL)  # end stragglers by PID
+        left = wait_gone(seen, 5.0)
         assert not left, f"processes left behind: {left}"
     # the first round pays for warm-up (connections, allocations): keep it out of the medians
     measured = [r for r in rounds if r[2] > 0 and r[1] == 0]

@@ -7,6 +7,7 @@ gone: no p2pd daemon or averager may outlive a test. Processes are only ever end
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -15,8 +16,11 @@ import socket
 import time
 from dataclasses import asdict
 
+import psutil
 import pytest
 import torch
+
+from open_diloco import processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -38,27 +42,26 @@ def _buffer(round_id: int, rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_id + rank))
 
 
-def _crash_when_reducing(galaxy_module) -> None:
+def _crash_when_reducing() -> None:
     """Fault injection: the first time this peer's averager serializes an averaged part (the all-reduce is
     under way), SIGKILL the whole peer: worker, DHT, averager and p2pd, as if the machine died."""
+    from open_diloco.galaxy.allreduce import CanonicalAllReduce
 
     def crash(*args, **kwargs):
         worker = os.getppid()  # we run inside the averager process, a child of the worker
-        tree = [worker, *galaxy_module._child_pids(worker)]
-        tree += [grandchild for pid in tree[1:] for grandchild in galaxy_module._child_pids(pid)]
+        tree = [worker, *processes.descendants(worker)]
         for pid in sorted(set(tree), key=lambda pid: pid == os.getpid()):  # ourselves last
             os.kill(pid, signal.SIGKILL)
 
-    galaxy_module._CanonicalAllReduce._serialize_result = crash
+    CanonicalAllReduce._serialize_result = crash
 
 
 def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
-    from open_diloco import galaxy
-    from open_diloco.galaxy import start_shard_averager
+    from open_diloco.galaxy.averager import start_shard_averager
 
     if crash:
-        _crash_when_reducing(galaxy)
+        _crash_when_reducing()
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -114,38 +117,16 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
         queue.put(("done", rank))
 
 
-def _process_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (ppid, state, comm) for every process, from /proc."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        table[int(entry)] = (int(ppid), state, comm)
-    return table
-
-
 def _descendants(root: int) -> dict[int, str]:
-    table = _process_table()
-    found, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, state, comm) in table.items():
-            if ppid == parent and pid not in found and state != "Z":
-                found[pid] = comm
-                frontier.append(pid)
-    return found
+    """Live descendants of ``root`` with their process names (p2pd, python ...)."""
+    names = {}
+    for pid in processes.descendants(root):
+        with contextlib.suppress(psutil.Error):
+            names[pid] = psutil.Process(pid).name()
+    return names
 
 
-def _alive(pids) -> list[int]:
-    table = _process_table()
-    return [pid for pid in pids if pid in table and table[pid][1] != "Z"]
+_alive = processes.alive
 
 
 class Galaxy:

@@ -7,53 +7,17 @@ import threading
 import pytest
 import torch
 
-from open_diloco.diloco import DiLoCo, RoundReport
+from open_diloco.config import HvConfig
+from open_diloco.errors import GalaxyError
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.state import outer_sgd_step_
+from tests.support.inprocess_galaxy import InProcessGalaxy
 
 
-class InProcessGalaxy:
-    """Averages the buffers of N threads ("clusters") with a barrier; bitwise identical by construction."""
-
-    def __init__(self, size: int, drop: set[int] | None = None):
-        self.size = size
-        self.drop = drop or set()  # galaxy ranks that are "missing" from every round
-        self.barrier = threading.Barrier(size)
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.meta: dict[int, dict] = {}
-
-    def averager(self, rank: int) -> InProcessAverager:
-        return InProcessAverager(self, rank)
-
-
-class InProcessAverager:
-    def __init__(self, galaxy: InProcessGalaxy, rank: int):
-        self.galaxy, self.rank = galaxy, rank
-        self.calls = 0
-
-    def all_reduce(self, buffer, round_id, fingerprint):
-        self.calls += 1
-        galaxy = self.galaxy
-        galaxy.buffers[self.rank] = buffer.clone()
-        galaxy.meta[self.rank] = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
-        galaxy.barrier.wait()
-        present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop or r == self.rank]
-        if self.rank not in galaxy.drop:
-            present = [r for r in present if r not in galaxy.drop]
-        else:
-            present = [self.rank]
-        average = torch.stack([galaxy.buffers[r] for r in present]).mean(0)
-        peers = {r: galaxy.meta[r] for r in present}
-        galaxy.barrier.wait()
-        buffer.copy_(average)
-        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=buffer.numel() * 4)
-
-    def serve_state(self, get_state):
-        self.get_state = get_state
-
-    def download_state(self, timeout):
-        return None
-
-    def shutdown(self):
-        pass
+def _hv(**overrides) -> HvConfig:
+    """Outer settings of the tests: the defaults, one local step, galaxy rank/size as given."""
+    settings = dict(local_steps=1, outer_lr=0.7, outer_momentum=0.9, galaxy_size=1, world_rank=0)
+    return HvConfig(**{**settings, **overrides})
 
 
 def _model(values: list[float]) -> torch.nn.Module:
@@ -69,17 +33,8 @@ def _run_clusters(galaxy, starts, locals_per_round, **kwargs):
 
     def cluster(rank: int):
         model = _model(starts)
-        outer = DiLoCo(
-            model,
-            galaxy.averager(rank),
-            local_steps=1,
-            outer_lr=0.7,
-            outer_momentum=0.9,
-            galaxy_rank=rank,
-            galaxy_size=galaxy.size,
-            warn=lambda *_: None,
-            **kwargs,
-        )
+        hv = _hv(world_rank=rank, galaxy_size=galaxy.size, **kwargs)
+        outer = DiLoCo(model, galaxy.averager(rank, len(starts)), hv, warn=lambda *_: None)
         records = []
         for local in locals_per_round[rank]:
             with torch.no_grad():
@@ -137,17 +92,8 @@ def test_outer_step_equals_torch_reference_over_many_rounds():
 
 def test_inner_steps_between_rounds_do_nothing():
     galaxy = InProcessGalaxy(1)
-    averager = galaxy.averager(0)
-    outer = DiLoCo(
-        _model([1.0]),
-        averager,
-        local_steps=5,
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        galaxy_rank=0,
-        galaxy_size=1,
-        warn=lambda *_: None,
-    )
+    averager = galaxy.averager(0, 1)
+    outer = DiLoCo(_model([1.0]), averager, _hv(local_steps=5), warn=lambda *_: None)
     assert [bool(outer.after_inner_step(s)) for s in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [
         True
     ]
@@ -167,18 +113,9 @@ def test_partial_round_policy(policy, expected_calls):
 
 def test_partial_round_fail_policy_stops():
     galaxy = InProcessGalaxy(1)
-    outer = DiLoCo(
-        _model([1.0]),
-        galaxy.averager(0),
-        local_steps=1,
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        galaxy_rank=0,
-        galaxy_size=2,
-        on_partial_round="fail",
-        warn=lambda *_: None,
-    )
-    with pytest.raises(RuntimeError, match="only 1 of 2 clusters"):
+    hv = _hv(galaxy_size=2, on_partial_round="fail")
+    outer = DiLoCo(_model([1.0]), galaxy.averager(0, 1), hv, warn=lambda *_: None)
+    with pytest.raises(GalaxyError, match="only 1 of 2 clusters"):
         outer.after_inner_step(1)
 
 
@@ -189,20 +126,37 @@ def test_out_of_sync_is_reported():
 
     def cluster(rank):
         model = _model([1.0, 2.0] if rank == 0 else [1.0, 2.5])
-        outer = DiLoCo(
-            model,
-            galaxy.averager(rank),
-            local_steps=1,
-            outer_lr=0.7,
-            outer_momentum=0.9,
-            galaxy_rank=rank,
-            galaxy_size=2,
-            warn=lambda *_: None,
-            join_timeout=1.0,  # bounds cluster 1's re-sync attempt (nobody serves a state here)
-        )
+        # join_timeout bounds cluster 1's re-sync attempt (nobody serves a state here)
+        hv = _hv(world_rank=rank, galaxy_size=2, join_timeout=1.0)
+        outer = DiLoCo(model, galaxy.averager(rank, 2), hv, warn=lambda *_: None)
         results[rank] = outer.after_inner_step(1)
 
     threads = [threading.Thread(target=cluster, args=(r,)) for r in range(2)]
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
     assert results[0]["in_sync"] is False and results[1]["in_sync"] is False
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_sgd_is_torch_sgd_bit_for_bit(nesterov):
+    """The in-place outer step (no full-size temporary) equals torch.optim.SGD exactly, round after round."""
+    torch.manual_seed(0)
+    ours = torch.randn(1000)
+    reference = torch.nn.Parameter(ours.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=nesterov)
+    buffer = None
+    for _ in range(5):
+        grad = torch.randn(1000)
+        reference.grad = grad.clone()
+        sgd.step()
+        buffer = outer_sgd_step_(ours, grad, buffer, lr=0.7, momentum=0.9, nesterov=nesterov)
+        assert torch.equal(ours, reference.detach())
+
+
+def test_outer_momentum_zero_is_plain_sgd():
+    # θ = 1, Δ = 0.25 every round: momentum 0 is θ ← θ − lr·Δ (lr 1: plain averaging, θ ← θ_local)
+    params, momentum = torch.tensor([1.0]), None
+    momentum = outer_sgd_step_(params, torch.tensor([0.25]), momentum, lr=1.0, momentum=0.0, nesterov=True)
+    assert momentum is None and params.item() == 0.75
+    results = _run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.25]]}, outer_lr=1.0, outer_momentum=0.0)
+    assert results[0][0].item() == 0.25  # plain averaging of one cluster: θ_outer follows θ_local

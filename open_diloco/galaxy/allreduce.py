@@ -1,0 +1,145 @@
+"""The canonical butterfly all-reduce: every peer ends a round with bitwise-identical bytes.
+
+Stock hivemind (1.1.x) gives each peer ``own + decompress(compress(avg - own))``, so peers end up with
+different bytes (~1e-7 relative uncompressed, ~1e-3 of |avg - own| with fp16) and clusters drift apart round
+after round. Here every reducer sends back ``compress(avg)`` (not the delta) and every peer, the reducer
+included for its own span, *copies* ``decompress(compress(avg))`` into its buffer. The overrides:
+
+- ``_accumulate_parts_streaming``: send the average, compressed with the reducer's own codec (not the
+  sender's choice), so each span has exactly one serialized form;
+- ``_communicate_with_peer`` (own span only): round-trip the average through the same serializer the wire
+  uses, so the reducer keeps what it sent, not its more precise local value;
+- ``TensorPartContainer.return_deltas = False``: a failed reducer's span is then filled with our own values
+  (not zeros, which under copy semantics would erase the span); we count it and report the round incomplete.
+
+Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
+Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+
+class CanonicalAllReduce(AllReduceRunner):
+    """Butterfly all-reduce whose result is bitwise identical on every peer (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Failed reducer -> its span keeps our own values (copy semantics), never zeros.
+        self.tensor_part_container.return_deltas = False
+        self.result_compression = self.tensor_part_container.compression.compression_type
+        self.bytes_sent = self.bytes_received = 0
+        self._serving, self._served = 0, asyncio.Event()
+
+    def _serialize_result(self, averaged_part: torch.Tensor):
+        return serialize_torch_tensor(averaged_part, self.result_compression)
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            if self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
+                canonical = averaged  # fp32 on the wire is exact: the others got these very bytes
+            else:
+                canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
+            self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        # Copy of AllReduceRunner._accumulate_parts_streaming, sending compress(avg) instead of
+        # compress(avg - part), compressed with our codec rather than the sender's.
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(None, self._serialize_result, averaged)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def rpc_aggregate_part(self, stream, context):
+        """We reduce a span for a peer: count its parts in and our averages out."""
+
+        async def counted(incoming):
+            async for msg in incoming:
+                self.bytes_received += msg.ByteSize()
+                yield msg
+
+        self._serving += 1
+        self._served.clear()
+        try:
+            async for msg in super().rpc_aggregate_part(counted(stream), context):
+                self.bytes_sent += msg.ByteSize()
+                yield msg
+        finally:
+            self._serving -= 1
+            if self._serving == 0:
+                self._served.set()
+
+    async def finish_serving(self) -> None:
+        """Our own result is ready before the last averages went out to the peers we reduce for; wait for them
+        (bounded by the reducer timeout) so the byte counts are complete."""
+        if self._serving:
+            try:
+                await asyncio.wait_for(self._served.wait(), self.reducer_timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _get_peer_stub(self, peer):
+        return CountingStub(super()._get_peer_stub(peer), self)
+
+    def stats(self) -> dict[str, int]:
+        return dict(
+            failed_size=self.tensor_part_container.failed_size,
+            banned_senders=len(self.banned_senders),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+        )
+
+
+class CountingStub:
+    """Wraps a peer stub so the parts we send to a reducer, and the averages it returns, are counted."""
+
+    def __init__(self, stub, runner: CanonicalAllReduce):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        runner = self._runner
+
+        async def counted_inputs():
+            async for msg in inputs:
+                runner.bytes_sent += msg.ByteSize()
+                yield msg
+
+        stream = await self._stub.rpc_aggregate_part(counted_inputs())
+
+        async def counted_outputs():
+            async for msg in stream:
+                runner.bytes_received += msg.ByteSize()
+                yield msg
+
+        return counted_outputs()

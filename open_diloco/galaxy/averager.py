@@ -1,0 +1,293 @@
+"""One shard's hivemind averager, and the adapter that gives the outer loop its ``Averager``.
+
+Compression: "none" and "fp16". Hivemind 1.1.12's 8-bit codecs do not round-trip with NumPy 2.4
+(``Uniform8BitQuantization``/``Quantile8BitQuantization`` raise ``TypeError: only 0-dimensional arrays can be
+converted to Python scalars`` in ``extract``), and ``BLOCKWISE_8BIT`` needs bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+
+from open_diloco.errors import ConfigError, DuplicateGalaxyRank, RoundFailed
+from open_diloco.galaxy.allreduce import CanonicalAllReduce
+from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
+from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.outer.protocols import RoundReport
+from open_diloco.processes import end_tree
+
+# Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
+# which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
+# killed; it also changes how the trainer's DataLoader workers share batches. Put torch's default back: we
+# only pass a few tensors between the trainer and its averager process.
+torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
+_NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
+_GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up
+SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
+
+
+class CanonicalAverager(DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduce`, copying results, serving a caller's state."""
+
+    get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]] | None = None
+    _round_stats: dict[bytes, dict[str, int]]
+
+    # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
+    # the default start method inside processes started with spawn (and wherever a program chose it).
+    _Popen = staticmethod(mp.context.ForkProcess._Popen)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = CanonicalAllReduce(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        assert runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX
+        outputs = iter(tensors)
+        async for averaged in runner:
+            next(outputs).copy_(averaged)  # copy, not add: the canonical result
+        await runner.finish_serving()
+        if not hasattr(self, "_round_stats"):
+            self._round_stats = {}
+        self._round_stats[group_id] = runner.stats()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        stats = self._round_stats.pop(group_info.group_id)
+        return dict(gathered={peer.to_base58(): data for peer, data in gathered.items()}, **stats)
+
+    def run(self) -> None:
+        become_galaxy_child(self._parent_pid)
+        super().run()
+
+    def get_current_state(self):
+        """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``."""
+        if self.get_state is None:
+            return {}, [], None
+        metadata, tensors = self.get_state()
+        return metadata, list(tensors), None
+
+
+class HivemindRound:
+    """A hivemind round in flight (see ``PendingRound``)."""
+
+    def __init__(self, owner: HivemindAverager, control: StepControl | None, metadata: dict[str, Any], start: float):
+        self.owner, self.control, self.metadata, self.start = owner, control, metadata, start
+
+    def wait(self) -> RoundReport:
+        owner, round_id = self.owner, self.metadata["round_id"]
+        if self.control is None:  # a galaxy of one
+            return owner.lonely_report(self.metadata, self.start)
+        try:
+            result = self.control.result(
+                timeout=max(0.0, self.start + owner.averaging_timeout + _GRACE - time.monotonic())
+            )
+        except TimeoutError:
+            self.control.cancel()
+            raise RoundFailed(
+                f"round {round_id} did not finish within --hv.averaging-timeout={owner.averaging_timeout}s"
+            ) from None
+        except Exception as e:
+            if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
+                return owner.lonely_report(self.metadata, self.start)
+            raise RoundFailed(f"round {round_id} failed: {e!r}") from e
+        peers: dict[int, dict[str, Any]] = {}
+        for peer, data in result["gathered"].items():
+            rank = data.get("galaxy_rank")
+            if rank == owner.galaxy_rank and peer != owner.peer_id:
+                raise DuplicateGalaxyRank(
+                    f"peer {peer} also claims galaxy rank {rank}; give every cluster a "
+                    f"unique --hv.world-rank in 0..{owner.galaxy_size - 1}"
+                )
+            peers[rank] = data
+        return RoundReport(
+            group_size=len(result["gathered"]),
+            complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
+            peers=peers,
+            seconds=time.monotonic() - self.start,
+            bytes_sent=result["bytes_sent"],
+            bytes_received=result["bytes_received"],
+        )
+
+
+class HivemindAverager:
+    """One shard's averager: a DHT node plus a :class:`CanonicalAverager` over a flat fp32 buffer.
+
+    The buffer is hivemind's own (moved to shared memory so its process can average it in place), and it is
+    the buffer the outer loop computes Δ into: no private copy of the shard. Access goes through
+    :meth:`buffer`, under hivemind's tensor lock, so a round that outlived its timeout can never write into
+    a Δ being computed.
+    """
+
+    def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
+                 averaging_timeout: float):
+        self.dht, self.averager = dht, averager
+        self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
+        self.averaging_timeout = averaging_timeout
+        self.peer_id = dht.peer_id.to_base58()
+        """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
+        self._closed = False
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs other peers can pass as ``initial_peers`` to join this peer's DHT."""
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    @contextlib.contextmanager
+    def buffer(self) -> Iterator[torch.Tensor]:
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=self.averaging_timeout + _GRACE):
+            raise RoundFailed("the averager is still busy with a previous round")
+        try:
+            yield self.averager._averaged_tensors[0]
+        finally:
+            lock.release()
+
+    def start_round(self, round_id: int, fingerprint: dict[str, Any]) -> HivemindRound:
+        """Matchmaking waits ``--hv.matchmaking-time`` for the whole galaxy, then goes with whoever came (at
+        least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer unchanged)."""
+        start = time.monotonic()
+        metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id}
+        if self.galaxy_size == 1:
+            return HivemindRound(self, None, metadata, start)
+        control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False)
+        return HivemindRound(self, control, metadata, start)
+
+    def lonely_report(self, metadata: dict[str, Any], start: float) -> RoundReport:
+        return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
+                           seconds=time.monotonic() - start)
+
+    def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any]) -> RoundReport:
+        """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the
+        averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
+        with self.buffer() as shared:
+            shared.copy_(values.view(-1))
+        report = self.start_round(round_id, fingerprint).wait()
+        with self.buffer() as shared:
+            values.view(-1).copy_(shared)
+        return report
+
+    def serve_state(self, get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]) -> None:
+        """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on demand)."""
+        self.averager.get_state = get_state
+        self.averager.allow_state_sharing = True
+
+    def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download ``(metadata, tensors)`` from a peer serving this shard; ``None`` if none answers in time.
+
+        Retries until ``timeout``: a serving peer's DHT declaration may not have propagated yet."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                state = self.averager.load_state_from_peers(timeout=left)
+            except TimeoutError:
+                return None
+            if state is not None and state[0]:
+                metadata, tensors = state
+                return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.averager.is_alive():
+                self.averager.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates
+            if self.averager.pid is not None:
+                end_tree(self.averager.pid, include_root=self.averager.is_alive(), grace=1.0, timeout=2.0)
+        finally:
+            shutdown_dht(self.dht)
+
+
+def start_shard_averager(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    run_id: str,
+    shard_index: int,
+    numel: int,
+    galaxy_rank: int,
+    galaxy_size: int,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    join_timeout: float,
+    compression: str,
+) -> HivemindAverager:
+    """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
+
+    ``numel`` is the shard's flat buffer size: hivemind matches only peers with the same tensor schema.
+    ``initial_peers`` empty: this peer starts its own DHT. Every wait is bounded by ``join_timeout``; bad
+    addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
+    """
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"--hv.compression {compression!r} is not supported; use one of {sorted(COMPRESSIONS)}")
+    if averaging_timeout <= matchmaking_time:
+        raise ConfigError(
+            f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time ({matchmaking_time}s)"
+        )
+    dht = start_dht(initial_peers, host_maddrs, announce_maddrs, join_timeout)
+    averager = CanonicalAverager(
+        [torch.zeros(numel, dtype=torch.float32)],
+        dht,
+        start=False,
+        prefix=f"{run_id}/shard{shard_index}",
+        target_group_size=galaxy_size,
+        min_group_size=2,
+        min_matchmaking_time=matchmaking_time,
+        request_timeout=min(3.0, matchmaking_time / 2),
+        allreduce_timeout=averaging_timeout,
+        next_chunk_timeout=max(1.0, min(averaging_timeout / 4, 30.0)),
+        compression=COMPRESSIONS[compression](),
+        client_mode=False,
+        allow_state_sharing=False,
+        shutdown_timeout=SHUTDOWN_SECONDS,
+    )
+    try:
+        _start_keeping_signal_handlers(averager, join_timeout)
+    except BaseException:
+        if averager.pid is not None:
+            end_tree(averager.pid, grace=1.0, timeout=2.0)
+        shutdown_dht(dht)
+        raise
+    return HivemindAverager(
+        dht, averager, galaxy_rank=galaxy_rank, galaxy_size=galaxy_size, averaging_timeout=averaging_timeout
+    )
+
+
+def _start_keeping_signal_handlers(averager: DecentralizedAverager, timeout: float) -> None:
+    """Hivemind sets SIGINT to ignored in the parent before forking; we keep the trainer's handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        averager.start()
+        averager.wait_until_ready(timeout)
+        return
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        averager.run_in_background(await_ready=True, timeout=timeout)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

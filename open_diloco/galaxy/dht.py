@@ -1,0 +1,102 @@
+"""Starting this shard's DHT node with one-line errors, and stopping it within a bound."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Sequence
+
+from hivemind import DHT
+
+from open_diloco.addresses import listen_address, peer_address
+from open_diloco.errors import ConfigError
+from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.processes import end_tree
+
+SHUTDOWN_SECONDS = 2.0
+"""What hivemind's DHT gets to shut down in order before it is ended by PID (with its p2pd)."""
+
+
+class GalaxyDHT(DHT):
+    """hivemind.DHT whose process lives and dies as :mod:`open_diloco.galaxy.lifecycle` says."""
+
+    def run(self) -> None:
+        become_galaxy_child(self._parent_pid)
+        super().run()
+
+
+def start_dht(
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str],
+    join_timeout: float,
+) -> GalaxyDHT:
+    """Start a DHT node that joins ``initial_peers`` (none: a new DHT), waiting at most ``join_timeout``.
+
+    Bad addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix."""
+    for maddr in initial_peers:
+        peer_address(maddr)
+    _check_ports_free(host_maddrs)
+    dht = GalaxyDHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None,
+        start=True,
+        await_ready=False,
+        client_mode=False,
+        nat_port_map=False,
+        use_relay=False,
+        use_auto_relay=False,
+        auto_nat=False,
+        wait_timeout=min(join_timeout, 3.0),
+        shutdown_timeout=SHUTDOWN_SECONDS,
+    )
+    try:
+        dht.wait_until_ready(timeout=join_timeout)
+    except TimeoutError:
+        shutdown_dht(dht)
+        raise ConfigError(
+            f"could not join the DHT via --hv.initial-peers {list(initial_peers)} within "
+            f"--hv.join-timeout={join_timeout}s; check that a peer runs there"
+        ) from None
+    except Exception as e:
+        shutdown_dht(dht)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "bootstrap" in reason:
+            raise ConfigError(
+                f"no DHT peer answered at --hv.initial-peers {list(initial_peers)}; start hivemind-dht "
+                "there first or fix the address"
+            ) from None
+        raise ConfigError(
+            f"could not start the DHT ({reason}); check --hv.initial-peers {list(initial_peers)} "
+            f"and --hv.host-maddrs {list(host_maddrs)}"
+        ) from None
+    return dht
+
+
+def _check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """p2pd reports a busy port only in its log; find out here and say which flag to change."""
+    for maddr in host_maddrs:
+        family, host, port = listen_address(maddr)
+        if port == 0:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise ConfigError(f"--hv.host-maddrs {maddr!r}: cannot listen there ({e.strerror})") from None
+                raise ConfigError(
+                    f"--hv.host-maddrs {maddr!r}: port {port} is already in use; pick a free port or tcp/0"
+                ) from None
+
+
+def shutdown_dht(dht: DHT) -> None:
+    """Shut the DHT down in order if it is healthy, then end whatever is left of its process tree (p2pd
+    included) by PID. Bounded: a few seconds at most, whatever state the DHT is in."""
+    if dht.is_alive() and dht._ready.done() and not dht._ready.exception():
+        dht.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates
+    if dht.pid is not None:
+        end_tree(dht.pid, include_root=dht.is_alive(), grace=1.0, timeout=2.0)
+    dht.join(1.0)

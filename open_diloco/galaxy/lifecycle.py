@@ -1,0 +1,43 @@
+"""How hivemind's forked processes (the DHT, each averager) live and die next to a trainer rank.
+
+They start by calling :func:`become_galaxy_child`, which fixes three things measured on hivemind 1.1.x:
+- torchrun stops a rank by signalling its whole process group, which reached these children and their p2pd
+  daemons before the rank could shut them down in order (p2pd errors, uvloop tracebacks). The children move
+  to a process group of their own; the rank shuts them down, or they notice it is gone.
+- A fork inherits the trainer's Python signal handlers: SIGTERM raised the trainer's ``Stop`` inside uvloop's
+  callbacks, where it was logged and swallowed, so the child survived SIGTERM, and a rank exiting through
+  ``multiprocessing``'s atexit (which terminates, then joins daemonic children without a timeout) hung
+  forever. Here SIGTERM ends the child and its own children (p2pd) at once; SIGINT is ignored (Ctrl+C is the
+  trainer's to handle). The trainer's signal wakeup fd is dropped too, else the child's signals would look
+  like the trainer's.
+- A SIGKILLed trainer tells nobody: a watchdog thread notices the re-parenting and exits the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from open_diloco.processes import end_tree
+
+
+def become_galaxy_child(parent_pid: int) -> None:
+    """Call first thing in the main thread of a forked hivemind process whose parent is ``parent_pid``."""
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, _exit_now)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
+
+
+def _exit_now(signum: int = signal.SIGTERM, frame=None) -> None:
+    end_tree(os.getpid(), include_root=False, grace=1.0, timeout=1.0)
+    os._exit(0 if signum == signal.SIGTERM else 1)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    _exit_now(signal.SIGKILL)

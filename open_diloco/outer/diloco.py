@@ -1,0 +1,231 @@
+"""DiLoCo's outer loop for one shard of one cluster, as two halves: :meth:`DiLoCo.start_round` computes the
+pseudo-gradient and launches the galaxy average; :meth:`DiLoCo.finish_round` waits for it, lets the round
+policy decide, and applies the outer step. Today the trainer calls them back to back (:meth:`DiLoCo.step`);
+an overlapped schedule can run inner steps in between.
+
+Cluster-level decisions (retry a partial round, re-sync after a mismatch) are agreed by all local ranks
+through :class:`ClusterComm`, so every shard of a cluster follows the same path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
+from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
+from open_diloco.outer.protocols import Averager, PendingRound, RoundReport
+from open_diloco.outer.state import OuterState, combine_hashes, fingerprint_bytes, sum_of_squares
+
+if TYPE_CHECKING:
+    from open_diloco.config import HvConfig
+
+
+@dataclass
+class RoundInFlight:
+    """A started round: what :meth:`DiLoCo.finish_round` needs to judge and apply it."""
+
+    pending: PendingRound | None
+    """The all-reduce in flight; ``None`` when it could not even start."""
+    own_hash: str
+    """Hash of this shard's θ_outer when the round started."""
+    local_sq: float
+    """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
+    attempts: int = 0
+    start_error: str | None = None
+
+
+class DiLoCo:
+    """The outer loop of one shard: θ_outer and momentum in :class:`OuterState`, rounds through an
+    :class:`Averager`, decisions by :class:`RoundPolicy`. The inner optimizer is untouched: its state carries
+    across rounds."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        averager: Averager,
+        hv: HvConfig,
+        *,
+        cluster: ClusterComm | None = None,
+        warn: Any = print,
+    ):
+        self.averager = averager
+        self.hv = hv
+        self.galaxy_rank = hv.world_rank
+        self.policy = RoundPolicy(hv.galaxy_size, hv.on_partial_round, hv.max_retries)
+        self.cluster = cluster or ClusterComm(next(model.parameters()).device)
+        self.warn = warn
+        self.state = OuterState(
+            model, lr=hv.outer_lr, momentum=hv.outer_momentum, nesterov=hv.outer_nesterov
+        )
+        self.averager.serve_state(self._served_state)
+
+    @property
+    def outer_step(self) -> int:
+        return self.state.outer_step
+
+    def _served_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        metadata, tensors = self.state.snapshot()
+        return {**metadata, "galaxy_rank": self.galaxy_rank}, tensors
+
+    # -- joining --------------------------------------------------------------------------------------------
+    def join_galaxy(self) -> int:
+        """Adopt the galaxy's outer state if a peer serves a newer one than this cluster holds (a late joiner,
+        or a resume from an older checkpoint); return the inner step to continue after. All local ranks must
+        agree, else the shards would mix two galaxy states, so the state is adopted on every rank or none."""
+        wanted = self.hv.galaxy_size > 1 and not self.hv.skip_load_from_peers
+        downloaded = self.averager.download_state(self.hv.join_timeout) if wanted else None
+        newer = downloaded is not None and int(downloaded[0].get("outer_step", -1)) > self.outer_step
+        if self.cluster.all_true(newer):
+            previous = self.outer_step
+            self.state.adopt(*downloaded)
+            self.warn(
+                f"the galaxy is at outer step {self.outer_step} (this cluster was at {previous}): "
+                "downloaded θ_outer and the outer momentum from a peer"
+            )
+        return self.inner_step_of_galaxy()
+
+    def inner_step_of_galaxy(self) -> int:
+        return self.outer_step * self.hv.local_steps
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
+        return self.state.momentum_pieces(for_load)
+
+    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        self.state.restore_after_checkpoint(outer_step, momentum_pieces)
+
+    # -- the outer step -------------------------------------------------------------------------------------
+    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
+        """Run an outer step when ``inner_step`` ends a round (see :class:`OuterLoop`)."""
+        if inner_step % self.hv.local_steps:
+            return {}
+        return self.step()
+
+    def step(self) -> dict[str, Any]:
+        """One blocking outer step: start the round and finish it."""
+        return self.finish_round(self.start_round())
+
+    @torch.no_grad()
+    def start_round(self, attempts: int = 0) -> RoundInFlight:
+        """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it."""
+        own_hash = self.state.hash()
+        try:
+            with self.averager.buffer() as pseudo_grad:
+                self.state.pseudo_grad_into(pseudo_grad)
+                local_sq = sum_of_squares(pseudo_grad)
+            fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
+            pending = self.averager.start_round(self.outer_step, fingerprint)
+        except RoundFailed as err:
+            return RoundInFlight(None, own_hash, float("nan"), attempts, start_error=str(err))
+        return RoundInFlight(pending, own_hash, local_sq, attempts)
+
+    @torch.no_grad()
+    def finish_round(self, flight: RoundInFlight) -> dict[str, Any]:
+        """Wait for the round, decide with the policy (retrying as it says), apply the outer step, copy θ_outer
+        into the model, and return the round's metrics."""
+        round_no = self.outer_step + 1
+        while True:
+            report, failed = self._wait(flight, round_no)
+            self._check_peers(report)
+            clusters = self.cluster.min_int(report.group_size if report.complete else 1)
+            in_sync = self.cluster.all_true(
+                all(meta.get("param_hash") == flight.own_hash for meta in report.peers.values())
+            )
+            reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
+            behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
+            decision = self.policy.decide(RoundOutcome(clusters, in_sync, behind, flight.attempts))
+            if decision is not Decision.RETRY:
+                break
+            self.warn(
+                f"outer step {round_no}: partial round ({clusters} of {self.hv.galaxy_size} clusters): "
+                f"retry {flight.attempts + 1}/{self.hv.max_retries}"
+            )
+            flight = self.start_round(flight.attempts + 1)
+
+        size = self.hv.galaxy_size
+        if decision is Decision.STOP:
+            raise GalaxyError(
+                f"outer step {round_no}: only {clusters} of {size} clusters averaged and --hv.on-partial-round "
+                "is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
+            )
+        if clusters < size:
+            retried = f" after {flight.attempts} retries" if flight.attempts else ""
+            self.warn(f"outer step {round_no}: proceeding with {clusters} of {size} clusters{retried}")
+        wanted_step = -self.cluster.min_int(-(reference[0] + 1))
+
+        with self.averager.buffer() as averaged:
+            if failed:  # the buffer may hold a dead round's leftovers: average of one = our own Δ again
+                self.state.pseudo_grad_into(averaged)
+            self.state.apply(averaged)
+        resynced = self._resync(wanted_step) if decision is Decision.RESYNC else False
+        self.state.scatter_into_model()
+
+        return {
+            "outer_step": self.outer_step,
+            "galaxy_peers": report.group_size,
+            "galaxy_complete": bool(report.complete),
+            "allreduce_seconds": report.seconds,
+            "bytes_sent": report.bytes_sent,
+            "bytes_received": report.bytes_received,
+            "retries": flight.attempts,
+            "in_sync": in_sync,
+            "resynced": resynced,
+            "pseudo_grad_norm": self.cluster.sum_float(flight.local_sq) ** 0.5,
+            "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
+            "param_hash": combine_hashes(self.cluster.gather_strings(fingerprint_bytes(self.state.params))),
+        }
+
+    def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:
+        """The round's report, or a group of one (``failed``) when it produced no result."""
+        error = flight.start_error
+        if flight.pending is not None:
+            try:
+                return flight.pending.wait(), False
+            except RoundFailed as err:
+                error = str(err)
+        self.warn(f"outer step {round_no}: all-reduce failed ({error})")
+        return RoundReport(group_size=1, complete=False), True
+
+    def _check_peers(self, report: RoundReport) -> None:
+        for rank, meta in report.peers.items():
+            if rank != self.galaxy_rank and meta.get("numel") not in (None, self.state.numel):
+                raise GalaxyMismatch(
+                    f"cluster {rank} averages a shard of {meta['numel']} values, this one {self.state.numel}: "
+                    "every cluster must train the same model config with the same number of ranks"
+                )
+
+    def _resync(self, wanted_step: int) -> bool:
+        """Adopt the outer state (θ_outer, momentum, round counter) of the galaxy's most advanced cluster after
+        a hash mismatch, and say whether it worked.
+
+        The peer may still be applying the round we want, so an older state is refused and asked for again,
+        for at most ``--hv.join-timeout`` in all. Every local rank takes part and all must end on the same
+        round, else the cluster keeps its own state on every shard (never a mix)."""
+        deadline = time.monotonic() + self.hv.join_timeout
+        downloaded = None
+        while (left := deadline - time.monotonic()) > 0:
+            downloaded = self.averager.download_state(left)
+            if downloaded is not None and int(downloaded[0].get("outer_step", -1)) >= wanted_step:
+                break
+            downloaded = None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        step = int(downloaded[0]["outer_step"]) if downloaded is not None else -1
+        ok = step >= 0 and self.cluster.min_int(step) == step == -self.cluster.min_int(-step)
+        if ok:
+            previous = self.outer_step
+            self.state.adopt(*downloaded)
+            self.warn(
+                f"outer step {previous}: θ_outer differed from the galaxy: adopted a peer's state at outer step "
+                f"{self.outer_step}"
+            )
+        else:
+            self.warn(f"outer step {self.outer_step}: θ_outer differs from the galaxy and re-sync failed")
+        return ok
+
+    def close(self) -> None:
+        self.averager.shutdown()

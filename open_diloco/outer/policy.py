@@ -1,0 +1,63 @@
+"""What a round's outcome means: one decision from what the whole cluster saw of the round.
+
+Kept apart from the mechanics so every rule is a line to read and a unit test to pin, and so later rules
+(live membership, the guard) have one place to go."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+class Decision(enum.Enum):
+    APPLY = "apply"
+    """Every cluster averaged and all started from the same θ_outer: apply the outer step."""
+    PROCEED = "proceed"
+    """Some clusters were missing; apply the outer step with the average of those present."""
+    RETRY = "retry"
+    """Some clusters were missing; recompute Δ and average again."""
+    RESYNC = "resync"
+    """θ_outer differed from a more advanced cluster's: apply, then adopt that cluster's state."""
+    STOP = "stop"
+    """Missing clusters under ``--hv.on-partial-round fail``: stop the run."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A round as the whole cluster saw it (each field already agreed across the cluster's ranks)."""
+
+    clusters: int
+    """Clusters whose Δ went fully into the average, counted on the cluster's worst shard."""
+    in_sync: bool
+    """Every peer started the round from this cluster's θ_outer (equal hashes)."""
+    behind: bool
+    """A peer is more advanced (later round, or same round and lower galaxy rank)."""
+    attempts: int
+    """Retries already spent on this round."""
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    galaxy_size: int
+    on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
+    max_retries: int = 2
+
+    def decide(self, outcome: RoundOutcome) -> Decision:
+        partial = outcome.clusters < self.galaxy_size
+        if partial and self.on_partial_round == "fail":
+            return Decision.STOP
+        if partial and self.on_partial_round == "retry" and outcome.attempts < self.max_retries:
+            return Decision.RETRY
+        if not outcome.in_sync and outcome.behind:
+            return Decision.RESYNC
+        return Decision.PROCEED if partial else Decision.APPLY
+
+
+def most_advanced(peers: dict[int, dict[str, Any]], outer_step: int, galaxy_rank: int) -> tuple[int, int]:
+    """``(round_id, -galaxy_rank)`` of the most advanced participant of a round: the latest round, then the
+    lowest galaxy rank. After a hash mismatch every other cluster adopts that one's state."""
+    return max(
+        ((int(meta.get("round_id", outer_step)), -rank) for rank, meta in peers.items()),
+        default=(outer_step, -galaxy_rank),
+    )

@@ -1,0 +1,124 @@
+"""What the outer loop needs from a galaxy (:class:`Averager`) and what the trainer needs from the outer loop
+(:class:`OuterLoop`). The galaxy package implements the first over hivemind; tests implement it in-process."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class RoundReport:
+    """What one all-reduce of one shard did.
+
+    ``peers`` maps each participating cluster's galaxy rank to the metadata it sent with the round (its
+    fingerprint: the hash of its θ_outer shard before the round, its round id), so every cluster can check
+    that it and every other cluster started the round from the same weights.
+    """
+
+    group_size: int
+    """Clusters whose pseudo-gradient went into the average (this one included)."""
+    complete: bool
+    """True when every span of the buffer was averaged over the whole group (no failed reducer)."""
+    peers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class PendingRound(Protocol):
+    """An all-reduce in flight. The trainer may keep computing until it calls :meth:`wait`."""
+
+    def wait(self) -> RoundReport:
+        """Block until the round ends (bounded by the averager's timeout); raise ``RoundFailed`` if it
+        produced no result. On success the averager's buffer holds the galaxy average."""
+        ...
+
+
+class Averager(Protocol):
+    """Averages one FSDP shard's flat fp32 pseudo-gradient with the same shard of every other cluster.
+
+    The averager owns the buffer that goes on the wire, so the outer loop computes Δ straight into it (no
+    extra copy of the shard). Promise: every participant of a round ends with *bitwise-identical* contents
+    (a canonical result, not ``own + (avg - own)``), also under compression.
+    """
+
+    def buffer(self) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """The flat fp32 CPU buffer the next round averages in place, locked for the caller: a round that
+        outlived its timeout may still be writing, and the lock waits for it (bounded; ``RoundFailed``)."""
+        ...
+
+    def start_round(self, round_id: int, fingerprint: dict[str, Any]) -> PendingRound:
+        """Begin averaging the buffer's current contents; ``fingerprint`` travels to every peer."""
+        ...
+
+    def serve_state(self, get_state: Any) -> None:
+        """Let late joiners download the outer state: ``get_state()`` returns ``(metadata, tensors)``."""
+        ...
+
+    def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Fetch ``(metadata, tensors)`` from a peer serving this shard; ``None`` when none answers in time."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the averager and its DHT; idempotent; bounded in time; leaves no process behind."""
+        ...
+
+
+class OuterLoop(Protocol):
+    """What the trainer (and the checkpoint) call: once to join the galaxy, then after every inner step."""
+
+    outer_step: int
+    """Outer steps applied so far (the galaxy's round counter)."""
+
+    def join_galaxy(self) -> int:
+        """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
+        ...
+
+    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
+        """Run an outer step if ``inner_step`` (1-based) ends a round; return its metrics, else ``{}``."""
+        ...
+
+    def inner_step_of_galaxy(self) -> int:
+        """The inner step the galaxy's current round started at (a cluster behind it catches up)."""
+        ...
+
+    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
+        """The outer momentum shaped like this rank's parameter shards (for checkpoints); with ``for_load``,
+        zero placeholders to load into when there is none yet. ``None``: nothing to save or load."""
+        ...
+
+    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        """Re-read θ_outer from the freshly loaded model and take the loaded momentum and round counter."""
+        ...
+
+    def close(self) -> None:
+        """Leave the galaxy; idempotent and bounded in time."""
+        ...
+
+
+class NullOuterLoop:
+    """No galaxy: plain data-parallel training inside the cluster."""
+
+    outer_step = 0
+
+    def join_galaxy(self) -> int:
+        return 0
+
+    def inner_step_of_galaxy(self) -> int:
+        return 0
+
+    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
+        return {}
+
+    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
+        return None
+
+    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,179 @@
+"""θ_outer, the outer momentum and the round counter of one FSDP shard, and the outer optimizer's math.
+
+Memory is the point of this module: for a 70B model every extra fp32 copy of the shard is hundreds of GB of
+host memory. The outer state is exactly two flat fp32 buffers (θ_outer and the momentum); the pseudo-gradient
+lives in the averager's buffer (the one that goes on the wire) and the outer step updates in place, so a
+round holds three fp32 copies of the shard in all. θ_local needs no backup: it does not change until the round
+ends, so a retried round recomputes Δ from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+
+def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's slice of every parameter: the FSDP2 local shard (a view, so writes reach the model), or
+    the whole tensor for an unsharded model."""
+    shards = []
+    for param in model.parameters():
+        data = param.data
+        shards.append(data.to_local() if hasattr(data, "to_local") else data)
+    return shards
+
+
+def fingerprint_bytes(buffer: torch.Tensor) -> str:
+    """A short hash of a tensor's exact bytes: two clusters agree on it iff their tensors are bitwise equal."""
+    import xxhash
+
+    return xxhash.xxh3_128(buffer.detach().contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
+
+
+def combine_hashes(hashes: list[str]) -> str:
+    """One hash of the whole model from its shards' hashes, in shard order."""
+    import xxhash
+
+    return xxhash.xxh3_64("".join(hashes).encode()).hexdigest()
+
+
+def sum_of_squares(buffer: torch.Tensor, chunk: int = 1 << 18) -> float:
+    """Σ x² in fp64, a chunk at a time: ``buffer.double().square().sum()`` without materialising an fp64 copy
+    of the whole buffer (10x faster on a 25M-value shard). Deterministic: equal bytes give equal sums."""
+    total = 0.0
+    for piece in buffer.reshape(-1).split(chunk):
+        total += float(piece.double().square().sum())
+    return total
+
+
+@torch.no_grad()
+def outer_sgd_step_(
+    params: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> torch.Tensor | None:
+    """One SGD step with (Nesterov) momentum, in place, returning the momentum buffer (created on the first
+    step, ``None`` without momentum). ``grad`` is consumed: it is overwritten by the update direction.
+
+    Bit for bit what ``torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)`` computes (a unit
+    test pins it), minus its full-size temporary: torch's Nesterov step writes ``grad + momentum * buf`` into a
+    new tensor, here it goes into ``grad``, which the caller no longer needs. With ``momentum == 0`` it is plain
+    SGD (torch refuses Nesterov without momentum; plain averaging is a natural thing to ask for)."""
+    if momentum == 0:
+        params.add_(grad, alpha=-lr)
+        return None
+    if momentum_buffer is None:
+        momentum_buffer = grad.clone()
+    else:
+        momentum_buffer.mul_(momentum).add_(grad)
+    if nesterov:
+        grad.add_(momentum_buffer, alpha=momentum)
+        params.add_(grad, alpha=-lr)
+    else:
+        params.add_(momentum_buffer, alpha=-lr)
+    return momentum_buffer
+
+
+class OuterState:
+    """The outer state of one shard, and the copies between it and the model's local shards.
+
+    Late joiners' downloads call :meth:`snapshot` from the averager's thread while the loop may be stepping,
+    hence the lock around every change."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, momentum: float, nesterov: bool = True):
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self._shards = local_shards(model)
+        self.numels = [shard.numel() for shard in self._shards]
+        self.on_gpu = any(shard.is_cuda for shard in self._shards)
+        self.params = torch.empty(sum(self.numels), dtype=torch.float32, pin_memory=self.on_gpu)
+        """θ_outer, flat fp32 on CPU (pinned when the model is on a GPU)."""
+        self.momentum_buffer: torch.Tensor | None = None
+        self.outer_step = 0
+        self.lock = threading.Lock()
+        self.gather_local_into(self.params)
+
+    @property
+    def numel(self) -> int:
+        return self.params.numel()
+
+    def gather_local_into(self, flat: torch.Tensor) -> None:
+        """Copy θ_local (the model's shards) into ``flat``, in fp32."""
+        for piece, shard in zip(flat.split(self.numels), self._shards, strict=True):
+            piece.copy_(shard.reshape(-1), non_blocking=True)
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def pseudo_grad_into(self, flat: torch.Tensor) -> None:
+        """Δ = θ_outer − θ_local, computed in ``flat`` (the averager's wire buffer)."""
+        self.gather_local_into(flat)
+        torch.sub(self.params, flat, out=flat)
+
+    def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
+        """The outer step with the galaxy's average Δ (consumed), then count the round."""
+        with self.lock:
+            self.momentum_buffer = outer_sgd_step_(
+                self.params,
+                averaged_pseudo_grad,
+                self.momentum_buffer,
+                lr=self.lr,
+                momentum=self.momentum,
+                nesterov=self.nesterov,
+            )
+            self.outer_step += 1
+
+    def scatter_into_model(self) -> None:
+        """θ_local ← θ_outer, in the model's dtype."""
+        for piece, shard in zip(self.params.split(self.numels), self._shards, strict=True):
+            shard.copy_(piece.view_as(shard), non_blocking=True)
+
+    def hash(self) -> str:
+        return fingerprint_bytes(self.params)
+
+    # -- sharing and checkpoints ----------------------------------------------------------------------------
+    def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a late joiner downloads: θ_outer, the outer momentum (if any) and the round counter."""
+        with self.lock:
+            tensors = [self.params.clone()]
+            if self.momentum_buffer is not None:
+                tensors.append(self.momentum_buffer.clone())
+            return {"outer_step": self.outer_step}, tensors
+
+    def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Take a peer's outer state and push θ_outer into the model."""
+        from open_diloco.errors import GalaxyMismatch
+
+        if tensors[0].numel() != self.numel:
+            raise GalaxyMismatch(
+                f"the galaxy's shard has {tensors[0].numel()} values but this cluster's has {self.numel}: "
+                "clusters must train the same model config with the same number of ranks"
+            )
+        with torch.no_grad(), self.lock:
+            self.params.copy_(tensors[0])
+            self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
+            self.outer_step = int(metadata["outer_step"])
+        self.scatter_into_model()
+
+    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
+        """The momentum split and shaped like this rank's parameter shards (views, no copy)."""
+        if self.momentum_buffer is None:
+            return [torch.zeros_like(shard) for shard in self._shards] if for_load else None
+        return [
+            piece.view_as(shard)
+            for piece, shard in zip(self.momentum_buffer.split(self.numels), self._shards, strict=True)
+        ]
+
+    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        """After a checkpoint load: the model holds θ_outer (saves land on outer-step boundaries), so θ_outer
+        is re-read from it; the momentum comes back from its reshardable pieces."""
+        with torch.no_grad(), self.lock:
+            self.gather_local_into(self.params)
+            if momentum_pieces is not None:
+                self.momentum_buffer = torch.cat([piece.reshape(-1).float() for piece in momentum_pieces])
+            self.outer_step = outer_step

@@ -1,0 +1,64 @@
+"""Process trees, by PID (psutil). One helper for the galaxy's children, the tests and the benchmarks.
+
+torchrun starts every rank in a session of its own and hivemind forks DHT and averager processes that start
+p2pd daemons, so neither process groups nor sessions cover "everything this run started": only the tree of
+parent links does. Ending a tree is always by PID, with a bounded wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import psutil
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (children first); empty when ``pid`` is gone."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def alive(pids: list[int] | set[int]) -> list[int]:
+    """The PIDs that still exist and are not zombies."""
+    living = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.append(pid)
+    return living
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each PID that still exists."""
+    for pid in pids:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            psutil.Process(pid).send_signal(sig)
+
+
+def wait_gone(pids: list[int] | set[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to end; return the ones still alive."""
+    deadline = time.monotonic() + timeout
+    while (left := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout: float = 5.0) -> list[int]:
+    """End ``pid``'s descendants (and ``pid`` itself with ``include_root``): SIGTERM, then SIGKILL for whatever
+    is left after ``grace`` seconds. Returns what is still alive after ``timeout`` more (normally nothing)."""
+    targets = descendants(pid) + ([pid] if include_root else [])
+    signal_pids(targets, signal.SIGTERM)
+    left = wait_gone(targets, grace)
+    signal_pids(left, signal.SIGKILL)
+    return wait_gone(left, timeout)
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> list[int]:
+    """Send ``sig`` to ``pid`` and all its descendants at once; return what is still alive after ``timeout``."""
+    targets = [pid, *descendants(pid)]
+    signal_pids(targets, sig)
+    return wait_gone(targets, timeout)

@@ -1,0 +1,146 @@
+"""Outer-state memory: how much host memory a real 2-cluster round adds, in multiples of the fp32 shard.
+
+    python scripts/bench/outer_memory.py                 # 2 peers on 127.0.0.1, a 25M-value shard
+    python scripts/bench/outer_memory.py --numel 96000000
+
+Each peer is a process with its DHT, averager and p2pd as children; memory is the PSS of that whole tree
+(shared memory, e.g. the averager's buffer, counted once), sampled every 20 ms. Per peer:
+  model   = tree PSS with the model built, before the galaxy starts;
+  fixed   = what starting a galaxy over a 1-value shard adds (interpreters, p2pd: independent of model size);
+  peak    = highest tree PSS during the outer loop's rounds over the real shard.
+Outer state = (peak - model - fixed) / (4 * numel): θ_outer, momentum, Δ (the averager's wire buffer) and
+whatever hivemind allocates while it averages. Target: <= 3x. Every process is ended by PID before exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+from outer_step import FlatModel
+
+from open_diloco.processes import alive, descendants, signal_pids, wait_gone
+
+CTX = mp.get_context("spawn")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def tree_pss(pid: int) -> int:
+    total = 0
+    for member in [pid, *descendants(pid)]:
+        try:
+            total += psutil.Process(member).memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total
+
+
+class PeakSampler:
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss(self.pid))
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
+    import os
+
+    from open_diloco.config import HvConfig
+    from open_diloco.galaxy.averager import start_shard_averager
+    from open_diloco.outer.diloco import DiLoCo
+
+    mp.set_start_method("fork", force=True)
+    torch.set_num_threads(1)
+    me = os.getpid()
+
+    def start(numel: int, run_id: str, peers: list[str]):
+        return start_shard_averager(
+            initial_peers=peers, host_maddrs=LOOPBACK, announce_maddrs=[], run_id=run_id, shard_index=0,
+            numel=numel, galaxy_rank=rank, galaxy_size=2, matchmaking_time=1.0, averaging_timeout=60.0,
+            join_timeout=30.0, compression="none",
+        )
+
+    model = FlatModel(args.numel, seed=0)
+    time.sleep(0.5)
+    model_pss = tree_pss(me)
+    probe = start(1, "probe", [])
+    time.sleep(1.0)
+    fixed = tree_pss(me) - model_pss
+    probe.shutdown()
+    peers = []
+    if rank == 1:
+        peers = maddrs_queue.get(timeout=120)
+    ours = start(args.numel, "memory", peers)
+    if rank == 0:
+        maddrs_queue.put(ours.visible_maddrs)
+    try:
+        hv = HvConfig(local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed")
+        diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
+        noise = torch.Generator().manual_seed(rank)
+        peers_seen = []
+        with PeakSampler(me) as sampler:
+            for _ in range(args.rounds):
+                with torch.no_grad():
+                    model.weight.add_(torch.randn(args.numel, generator=noise), alpha=1e-3)
+                barrier.wait(120)
+                peers_seen.append(diloco.step()["galaxy_peers"])
+        queue.put(("result", rank, model_pss, fixed, sampler.peak, peers_seen))
+    finally:
+        ours.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    queue, maddrs, barrier = CTX.Queue(), CTX.Queue(), CTX.Barrier(2)
+    procs = [CTX.Process(target=_peer, args=(rank, args, queue, barrier, maddrs)) for rank in (0, 1)]
+    seen: set[int] = set()
+    try:
+        for proc in procs:
+            proc.start()
+        results = []
+        deadline = time.monotonic() + 300
+        while len(results) < 2:
+            for proc in procs:
+                seen.update([proc.pid, *descendants(proc.pid)])
+            results.append(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+        for proc in procs:
+            proc.join(30)
+    finally:
+        signal_pids(alive(seen | {p.pid for p in procs if p.pid}), 9)
+        left = wait_gone(seen, 5.0)
+        assert not left, f"processes left behind: {left}"
+    size = 4 * args.numel
+    print(f"2 peers on 127.0.0.1, shard of {args.numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds")
+    print("| peer | model | galaxy fixed | peak | outer state | x fp32 shard | peers per round |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
+    for _, rank, model_pss, fixed, peak, peers in sorted(results, key=lambda r: r[1]):
+        outer = peak - model_pss - fixed
+        ratios.append(outer / size)
+        print(f"| {rank} | {model_pss / 2**20:.0f} MiB | {fixed / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
+              f"{outer / 2**20:.0f} MiB | {outer / size:.2f} | {peers} |")
+    print(f"outer state / fp32 shard: {statistics.mean(ratios):.2f}x (target <= 3)")
+
+
+if __name__ == "__main__":
+    main()

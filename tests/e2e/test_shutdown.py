@@ -1,0 +1,83 @@
+"""Stopping a cluster: what `scancel`, `docker stop`, Kubernetes and an impatient user do must end every rank
+and every hivemind process within 15 s, in one line, whatever the cluster was doing; a galaxy-wide
+misconfiguration stops every cluster with its line instead of turning into retries."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from open_diloco.processes import alive, descendants, wait_gone
+from tests.e2e.galaxy_harness import Galaxy
+
+pytestmark = pytest.mark.e2e
+
+STOP_BUDGET = 15.0
+# A lonely cluster of a galaxy of 2 waits in its first round: matchmaking never finds the partner.
+WAITING_IN_A_ROUND = ["--max-steps", "50", "--hv.local-steps", "3", "--hv.averaging-timeout", "120"]
+
+
+@pytest.fixture
+def galaxy(tmp_path):
+    g = Galaxy(tmp_path)
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+def _whole_tree(galaxy: Galaxy, name: str) -> list[int]:
+    proc = galaxy.procs[name]
+    return [proc.pid, *descendants(proc.pid)]
+
+
+def _wait_in_round(galaxy: Galaxy, name: str) -> list[int]:
+    """Start ``name`` alone in a galaxy of 2 and return its whole process tree once it waits in round 1."""
+    metrics = galaxy.start_cluster(0, 2, *WAITING_IN_A_ROUND, name=name)
+    galaxy.wait_for_step(metrics, 2, 240)
+    time.sleep(4.0)  # step 3 ends the round: the cluster now sits in matchmaking for 120 s
+    tree = _whole_tree(galaxy, name)
+    assert len(tree) >= 1 + 2 + 2 * 3, f"expected torchrun, 2 ranks, and per rank DHT + averager + p2pd: {tree}"
+    return tree
+
+
+def test_sigterm_while_waiting_in_a_round_ends_everything_in_one_line(galaxy):
+    tree = _wait_in_round(galaxy, "lonely")
+    started = time.monotonic()
+    galaxy.procs["lonely"].send_signal(signal.SIGTERM)
+    galaxy.wait("lonely", STOP_BUDGET)
+    left = wait_gone(tree, max(0.0, STOP_BUDGET - (time.monotonic() - started)))
+    assert not left, f"still alive {STOP_BUDGET} s after SIGTERM: {left}"
+    log = galaxy.log("lonely")
+    assert galaxy.procs["lonely"].returncode != 0
+    assert log.count("stopping: signal SIGTERM") == 1, log[-3000:]
+    ours = [line for line in log.splitlines() if re.search(r"open_diloco|hivemind|uvloop|Stop", line)]
+    assert not [line for line in ours if "Traceback" in line or 'File "' in line], "\n".join(ours)
+    assert "Traceback" not in log.split("stopping: signal SIGTERM")[1].split("torch.distributed.elastic")[0]
+
+
+def test_sigterm_then_sigkill_of_torchrun_alone_leaves_nothing(galaxy):
+    tree = _wait_in_round(galaxy, "orphaned")
+    torchrun = galaxy.procs["orphaned"]
+    started = time.monotonic()
+    torchrun.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    torchrun.send_signal(signal.SIGKILL)  # a batch system's kill -9 after its grace, or an impatient user
+    torchrun.wait(5)
+    left = wait_gone(tree, STOP_BUDGET - (time.monotonic() - started))
+    assert not left, f"ranks or hivemind processes outlived their launcher: {alive(left)}"
+
+
+def test_duplicate_galaxy_rank_stops_both_clusters_with_the_line(galaxy):
+    steps = ["--max-steps", "20", "--hv.local-steps", "3"]
+    galaxy.start_cluster(0, 2, *steps, name="first")
+    galaxy.start_cluster(0, 2, *steps, name="second")  # the same --hv.world-rank
+    for name in ("first", "second"):
+        assert galaxy.wait(name, 180) != 0, galaxy.log(name)[-3000:]
+        log = galaxy.log(name)
+        errors = [line for line in log.splitlines() if line.startswith("open-diloco: error:")]
+        assert errors and all("also claims galaxy rank 0" in line and "--hv.world-rank" in line for line in errors), log[-3000:]
+        assert "retry" not in log

@@ -1,0 +1,75 @@
+"""A galaxy of threads: implements the outer loop's ``Averager`` protocol in one process, no hivemind.
+
+Each thread is a cluster; a barrier makes every round meet. The result is the exact mean of the buffers of
+the clusters present, copied to each, so it is bitwise identical by construction: what the unit tests check
+is the outer loop's math and decisions around it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from open_diloco.outer.protocols import RoundReport
+
+
+class InProcessGalaxy:
+    """``size`` clusters averaging in threads. ``drop``: galaxy ranks missing from every round (they average
+    alone)."""
+
+    def __init__(self, size: int, drop: set[int] | None = None):
+        self.size = size
+        self.drop = drop or set()
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.meta: dict[int, dict] = {}
+
+    def averager(self, rank: int, numel: int) -> InProcessAverager:
+        return InProcessAverager(self, rank, numel)
+
+
+class InProcessRound:
+    def __init__(self, averager: InProcessAverager, round_id: int, fingerprint: dict):
+        self.averager, self.round_id, self.fingerprint = averager, round_id, fingerprint
+
+    def wait(self) -> RoundReport:
+        av, galaxy = self.averager, self.averager.galaxy
+        galaxy.buffers[av.rank] = av.values.clone()
+        galaxy.meta[av.rank] = {"galaxy_rank": av.rank, "round_id": self.round_id, **self.fingerprint}
+        galaxy.barrier.wait()
+        if av.rank in galaxy.drop:
+            present = [av.rank]
+        else:
+            present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
+        average = torch.stack([galaxy.buffers[r] for r in present]).mean(0)
+        peers = {r: galaxy.meta[r] for r in present}
+        galaxy.barrier.wait()
+        av.values.copy_(average)
+        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=av.values.numel() * 4)
+
+
+class InProcessAverager:
+    def __init__(self, galaxy: InProcessGalaxy, rank: int, numel: int):
+        self.galaxy, self.rank = galaxy, rank
+        self.values = torch.zeros(numel)
+        self.calls = 0
+        self.get_state = None
+
+    @contextlib.contextmanager
+    def buffer(self) -> Iterator[torch.Tensor]:
+        yield self.values
+
+    def start_round(self, round_id: int, fingerprint: dict) -> InProcessRound:
+        self.calls += 1
+        return InProcessRound(self, round_id, fingerprint)
+
+    def serve_state(self, get_state) -> None:
+        self.get_state = get_state
+
+    def download_state(self, timeout: float):
+        return None
+
+    def shutdown(self) -> None:
+        pass
