@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from cyclopts import Parameter
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
@@ -83,18 +83,12 @@ class HvConfig(BaseModel):
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 
-    @field_validator("initial_peers")
+    @field_validator("initial_peers", "host_maddrs")
     @classmethod
-    def _full_peer_maddrs(cls, maddrs: list[str]) -> list[str]:
+    def _valid_maddrs(cls, maddrs: list[str], info: ValidationInfo) -> list[str]:
+        check = peer_address if info.field_name == "initial_peers" else listen_address
         for maddr in maddrs:
-            peer_address(maddr)
-        return maddrs
-
-    @field_validator("host_maddrs")
-    @classmethod
-    def _listen_maddrs(cls, maddrs: list[str]) -> list[str]:
-        for maddr in maddrs:
-            listen_address(maddr)
+            check(maddr)
         return maddrs
 
     @model_validator(mode="after")

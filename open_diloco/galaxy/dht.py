@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import socket
 from collections.abc import Sequence
 
@@ -22,7 +24,16 @@ class GalaxyDHT(DHT):
 
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
+        logging.getLogger("hivemind.dht.dht").addFilter(_drop_requests_of_dead_callers)
         super().run()
+
+
+def _drop_requests_of_dead_callers(record: logging.LogRecord) -> bool:
+    """A request whose sender (the averager process) ended while the request sat in the DHT's pipe cannot be
+    unpickled: hivemind logs that as an ERROR with a traceback, at every shutdown in the middle of
+    matchmaking. Nothing is lost (the caller is gone), so it is dropped here; other errors pass."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.funcName == "_run" and isinstance(error, (OSError, EOFError)))
 
 
 def start_dht(
@@ -96,7 +107,10 @@ def shutdown_dht(dht: DHT) -> None:
     """Shut the DHT down in order if it is healthy, then end whatever is left of its process tree (p2pd
     included) by PID. Bounded: a few seconds at most, whatever state the DHT is in."""
     if dht.is_alive() and dht._ready.done() and not dht._ready.exception():
-        dht.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates
+        # hivemind's DHT.shutdown, minus its warning when the grace runs out: end_tree below does the rest
+        with contextlib.suppress(OSError):
+            dht._outer_pipe.send(("_shutdown", [], {}))
+        dht.join(SHUTDOWN_SECONDS)
     if dht.pid is not None:
         end_tree(dht.pid, include_root=dht.is_alive(), grace=1.0, timeout=2.0)
     dht.join(1.0)

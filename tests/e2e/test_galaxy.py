@@ -9,18 +9,9 @@ import pytest
 import torch
 
 from tests.conftest import kill_tree, read_metrics
-from tests.e2e.galaxy_harness import Galaxy, outer_records
+from tests.e2e.galaxy_harness import outer_records
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def galaxy(tmp_path):
-    g = Galaxy(tmp_path)
-    try:
-        yield g
-    finally:
-        g.close()
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16"])

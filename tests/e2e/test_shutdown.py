@@ -20,15 +20,6 @@ STOP_BUDGET = 15.0
 WAITING_IN_A_ROUND = ["--max-steps", "50", "--hv.local-steps", "3", "--hv.averaging-timeout", "120"]
 
 
-@pytest.fixture
-def galaxy(tmp_path):
-    g = Galaxy(tmp_path)
-    try:
-        yield g
-    finally:
-        g.close()
-
-
 def _whole_tree(galaxy: Galaxy, name: str) -> list[int]:
     proc = galaxy.procs[name]
     return [proc.pid, *descendants(proc.pid)]
@@ -54,9 +45,11 @@ def test_sigterm_while_waiting_in_a_round_ends_everything_in_one_line(galaxy):
     log = galaxy.log("lonely")
     assert galaxy.procs["lonely"].returncode != 0
     assert log.count("stopping: signal SIGTERM") == 1, log[-3000:]
-    ours = [line for line in log.splitlines() if re.search(r"open_diloco|hivemind|uvloop|Stop", line)]
-    assert not [line for line in ours if "Traceback" in line or 'File "' in line], "\n".join(ours)
-    assert "Traceback" not in log.split("stopping: signal SIGTERM")[1].split("torch.distributed.elastic")[0]
+    # torchrun prints its own traceback for the signal it received (SignalException); nothing else may
+    tracebacks = log.split("Traceback (most recent call last):")[1:]
+    ours = [tb for tb in tracebacks if "SignalException" not in tb.split("\n\n")[0]]
+    assert not ours, "traceback from the cluster:\n" + ours[0][:3000]
+    assert not re.search(r"\[(ERROR|WARN)\]", log), log[-3000:]
 
 
 def test_sigterm_then_sigkill_of_torchrun_alone_leaves_nothing(galaxy):
