@@ -6,7 +6,9 @@ problem and the fix, and exit code 2, on every rank, before any rank waits on an
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,19 +23,98 @@ from open_diloco.errors import OpenDilocoError
 
 EXIT_USAGE = 2
 
+# Help panels for the training flags, in the order of config.py's sections. The grouping is presentation
+# only, so it lives here rather than on every field of Config; a unit test checks every field has a panel.
+FLAG_PANELS: dict[str, tuple[str, ...]] = {
+    "Model": ("path_model", "seq_length"),
+    "Batch and optimizer": (
+        "per_device_train_batch_size",
+        "total_batch_size",
+        "lr",
+        "warmup_steps",
+        "total_steps",
+        "min_lr_ratio",
+        "weight_decay",
+        "adam_betas",
+        "max_grad_norm",
+        "max_steps",
+        "seed",
+    ),
+    "Data": (
+        "fake_data",
+        "dataset_path",
+        "dataset_text_field",
+        "path_tokenizer",
+        "data_cache_dir",
+        "num_workers",
+        "eval_interval",
+        "eval_steps",
+    ),
+    "Performance": ("precision", "torch_compile", "activation_checkpointing", "device", "backend"),
+    "Logging": ("metric_logger_type", "metrics_path", "project", "run_name", "log_interval"),
+    "Galaxy (--hv.*; any of them turns DiLoCo on)": ("hv",),
+    "Checkpoints (--ckpt.*)": ("ckpt",),
+}
+
+
+def version_line() -> str:
+    """``open-diloco VERSION (torch X, hivemind Y)``: what a bug report needs, read from package metadata so
+    that neither torch nor hivemind is imported."""
+    return f"open-diloco {_own_version()} (torch {_installed('torch')}, hivemind {_installed('hivemind')})"
+
+
+def _installed(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _own_version() -> str:
+    """The installed package's version; from a source checkout that is not installed, pyproject.toml's."""
+    try:
+        return importlib.metadata.version("open_diloco")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if not pyproject.is_file():
+        return "unknown"
+    # A regex rather than tomllib, which Python 3.10 lacks; the first `version =` is [project]'s.
+    found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    return found.group(1) if found else "unknown"
+
+
+def _put_flags_in_panels() -> None:
+    """Attach each Config field's help panel the way cyclopts reads it (a Parameter in the field's metadata);
+    a nested model's panel covers all its flags."""
+    for panel_name, field_names in FLAG_PANELS.items():
+        panel = cyclopts.Group.create_ordered(panel_name)
+        for name in field_names:
+            Config.model_fields[name].metadata.append(Parameter(group=panel))
+
+
+_put_flags_in_panels()
+
 app = cyclopts.App(
     name="open-diloco",
     help="Decentralized multi-cluster LLM training: DiLoCo over hivemind, FSDP2 inside each cluster.\n\n"
     "Flags may also come from a file: --config FILE (TOML, YAML or JSON; keys are the flag names, `hv` and "
     "`ckpt` as tables). Flags on the command line override the file.",
-    help_format="plaintext",
-    version_flags=[],
+    # Markdown reflows the field docstrings' continuation lines (plaintext kept their indentation).
+    help_format="markdown",
+    # cyclopts offers `--empty-FLAG` for every list or tuple flag; ours have no use for it.
+    default_parameter=Parameter(negative_iterable=()),
+    version=version_line,
+    version_flags=["--version"],
+    version_format="plaintext",
 )
 
 
 @app.default
-def train(config: Config | None = None) -> None:
+def train(*, config: Config | None = None) -> None:
     """Train one cluster (run under torchrun for several ranks)."""
+    # `config` is keyword-only so that its fields are flags only: as positionals, a stray word (`open-diloco
+    # foo --fake-data`) would silently become --path-model.
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
     run_training(config if config is not None else Config())
@@ -204,6 +285,22 @@ def describe_validation_error(err: pydantic.ValidationError) -> str:
     return f"{flag}: {first['msg']}{given_text}: see --help for accepted values"
 
 
+def _command_names() -> list[str]:
+    return sorted(name for name in app if not name.startswith("-"))
+
+
+def describe_unused_tokens(err: cyclopts.UnusedCliTokensError) -> str:
+    """One line for words left over after parsing: a value without its flag, or a misspelt command."""
+    word = err.unused_tokens[0] if err.unused_tokens else ""
+    if err.command_chain:
+        command = " ".join(err.command_chain)
+        return f"unexpected argument {word!r} after {command}: see open-diloco {command} --help for its arguments"
+    return (
+        f"unexpected argument {word!r}: training takes only --flags, each value after its flag "
+        f"(e.g. --path-model DIR); the commands are {', '.join(_command_names())}"
+    )
+
+
 def describe_error(err: ConfigError | pydantic.ValidationError | cyclopts.CycloptsError) -> str:
     """One line for a user error from any layer: our checks, pydantic, cyclopts' flag parsing."""
     if isinstance(err, ConfigError):
@@ -215,6 +312,8 @@ def describe_error(err: ConfigError | pydantic.ValidationError | cyclopts.Cyclop
         cause = cause.__cause__
     if isinstance(cause, (pydantic.ValidationError, ConfigError)):
         return describe_error(cause)
+    if isinstance(err, cyclopts.UnusedCliTokensError):
+        return describe_unused_tokens(err)
     return " ".join(str(err).split()) + " (see --help)"
 
 
