@@ -97,8 +97,9 @@ def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
         peers_seen = []
         with PeakSampler(me) as sampler:
             for _ in range(args.rounds):
-                with torch.no_grad():
-                    model.weight.add_(torch.randn(args.numel, generator=noise), alpha=1e-3)
+                with torch.no_grad():  # "inner steps", a chunk at a time: no full-size temporary of the bench's own
+                    for piece in model.weight.split(1 << 20):
+                        piece.add_(torch.randn(piece.numel(), generator=noise), alpha=1e-3)
                 barrier.wait(120)
                 peers_seen.append(diloco.step()["galaxy_peers"])
         queue.put(("result", rank, model_pss, fixed, sampler.peak, peers_seen))

@@ -1,6 +1,6 @@
 """The hivemind privates open_diloco overrides or reads are still there, shaped as we expect.
 
-galaxy.py subclasses DecentralizedAverager and AllReduceRunner for a canonical all-reduce, and reads their
+open_diloco/galaxy/ subclasses DecentralizedAverager and AllReduceRunner for a canonical all-reduce, and reads their
 private attributes (see the module docstring there and design.md). pyproject pins hivemind to a minor; this
 test tells, on a new hivemind, exactly which of those privates moved, before an e2e run fails obscurely.
 """
@@ -27,7 +27,7 @@ def changed(name: str) -> str:
     return f"hivemind {hivemind.__version__} changed {name}: re-check open_diloco's overrides"
 
 
-# (class, method, parameter names) of every method galaxy.py overrides or calls with keywords.
+# (class, method, parameter names) of every method open_diloco/galaxy/ overrides or calls with keywords.
 SIGNATURES = [
     (
         DecentralizedAverager,
@@ -76,7 +76,7 @@ def test_overridden_methods_keep_their_signature(cls, method, parameters):
     assert list(inspect.signature(getattr(cls, method)).parameters) == parameters, changed(name)
 
 
-# (class, attributes its __init__ must set) that galaxy.py reads or writes.
+# (class, attributes its __init__ must set) that open_diloco/galaxy/ reads or writes.
 ATTRIBUTES = [
     (
         DecentralizedAverager,
@@ -111,7 +111,7 @@ def test_attributes_we_use_are_still_set_in_init(cls, attributes):
 
 
 def test_parent_pid_is_the_creating_process():
-    # _exit_with_parent (galaxy.py) watches this pid from the forked child: it must be the creator's.
+    # become_galaxy_child (galaxy/lifecycle.py) watches this pid from the forked child: it must be the creator's.
     for cls in (DecentralizedAverager, hivemind.DHT):
         assert "self._parent_pid = os.getpid()" in inspect.getsource(cls.__init__), changed(
             f"{cls.__name__}._parent_pid"
@@ -123,7 +123,7 @@ def test_return_deltas_is_a_container_option():
     assert "return_deltas" in parameters, changed("TensorPartContainer(return_deltas=...)")
 
 
-# galaxy.py re-implements these two bodies (copy semantics instead of add); any upstream edit to them may need
+# galaxy/allreduce.py re-implements these two bodies (copy semantics instead of add); any upstream edit to them may need
 # porting. The fingerprints are of hivemind 1.1.12's source.
 COPIED_BODIES = {
     "AllReduceRunner._accumulate_parts_streaming": (
