@@ -38,19 +38,17 @@ class StopGuard:
 
     Install once, from the main thread, before anything that can block for long (rendezvous, DHT start)."""
 
-    def __init__(self, grace: float = GRACE_SECONDS, *, watch_launcher: bool = True):
+    def __init__(self, grace: float = GRACE_SECONDS):
         self.grace = grace
-        self.watch_launcher = watch_launcher
-        self.requested: str | None = None
+        self._reason: str | None = None
         self._deadline: float | None = None
         self._exit_code = 143
         self._read_fd, self._write_fd = os.pipe()
         self._launcher = os.getppid()
-        self._previous_wakeup_fd: int | None = None
 
     def install(self) -> StopGuard:
         os.set_blocking(self._write_fd, False)
-        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for sig in _NAMES:
             signal.signal(sig, self._on_signal)
         threading.Thread(target=self._watch, name="stop-guard", daemon=True).start()
@@ -58,12 +56,12 @@ class StopGuard:
 
     def _on_signal(self, signum: int, frame) -> None:
         # Runs in the main thread when it next executes Python; the watcher has already armed the deadline.
-        self._request(f"{_NAMES.get(signum, signum)}", _EXIT_CODES.get(signum, 143))
-        raise Stop(f"signal {_NAMES.get(signum, signum)}", self._exit_code)
+        self._request(_NAMES[signum], _EXIT_CODES[signum])
+        raise Stop(f"signal {_NAMES[signum]}", self._exit_code)
 
     def _request(self, reason: str, exit_code: int, grace: float | None = None) -> None:
         if self._deadline is None:
-            self.requested, self._exit_code = reason, exit_code
+            self._reason, self._exit_code = reason, exit_code
             self._deadline = time.monotonic() + (self.grace if grace is None else grace)
 
     def begin_shutdown(self, reason: str = "the run ended", exit_code: int = 1) -> None:
@@ -84,19 +82,13 @@ class StopGuard:
                     self._request(_NAMES[signal.Signals(stops[0])], _EXIT_CODES[signal.Signals(stops[0])])
                     if signals_seen > 1:
                         self._force_exit("a second stop signal")
-            if self.watch_launcher and self._deadline is None and os.getppid() != self._launcher:
+            if self._deadline is None and os.getppid() != self._launcher:
                 self._request("the launcher is gone", 143)
                 os.kill(os.getpid(), signal.SIGTERM)  # raise Stop in the main thread, the polite path first
             if self._deadline is not None and time.monotonic() >= self._deadline:
-                self._force_exit(f"still running after {self.requested}")
+                self._force_exit(f"still running after {self._reason}")
 
     def _force_exit(self, why: str) -> None:
         print(f"open-diloco: {why}: ending this rank and its processes now", file=sys.stderr, flush=True)
         end_tree(os.getpid(), include_root=False, grace=1.0, timeout=2.0)
         os._exit(self._exit_code)
-
-    def uninstall(self) -> None:
-        """Give the signals back (used by tests that run several trainers in one process)."""
-        for sig in _NAMES:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from open_diloco import processes
-from open_diloco.processes import alive, descendants  # noqa: F401  (the tests' process bookkeeping)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "tests" / "models" / "llama-2m-fresh"

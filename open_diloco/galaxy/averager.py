@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,9 +24,8 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, RoundFailed
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
-from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 from open_diloco.outer.protocols import RoundReport
-from open_diloco.processes import end_tree
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
 # which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
@@ -215,8 +215,7 @@ class HivemindAverager:
         try:
             if self.averager.is_alive():
                 self.averager.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates
-            if self.averager.pid is not None:
-                end_tree(self.averager.pid, include_root=self.averager.is_alive(), grace=1.0, timeout=2.0)
+            end_child(self.averager)
         finally:
             shutdown_dht(self.dht)
 
@@ -268,8 +267,7 @@ def start_shard_averager(
     try:
         _start_keeping_signal_handlers(averager, join_timeout)
     except BaseException:
-        if averager.pid is not None:
-            end_tree(averager.pid, grace=1.0, timeout=2.0)
+        end_child(averager)
         shutdown_dht(dht)
         raise
     return HivemindAverager(
@@ -283,8 +281,6 @@ def _start_keeping_signal_handlers(averager: DecentralizedAverager, timeout: flo
         averager.start()
         averager.wait_until_ready(timeout)
         return
-    import signal
-
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         averager.run_in_background(await_ready=True, timeout=timeout)

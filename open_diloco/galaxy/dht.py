@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
 from collections.abc import Sequence
 
@@ -12,8 +13,7 @@ from hivemind import DHT
 
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
-from open_diloco.galaxy.lifecycle import become_galaxy_child
-from open_diloco.processes import end_tree
+from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 
 SHUTDOWN_SECONDS = 2.0
 """What hivemind's DHT gets to shut down in order before it is ended by PID (with its p2pd)."""
@@ -25,7 +25,12 @@ class GalaxyDHT(DHT):
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
         logging.getLogger("hivemind.dht.dht").addFilter(_drop_requests_of_dead_callers)
-        super().run()
+        try:
+            super().run()
+        except EOFError:
+            # The same dead caller, when unpickling its request fails with EOFError: hivemind catches only
+            # OSError/RuntimeError there, so it escapes its loop. The DHT cannot serve on; exit without a traceback.
+            os._exit(1)
 
 
 def _drop_requests_of_dead_callers(record: logging.LogRecord) -> bool:
@@ -111,6 +116,4 @@ def shutdown_dht(dht: DHT) -> None:
         with contextlib.suppress(OSError):
             dht._outer_pipe.send(("_shutdown", [], {}))
         dht.join(SHUTDOWN_SECONDS)
-    if dht.pid is not None:
-        end_tree(dht.pid, include_root=dht.is_alive(), grace=1.0, timeout=2.0)
-    dht.join(1.0)
+    end_child(dht)

@@ -15,6 +15,7 @@ They start by calling :func:`become_galaxy_child`, which fixes three things meas
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -27,17 +28,26 @@ def become_galaxy_child(parent_pid: int) -> None:
     """Call first thing in the main thread of a forked hivemind process whose parent is ``parent_pid``."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, _exit_now)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _exit_with_children(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
 
 
-def _exit_now(signum: int = signal.SIGTERM, frame=None) -> None:
+def end_child(process: multiprocessing.Process) -> None:
+    """In the parent: end whatever is left of a hivemind child and its own children (p2pd) by PID, after its
+    orderly shutdown had its chance. Bounded: a few seconds at most."""
+    if process.pid is None:  # never started
+        return
+    end_tree(process.pid, include_root=process.is_alive(), grace=1.0, timeout=2.0)
+    process.join(1.0)
+
+
+def _exit_with_children(exit_code: int) -> None:
     end_tree(os.getpid(), include_root=False, grace=1.0, timeout=1.0)
-    os._exit(0 if signum == signal.SIGTERM else 1)
+    os._exit(exit_code)
 
 
 def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
-    _exit_now(signal.SIGKILL)
+    _exit_with_children(1)

@@ -11,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from open_diloco.processes import alive, descendants
 from tests.conftest import (
     REPO,
     TINY_MODEL,
     TORCHRUN,
     TRAIN_SCRIPT,
-    alive,
-    descendants,
     kill_tree,
     read_metrics,
     trainer_env,
