@@ -38,9 +38,11 @@ WORKDIR /opt/open_diloco
 # torch first, from the index of the chosen device (the default PyPI wheel would pull in CUDA on CPU images).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-COPY pyproject.toml README.md ./
+# The tested versions of everything but torch (constraints.txt); --build-arg CONSTRAINTS= resolves freely.
+ARG CONSTRAINTS=constraints.txt
+COPY pyproject.toml README.md constraints.txt ./
 COPY open_diloco ./open_diloco
-RUN pip install . && hivemind-dht --help >/dev/null
+RUN pip install . ${CONSTRAINTS:+-c "$CONSTRAINTS"} && hivemind-dht --help >/dev/null
 
 COPY scripts ./scripts
 COPY configs ./configs

@@ -2,17 +2,20 @@
 # Create (or reuse) .venv with open_diloco installed. Needs only python3 >= 3.10 and pip access to PyPI.
 #   EXTRAS=dev scripts/setup_env.sh     # with the test tools
 #   TORCH_VERSION=2.13.0                # the tested torch (the CPU wheel on CPU-only machines)
+#   CONSTRAINTS=constraints.txt         # the tested versions of everything else; CONSTRAINTS= resolves freely
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
+constraints="${CONSTRAINTS-constraints.txt}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 extras="${EXTRAS:+[$EXTRAS]}"
-stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)${EXTRAS:+-$EXTRAS}"
+# Reinstall when the requirements or the tested set change.
+stamp=".venv/.installed-$(cat pyproject.toml ${constraints:+"$constraints"} | sha1sum | cut -c1-12)${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-  .venv/bin/python -m pip install -q -e ".${extras}"
+  .venv/bin/python -m pip install -q -e ".${extras}" ${constraints:+-c "$constraints"}
   touch "$stamp"
 fi
