@@ -9,8 +9,10 @@ included for its own span, *copies* ``decompress(compress(avg))`` into its buffe
   sender's choice), so each span has exactly one serialized form;
 - ``_communicate_with_peer`` (own span only): round-trip the average through the same serializer the wire
   uses, so the reducer keeps what it sent, not its more precise local value;
-- ``TensorPartContainer.return_deltas = False``: a failed reducer's span is then filled with our own values
-  (not zeros, which under copy semantics would erase the span); we count it and report the round incomplete.
+- :class:`InPlaceParts` (the tensor part container): each averaged part is copied into the slice of the
+  buffer it came from as it arrives, instead of hivemind collecting every part and ``torch.cat``-ing them into
+  a second full-size tensor (2x the shard in flight); a failed reducer's span keeps our own values (not zeros,
+  which under copy semantics would erase the span); we count it and report the round incomplete.
 
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
@@ -22,7 +24,7 @@ import asyncio
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
@@ -33,8 +35,10 @@ class CanonicalAllReduce(AllReduceRunner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # Failed reducer -> its span keeps our own values (copy semantics), never zeros.
-        self.tensor_part_container.return_deltas = False
+        self.tensor_part_container = InPlaceParts.like(self.tensor_part_container)
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
+            self.ordered_peer_ids.index(self.peer_id)
+        )
         self.result_compression = self.tensor_part_container.compression.compression_type
         self.bytes_sent = self.bytes_received = 0
         self._serving, self._served = 0, asyncio.Event()
@@ -119,6 +123,63 @@ class CanonicalAllReduce(AllReduceRunner):
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )
+
+
+class InPlaceParts(TensorPartContainer):
+    """Hivemind's part container, writing each averaged part straight into the local buffer's slice it was cut
+    from, as it arrives. Hivemind's own keeps every received part until the last one is in, then concatenates
+    them: two extra full-size copies of the shard per round.
+
+    Overwriting is safe: a part's average can only arrive after that part was serialized and sent (the reducer
+    needs everyone's part first), and our own span's part was added to the reducer's accumulator before its
+    average exists. A failed reducer's remaining parts are "registered" as themselves: they keep our values.
+    The iteration yields nothing: when it ends, the local tensors hold the round's result."""
+
+    @classmethod
+    def like(cls, other: TensorPartContainer) -> InPlaceParts:
+        return cls(
+            other.local_tensors,
+            other.peer_fractions,
+            compression=other.compression,
+            part_size_bytes=other.part_size_bytes,
+            tensor_infos=other.tensor_infos,
+            return_deltas=False,
+            prefetch=other.prefetch,
+        )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slices = [[part for part, _info in parts] for parts in self._input_parts_by_peer]
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if self.finished.is_set():  # a straggler after the round was torn down: the buffer is not ours now
+            return
+        if part_index != self._outputs_registered_by_peer[peer_index]:
+            raise ValueError(
+                f"part {part_index} from peer {peer_index} arrived out of order "
+                f"(expected {self._outputs_registered_by_peer[peer_index]})"
+            )
+        target = self._slices[peer_index][part_index]
+        if part is not target:
+            target.copy_(part.reshape(target.shape))
+        self._outputs_registered_by_peer[peer_index] += 1
+        self._output_part_available[peer_index].set()
+
+    async def iterate_output_tensors(self):
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        for peer_index in range(self.group_size):
+            while self._outputs_registered_by_peer[peer_index] < self.num_parts_by_peer[peer_index]:
+                self._output_part_available[peer_index].clear()
+                await self._output_part_available[peer_index].wait()
+                if self.finished.is_set():
+                    raise AllreduceException("All-reduce was terminated during iteration")
+        return
+        yield  # an async generator that yields nothing: the results are already in place
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._slices = []
 
 
 class CountingStub:

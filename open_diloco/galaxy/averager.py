@@ -62,9 +62,8 @@ class CanonicalAverager(DecentralizedAverager):
         )
         self._running_groups[group_id].set_result(runner)
         assert runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX
-        outputs = iter(tensors)
-        async for averaged in runner:
-            next(outputs).copy_(averaged)  # copy, not add: the canonical result
+        async for _ in runner:  # the runner writes the canonical result into ``tensors`` as parts arrive
+            pass
         await runner.finish_serving()
         if not hasattr(self, "_round_stats"):
             self._round_stats = {}

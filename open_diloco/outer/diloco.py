@@ -19,7 +19,7 @@ from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
 from open_diloco.outer.protocols import Averager, PendingRound, RoundReport
-from open_diloco.outer.state import OuterState, combine_hashes, fingerprint_bytes, sum_of_squares
+from open_diloco.outer.state import OuterState, combine_hashes, sum_of_squares
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
@@ -116,8 +116,7 @@ class DiLoCo:
         own_hash = self.state.hash()
         try:
             with self.averager.buffer() as pseudo_grad:
-                self.state.pseudo_grad_into(pseudo_grad)
-                local_sq = sum_of_squares(pseudo_grad)
+                local_sq = self.state.pseudo_grad_into(pseudo_grad)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
             pending = self.averager.start_round(self.outer_step, fingerprint)
         except RoundFailed as err:
@@ -158,10 +157,16 @@ class DiLoCo:
             self.warn(f"outer step {round_no}: proceeding with {clusters} of {size} clusters{retried}")
         wanted_step = -self.cluster.min_int(-(reference[0] + 1))
 
-        with self.averager.buffer() as averaged:
-            if failed:  # the buffer may hold a dead round's leftovers: average of one = our own Δ again
-                self.state.pseudo_grad_into(averaged)
-            self.state.apply(averaged)
+        try:
+            with self.averager.buffer() as averaged:
+                if failed:  # the buffer may hold a dead round's leftovers: average of one = our own Δ again
+                    self.state.pseudo_grad_into(averaged)
+                self.state.apply(averaged)
+        except RoundFailed as err:  # a round that outlived its timeout still holds the buffer: nothing to apply
+            raise GalaxyError(
+                f"outer step {round_no}: {err} past --hv.averaging-timeout; stopping (resume from the last "
+                "checkpoint)"
+            ) from None
         resynced = self._resync(wanted_step) if decision is Decision.RESYNC else False
         self.state.scatter_into_model()
 
@@ -177,7 +182,7 @@ class DiLoCo:
             "resynced": resynced,
             "pseudo_grad_norm": self.cluster.sum_float(flight.local_sq) ** 0.5,
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
-            "param_hash": combine_hashes(self.cluster.gather_strings(fingerprint_bytes(self.state.params))),
+            "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
 
     def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:

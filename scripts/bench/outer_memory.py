@@ -1,7 +1,7 @@
 """Outer-state memory: how much host memory a real 2-cluster round adds, in multiples of the fp32 shard.
 
-    python scripts/bench/outer_memory.py                 # 2 peers on 127.0.0.1, a 25M-value shard
-    python scripts/bench/outer_memory.py --numel 96000000
+    python scripts/bench/outer_memory.py                      # 2 peers on 127.0.0.1, shards of 25M and 96M values
+    python scripts/bench/outer_memory.py --numel 96000000     # one size
 
 Each peer is a process with its DHT, averager and p2pd as children; memory is the PSS of that whole tree
 (shared memory, e.g. the averager's buffer, counted once), sampled every 20 ms. Per peer:
@@ -9,7 +9,16 @@ Each peer is a process with its DHT, averager and p2pd as children; memory is th
   fixed   = what starting a galaxy over a 1-value shard adds (interpreters, p2pd: independent of model size);
   peak    = highest tree PSS during the outer loop's rounds over the real shard.
 Outer state = (peak - model - fixed) / (4 * numel): θ_outer, momentum, Δ (the averager's wire buffer) and
-whatever hivemind allocates while it averages. Target: <= 3x. Every process is ended by PID before exit.
+whatever hivemind allocates while it averages. Part of it does not grow with the shard (p2pd's stream
+buffers and the averager's runtime after a real round, which the 1-value probe does not see), so with two or
+more sizes the bench also fits outer state = slope x (4 * numel) + overhead: the slope is what a 70B model
+pays. Target: slope <= 3. Every process is ended by PID before exit.
+
+Where the model lives matters because hivemind's DHT and averager are *forked* from the trainer. On a GPU the
+parameters are in device memory and the forks share nothing of them. A model in host memory (a CPU run) is
+inherited copy-on-write: each inner step writes its pages, so the forks keep the old ones, one more copy of
+the shard in all. ``--model-memory device`` (default) stands for the GPU case by putting the bench's
+parameter in a shared mapping, which forks share instead of copying; ``host`` measures a CPU run as it is.
 """
 
 from __future__ import annotations
@@ -30,24 +39,34 @@ CTX = mp.get_context("spawn")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def tree_pss(pid: int) -> int:
-    total = 0
+def tree_pss_by_process(pid: int) -> dict[str, int]:
+    """PSS of each process of the tree, keyed by a readable name (``trainer``, ``averager/1234``, ``p2pd/…``)."""
+    sizes = {}
     for member in [pid, *descendants(pid)]:
         try:
-            total += psutil.Process(member).memory_full_info().pss
+            proc = psutil.Process(member)
+            name = "trainer" if member == pid else f"{proc.name()}/{member}"
+            sizes[name] = proc.memory_full_info().pss
         except psutil.Error:
             pass
-    return total
+    return sizes
+
+
+def tree_pss(pid: int) -> int:
+    return sum(tree_pss_by_process(pid).values())
 
 
 class PeakSampler:
     def __init__(self, pid: int):
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.at_peak: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_pss(self.pid))
+            sizes = tree_pss_by_process(self.pid)
+            if sum(sizes.values()) > self.peak:
+                self.peak, self.at_peak = sum(sizes.values()), sizes
             time.sleep(0.02)
 
     def __enter__(self):
@@ -59,7 +78,7 @@ class PeakSampler:
         self._thread.join()
 
 
-def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
+def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     import os
 
     from open_diloco.config import HvConfig
@@ -77,7 +96,9 @@ def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
             join_timeout=30.0, compression="none",
         )
 
-    model = FlatModel(args.numel, seed=0)
+    model = FlatModel(numel, seed=0)
+    if args.model_memory == "device":
+        model.weight.data.share_memory_()  # no copy-on-write in the forks, as for parameters on a GPU
     time.sleep(0.5)
     model_pss = tree_pss(me)
     probe = start(1, "probe", [])
@@ -87,7 +108,7 @@ def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
     peers = []
     if rank == 1:
         peers = maddrs_queue.get(timeout=120)
-    ours = start(args.numel, "memory", peers)
+    ours = start(numel, "memory", peers)
     if rank == 0:
         maddrs_queue.put(ours.visible_maddrs)
     try:
@@ -102,18 +123,15 @@ def _peer(rank: int, args, queue, barrier, maddrs_queue) -> None:
                         piece.add_(torch.randn(piece.numel(), generator=noise), alpha=1e-3)
                 barrier.wait(120)
                 peers_seen.append(diloco.step()["galaxy_peers"])
-        queue.put(("result", rank, model_pss, fixed, sampler.peak, peers_seen))
+        queue.put(("result", rank, model_pss, fixed, sampler.peak, peers_seen, sampler.at_peak))
     finally:
         ours.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+def measure(numel: int, args) -> float:
+    """Run the two peers over a shard of ``numel`` values, print their table, return the mean outer state (bytes)."""
     queue, maddrs, barrier = CTX.Queue(), CTX.Queue(), CTX.Barrier(2)
-    procs = [CTX.Process(target=_peer, args=(rank, args, queue, barrier, maddrs)) for rank in (0, 1)]
+    procs = [CTX.Process(target=_peer, args=(rank, numel, args, queue, barrier, maddrs)) for rank in (0, 1)]
     seen: set[int] = set()
     try:
         for proc in procs:
@@ -130,17 +148,36 @@ def main() -> None:
         signal_pids(alive(seen | {p.pid for p in procs if p.pid}), 9)
         left = wait_gone(seen, 5.0)
         assert not left, f"processes left behind: {left}"
-    size = 4 * args.numel
-    print(f"2 peers on 127.0.0.1, shard of {args.numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds")
+    size = 4 * numel
+    print(f"\n2 peers on 127.0.0.1, shard of {numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds, "
+          f"model memory: {args.model_memory}")
     print("| peer | model | galaxy fixed | peak | outer state | x fp32 shard | peers per round |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    ratios = []
-    for _, rank, model_pss, fixed, peak, peers in sorted(results, key=lambda r: r[1]):
+    outers = []
+    for _, rank, model_pss, fixed, peak, peers, _at_peak in sorted(results, key=lambda r: r[1]):
         outer = peak - model_pss - fixed
-        ratios.append(outer / size)
+        outers.append(outer)
         print(f"| {rank} | {model_pss / 2**20:.0f} MiB | {fixed / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
               f"{outer / 2**20:.0f} MiB | {outer / size:.2f} | {peers} |")
-    print(f"outer state / fp32 shard: {statistics.mean(ratios):.2f}x (target <= 3)")
+    for _, rank, *_, at_peak in sorted(results, key=lambda r: r[1]):
+        parts = ", ".join(f"{name} {pss / 2**20:.0f}" for name, pss in sorted(at_peak.items()))
+        print(f"peer {rank} at its peak (MiB PSS): {parts}")
+    print(f"outer state / fp32 shard: {statistics.mean(outers) / size:.2f}x")
+    return statistics.mean(outers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 96_000_000])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-memory", choices=["device", "host"], default="device",
+                        help="device: parameters outside the forks' copy-on-write, as on a GPU; host: a CPU run")
+    args = parser.parse_args()
+    sizes = [4 * numel for numel in args.numel]
+    outers = [measure(numel, args) for numel in args.numel]
+    if len(sizes) >= 2:
+        slope, overhead = statistics.linear_regression(sizes, outers)
+        print(f"\nouter state = {slope:.2f} x fp32 shard + {overhead / 2**20:.0f} MiB (target: slope <= 3)")
 
 
 if __name__ == "__main__":

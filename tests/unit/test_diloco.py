@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 
 from open_diloco.config import HvConfig
-from open_diloco.errors import GalaxyError
+from open_diloco.errors import GalaxyError, RoundFailed
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.state import outer_sgd_step_
-from tests.support.inprocess_galaxy import InProcessGalaxy
+from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
 
 
 def _hv(**overrides) -> HvConfig:
@@ -116,6 +117,20 @@ def test_partial_round_fail_policy_stops():
     hv = _hv(galaxy_size=2, on_partial_round="fail")
     outer = DiLoCo(_model([1.0]), galaxy.averager(0, 1), hv, warn=lambda *_: None)
     with pytest.raises(GalaxyError, match="only 1 of 2 clusters"):
+        outer.after_inner_step(1)
+
+
+def test_a_round_still_holding_the_buffer_stops_with_one_line():
+    # The round's result never came and hivemind still holds the buffer past its timeout: nothing can be applied.
+    class StuckAfterStart(InProcessAverager):
+        @contextlib.contextmanager
+        def buffer(self):
+            if self.calls:
+                raise RoundFailed("the averager is still busy with a previous round")
+            yield self.values
+
+    outer = DiLoCo(_model([1.0]), StuckAfterStart(InProcessGalaxy(1), 0, 1), _hv(), warn=lambda *_: None)
+    with pytest.raises(GalaxyError, match=r"^outer step 1: the averager is still busy .*resume from the last"):
         outer.after_inner_step(1)
 
 

@@ -63,6 +63,22 @@ SIGNATURES = [
         ],
     ),
     (TensorPartContainer, "register_processed_part", ["self", "peer_index", "part_index", "part"]),
+    (TensorPartContainer, "iterate_output_tensors", ["self"]),
+    (TensorPartContainer, "finalize", ["self"]),
+    (
+        TensorPartContainer,
+        "__init__",
+        [
+            "self",
+            "tensors",
+            "peer_fractions",
+            "compression",
+            "part_size_bytes",
+            "tensor_infos",
+            "return_deltas",
+            "prefetch",
+        ],
+    ),
     (TensorPartReducer, "accumulate_part", ["self", "sender_index", "part_index", "tensor_part", "weight"]),
 ]
 
@@ -98,7 +114,26 @@ ATTRIBUTES = [
             "weight",
         ],
     ),
-    (TensorPartContainer, ["return_deltas", "failed_size", "compression", "prefetch"]),
+    (
+        TensorPartContainer,
+        [
+            "return_deltas",
+            "failed_size",
+            "compression",
+            "prefetch",
+            "local_tensors",
+            "peer_fractions",
+            "part_size_bytes",
+            "tensor_infos",
+            "finished",
+            "group_size",
+            "num_parts_by_peer",
+            "_input_parts_by_peer",
+            "_outputs_registered_by_peer",
+            "_output_part_available",
+            "_outputs_consumed",
+        ],
+    ),
     (TensorPartReducer, ["num_parts"]),
 ]
 
@@ -123,8 +158,8 @@ def test_return_deltas_is_a_container_option():
     assert "return_deltas" in parameters, changed("TensorPartContainer(return_deltas=...)")
 
 
-# galaxy/allreduce.py re-implements these two bodies (copy semantics instead of add); any upstream edit to them may need
-# porting. The fingerprints are of hivemind 1.1.12's source.
+# galaxy/allreduce.py re-implements these bodies (copy semantics instead of add; results written in place);
+# any upstream edit to them may need porting. The fingerprints are of hivemind 1.1.12's source.
 COPIED_BODIES = {
     "AllReduceRunner._accumulate_parts_streaming": (
         AllReduceRunner._accumulate_parts_streaming,
@@ -134,6 +169,8 @@ COPIED_BODIES = {
         DecentralizedAverager._run_allreduce_inplace_,
         "914d57cffc7d",
     ),
+    "TensorPartContainer.register_processed_part": (TensorPartContainer.register_processed_part, "ff5ebad6141c"),
+    "TensorPartContainer.iterate_output_tensors": (TensorPartContainer.iterate_output_tensors, "3bc3c7e743c4"),
 }
 
 
