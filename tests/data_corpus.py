@@ -83,15 +83,7 @@ def tokenizer_dir(tmp: Path, vocab_size: int) -> Path:
 
 
 def offline_env() -> dict[str, str]:
-    """Environment of spawned processes: offline, quiet, one thread per rank on the small shared machine."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        WANDB_MODE="disabled",
-        PYTHONUNBUFFERED="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(REPO),
-    )
-    return env
+    """The trainers' environment (offline, quiet, one thread per rank) with the repository on PYTHONPATH."""
+    from tests.conftest import trainer_env
+
+    return {**trainer_env(), "PYTHONPATH": str(REPO)}
