@@ -105,6 +105,10 @@ def remove(run_id: str | None) -> list[str]:
         _run("ip", "netns", "delete", ns, check=False)
     for state in states:
         state.unlink(missing_ok=True)
+        shutil.rmtree(state.with_suffix(""), ignore_errors=True)
+    if run_id is None:  # workdirs of labs that never wrote a state
+        for leftover in RUNTIME.glob("*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     return namespaces
 
 
