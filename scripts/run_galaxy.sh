@@ -75,7 +75,7 @@ $(place dht) "$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddr
 pids+=($!)
 maddr=""
 for _ in $(seq 1 60); do
-  maddr="$(grep -o -m1 "/ip4/$dht_host/tcp/[0-9]*/p2p/[A-Za-z0-9]*" "$workdir/dht.log" || true)"
+  maddr="$(grep -o -m1 "/ip4/$dht_host/tcp/[0-9]*/p2p/[A-Za-z0-9]*" "$workdir/dht.log" 2>/dev/null || true)"
   [ -n "$maddr" ] && break
   sleep 0.5
 done
