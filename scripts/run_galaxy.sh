@@ -3,20 +3,24 @@
 # Prints every cluster's step lines, then a summary (loss, rounds, whether θ_outer hashes matched every round).
 # Everything it starts is ended on exit or Ctrl+C, by PID.
 #
-#   scripts/run_galaxy.sh [--clusters N] [--ranks M] [--steps S] [--local-steps H] [-- extra trainer flags]
+# --wan PROFILE runs the DHT and every cluster in a namespace of the WAN lab instead (scripts/wan/; needs root),
+# their links shaped to PROFILE of scripts/wan/profiles.toml; the lab is removed at the end.
+#
+#   scripts/run_galaxy.sh [--clusters N] [--ranks M] [--steps S] [--local-steps H] [--wan PROFILE] [-- trainer flags]
 #   e.g. scripts/run_galaxy.sh --clusters 2 --ranks 2 --steps 40 --local-steps 10 -- --hv.compression fp16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-clusters=2 ranks=2 steps=40 local_steps=10
+clusters=2 ranks=2 steps=40 local_steps=10 wan=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --clusters) clusters="$2"; shift 2 ;;
     --ranks) ranks="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --local-steps) local_steps="$2"; shift 2 ;;
+    --wan) wan="$2"; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "run_galaxy.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -27,7 +31,7 @@ workdir="outputs/galaxy_demo/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$workdir"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
-pids=()
+pids=() lab_pid=""
 cleanup() {
   trap - EXIT INT TERM
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
@@ -38,16 +42,40 @@ cleanup() {
     sleep 0.5
   done
   for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  if [ -n "$lab_pid" ]; then  # the lab last: it removes its namespaces and whatever is left in them
+    kill -TERM "$lab_pid" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$lab_pid" 2>/dev/null || break; sleep 0.5; done
+  fi
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
 trap 'echo "interrupted: stopping the galaxy"; exit 130' INT TERM
 
-"$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddrs /ip4/127.0.0.1/tcp/0 >"$workdir/dht.log" 2>&1 &
+# where an endpoint runs: `place NAME` prints its command prefix, `address NAME` the address it listens on
+place() { :; }
+address() { echo 127.0.0.1; }
+if [ -n "$wan" ]; then
+  "$python" -m scripts.wan.lab up --clusters "$clusters" --profile "$wan" --ready-file "$workdir/lab.json" \
+    > >(sed -u "s/^/[lab] /" | tee "$workdir/lab.log") 2>&1 &
+  lab_pid=$!
+  for _ in $(seq 1 120); do
+    [ -s "$workdir/lab.json" ] && break
+    kill -0 "$lab_pid" 2>/dev/null || { wait "$lab_pid" || exit $?; }
+    sleep 0.5
+  done
+  [ -s "$workdir/lab.json" ] || { echo "the WAN lab did not come up within 60 s; see $workdir/lab.log" >&2; exit 1; }
+  endpoint() { "$python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["endpoints"][sys.argv[2]][sys.argv[3]])' "$workdir/lab.json" "$@"; }
+  place() { echo "ip netns exec $(endpoint "${1/cluster/c}" netns)"; }
+  address() { endpoint "${1/cluster/c}" address; }
+fi
+
+dht_host="$(address dht)"
+# shellcheck disable=SC2046  # place prints a command prefix to split
+$(place dht) "$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddrs "/ip4/$dht_host/tcp/0" >"$workdir/dht.log" 2>&1 &
 pids+=($!)
 maddr=""
 for _ in $(seq 1 60); do
-  maddr="$(grep -o -m1 '/ip4/127.0.0.1/tcp/[0-9]*/p2p/[A-Za-z0-9]*' "$workdir/dht.log" || true)"
+  maddr="$(grep -o -m1 "/ip4/$dht_host/tcp/[0-9]*/p2p/[A-Za-z0-9]*" "$workdir/dht.log" 2>/dev/null || true)"
   [ -n "$maddr" ] && break
   sleep 0.5
 done
@@ -55,13 +83,16 @@ done
 echo "DHT bootstrap peer: $maddr  (logs and metrics in $workdir)"
 
 for rank in $(seq 0 $((clusters - 1))); do
-  "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
+  listen=()  # in the lab, peers listen on their lab address (the default, 0.0.0.0, would announce 127.0.0.1 too)
+  [ -n "$wan" ] && listen=(--hv.host-maddrs "/ip4/$(address "cluster$rank")/tcp/0")
+  # shellcheck disable=SC2046
+  $(place "cluster$rank") "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
     --path-model tests/models/llama-2m-fresh --fake-data --no-torch-compile --seq-length 128 \
     --per-device-train-batch-size 4 --total-batch-size $((4 * ranks)) --lr 1e-2 --warmup-steps 5 \
     --max-steps "$steps" --log-interval 5 --num-workers 0 \
     --metric-logger-type jsonl --metrics-path "$workdir/cluster$rank.jsonl" --run-name "cluster$rank" \
     --hv.initial-peers "$maddr" --hv.galaxy-size "$clusters" --hv.world-rank "$rank" \
-    --hv.local-steps "$local_steps" --hv.matchmaking-time 1.0 "$@" \
+    --hv.local-steps "$local_steps" --hv.matchmaking-time 1.0 "${listen[@]}" "$@" \
     > >(grep --line-buffered -v '^W[0-9]' | sed -u "s/^/[cluster $rank] /" | tee "$workdir/cluster$rank.log") 2>&1 &
   pids+=($!)
 done

@@ -1,4 +1,5 @@
-"""Start a real galaxy on 127.0.0.1 for tests: a `hivemind-dht` bootstrap peer and torchrun clusters.
+"""Start a real galaxy for tests: a `hivemind-dht` bootstrap peer and torchrun clusters, on 127.0.0.1 or, given
+a WAN lab (scripts/wan/lab.py), each in its own network namespace of the lab.
 
 Every process is tracked by PID (with all its descendants: ranks, hivemind's DHT/averager processes, p2pd
 daemons) and ended by PID; :meth:`Galaxy.close` asserts none is left."""
@@ -52,19 +53,24 @@ CLUSTER_ARGS = [
 
 
 class Galaxy:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, lab=None):
+        """``lab``: a started ``scripts.wan.lab.Lab``; the DHT then runs in its ``dht`` namespace and cluster
+        ``rank`` in ``cluster{rank}``'s, each listening on its lab address."""
         self.workdir = workdir
+        self.lab = lab
         self.procs: dict[str, subprocess.Popen] = {}
         self.seen_pids: set[int] = set()
         self.maddr = self._start_dht()
 
     def _start_dht(self) -> str:
         log = self.workdir / "dht.log"
+        host = self.lab.address("dht") if self.lab else "127.0.0.1"
         proc = subprocess.Popen(
             [
+                *self._place("dht"),
                 HIVEMIND_DHT,
                 "--host_maddrs",
-                "/ip4/127.0.0.1/tcp/0",
+                f"/ip4/{host}/tcp/0",
                 "--identity_path",
                 str(self.workdir / "dht.pem"),
             ],
@@ -75,7 +81,7 @@ class Galaxy:
         self.procs["dht"] = proc
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            found = re.search(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", log.read_text())
+            found = re.search(rf"/ip4/{re.escape(host)}/tcp/\d+/p2p/\w+", log.read_text())
             if found:
                 return found.group(0)
             assert proc.poll() is None, log.read_text()
@@ -90,13 +96,19 @@ class Galaxy:
         metrics = self.workdir / f"{name}.jsonl"
         identity = ["--total-batch-size", str(4 * nproc), "--metrics-path", str(metrics), "--run-name", name,
                     "--hv.initial-peers", self.maddr, "--hv.galaxy-size", str(size), "--hv.world-rank", str(rank)]
+        if self.lab:
+            identity += ["--hv.host-maddrs", f"/ip4/{self.lab.address(f'cluster{rank}')}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
-        cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *flags, *identity]
+        cmd = [*self._place(f"cluster{rank}"), *TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *flags, *identity]
         log = (self.workdir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             cmd, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT
         )
         return metrics
+
+    def _place(self, endpoint: str) -> list[str]:
+        """The prefix that runs a command where ``endpoint`` lives (nothing on 127.0.0.1)."""
+        return self.lab.exec_prefix(endpoint) if self.lab else []
 
     def track(self) -> None:
         """Remember every process the galaxy has now, so close() can check that all of them ended."""

@@ -1,0 +1,122 @@
+"""The WAN lab (scripts/wan/): its self-check, a real galaxy across its namespaces, and its clean-up.
+
+Needs root and iproute2 (CI runs as root); skipped elsewhere, except the test of the no-root message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from open_diloco.processes import alive
+from scripts.wan import lab as wanlab
+from scripts.wan.lab import Lab, lab_namespaces
+from tests.conftest import REPO, read_metrics
+from tests.e2e.galaxy_harness import Galaxy, outer_records
+
+pytestmark = pytest.mark.wan
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(map(__import__("shutil").which, ("ip", "tc"))),
+    reason="the WAN lab needs root and iproute2",
+)
+
+
+def lab_pids(lab: Lab) -> list[int]:
+    return [proc.pid for proc in [*lab.forwarders.values(), lab.reaper] if proc is not None]
+
+
+def assert_gone(lab: Lab, pids: list[int]) -> None:
+    assert lab.leftovers() == [], lab.leftovers()
+    assert alive(pids) == [], f"lab processes left: {alive(pids)}"
+    assert not (wanlab.RUNTIME / f"{lab.run_id}.json").exists()
+
+
+@needs_root
+def test_self_check_within_ten_percent():
+    with Lab(2, "home") as lab:
+        pids = lab_pids(lab)
+        figures = lab.check()
+    print(wanlab.format_check(figures))
+    assert figures["ok"], figures
+    assert_gone(lab, pids)
+
+
+@needs_root
+def test_two_clusters_over_intercontinental(tmp_path):
+    # 4 rounds, 3 checked: a cluster that exits right after the final round can cut off the tail of the span it
+    # sends back (its p2pd ends while TCP still retransmits over the lossy 150 ms path), so the other cluster's
+    # final round may be partial ("received 93.7% results"). Seen here; not yet fixed in the trainer.
+    steps = ["--max-steps", "20", "--hv.local-steps", "5", "--hv.averaging-timeout", "30"]
+    with Lab(2, "intercontinental") as lab:
+        pids = lab_pids(lab)
+        galaxy = Galaxy(tmp_path, lab=lab)
+        try:
+            metrics = [galaxy.start_cluster(rank, 2, *steps, nproc=1) for rank in (0, 1)]
+            for rank in (0, 1):
+                assert galaxy.wait(f"cluster{rank}", 150) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+        finally:
+            galaxy.close()
+        pids += sorted(galaxy.seen_pids)
+    assert_gone(lab, pids)
+    rounds = [outer_records(m) for m in metrics]
+    assert {1, 2, 3} <= set(rounds[0]) & set(rounds[1]), (sorted(rounds[0]), sorted(rounds[1]))
+    for step in (1, 2, 3):
+        a, b = rounds[0][step], rounds[1][step]
+        assert a["param_hash"] == b["param_hash"], (step, a["param_hash"], b["param_hash"])
+        assert a["galaxy_peers"] == b["galaxy_peers"] == 2
+        # a round crossed the emulated ocean: at least one round trip of 150 ms
+        assert a["allreduce_seconds"] > 0.15
+    for m in metrics:
+        losses = [r["loss"] for r in read_metrics(m)]
+        assert losses[-1] < losses[0], losses
+
+
+@needs_root
+def test_a_killed_lab_process_is_cleaned_up(tmp_path):
+    ready = tmp_path / "lab.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.wan.lab", "up", "--clusters", "1", "--profile", "lan", "--no-check",
+         "--ready-file", str(ready)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)[0]
+        time.sleep(0.1)
+    run_id = json.loads(ready.read_text())["run_id"]
+    namespaces = [ns for ns in lab_namespaces() if ns.startswith(f"odw-{run_id}-")]
+    assert len(namespaces) == 3  # bridge, dht, c0
+    inside = [int(p) for ns in namespaces
+              for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+    state = json.loads((wanlab.RUNTIME / f"{run_id}.json").read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30  # the reaper polls every 0.5 s
+    while [ns for ns in lab_namespaces() if ns.startswith(f"odw-{run_id}-")] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [ns for ns in lab_namespaces() if ns.startswith(f"odw-{run_id}-")]
+    pids = inside + [int(p) for p in state["pids"]]
+    deadline = time.monotonic() + 10
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive(pids) == []
+
+
+def test_without_root_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert wanlab.main(["up", "--profile", "lan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lab: error: the WAN lab needs root") and "\n" not in err
+
+
+def test_profiles_shipped():
+    profiles = wanlab.load_profiles()
+    ic = profiles["intercontinental"]
+    assert (ic.up_mbit, ic.delay_ms, ic.jitter_ms, ic.loss_pct) == (100, 75, 5, 0.1)
+    assert (profiles["home"].down_mbit, profiles["home"].up_mbit) == (50, 10)
+    assert set(profiles) >= {"lan", "region", "continent", "intercontinental", "home"}
