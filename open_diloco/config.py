@@ -52,6 +52,11 @@ class HvConfig(BaseModel):
     outer_nesterov: bool = True
     """Nesterov momentum in the outer step (off: heavy-ball momentum)."""
 
+    outer_warmup_rounds: Annotated[int, Field(ge=0)] = 0
+    """Outer steps over which the outer lr and momentum ramp linearly from plain averaging (lr 1, momentum 0)
+    to --hv.outer-lr and --hv.outer-momentum; round 1 is then plain averaging, so the first round's large
+    pseudo-gradient never enters the momentum. 0: full settings from round 1."""
+
     run_id: str = "open_diloco"
     """Prefix of every DHT key of this run; clusters of one galaxy must share it."""
 
