@@ -43,14 +43,24 @@ class HvConfig(BaseModel):
     local_steps: Annotated[int, Field(ge=1)] = 500
     """H: inner steps between two outer steps."""
 
-    outer_lr: Annotated[float, Field(gt=0)] = 0.7
-    """Learning rate of the outer optimizer (SGD with Nesterov momentum)."""
+    outer_lr: Annotated[float, Field(gt=0)] = 1.0
+    """Learning rate of the outer optimizer (SGD, optionally with (Nesterov) momentum). The default, lr 1 with
+    momentum 0, is plain averaging (θ_outer ← mean θ_local), the best outer setting measured with
+    `scripts/bench/convergence.py` (README, Training quality); the DiLoCo paper's 0.7 with momentum 0.9 ended
+    16 % above DDP there. Above 1 extrapolates the average, below 1 damps it."""
 
-    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    """Momentum of the outer optimizer; 0 is plain SGD (lr 1.0 and momentum 0: plain averaging)."""
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Momentum of the outer optimizer; 0 is plain SGD (with --hv.outer-lr 1: plain averaging). The DiLoCo
+    papers use 0.9 (Nesterov) with lr 0.7 for long runs at H ≈ 500; with momentum, the steady-state step is
+    lr/(1 − momentum) times the averaged pseudo-gradient."""
 
     outer_nesterov: bool = True
-    """Nesterov momentum in the outer step (off: heavy-ball momentum)."""
+    """Nesterov momentum in the outer step (off: heavy-ball momentum); no effect with momentum 0."""
+
+    outer_warmup_rounds: Annotated[int, Field(ge=0)] = 0
+    """Outer steps over which the outer lr and momentum ramp linearly from plain averaging (lr 1, momentum 0)
+    to --hv.outer-lr and --hv.outer-momentum; round 1 is then plain averaging, so the first round's large
+    pseudo-gradient never enters the momentum. 0: full settings from round 1."""
 
     run_id: str = "open_diloco"
     """Prefix of every DHT key of this run; clusters of one galaxy must share it."""

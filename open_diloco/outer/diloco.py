@@ -60,7 +60,11 @@ class DiLoCo:
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
         self.state = OuterState(
-            model, lr=hv.outer_lr, momentum=hv.outer_momentum, nesterov=hv.outer_nesterov
+            model,
+            lr=hv.outer_lr,
+            momentum=hv.outer_momentum,
+            nesterov=hv.outer_nesterov,
+            warmup_rounds=hv.outer_warmup_rounds,
         )
         self.averager.serve_state(self._served_state)
 

@@ -49,6 +49,20 @@ def _squares(piece: torch.Tensor) -> float:
     return float(piece.double().square().sum())
 
 
+def round_hparams(round_no: int, *, lr: float, momentum: float, warmup_rounds: int) -> tuple[float, float]:
+    """(outer lr, outer momentum) of outer step ``round_no`` (1-based): a pure function of the round number and
+    the config, so every cluster applies the same step, and a resumed or late cluster continues the schedule.
+
+    During the first ``warmup_rounds`` rounds both ramp linearly from plain averaging (lr 1, momentum 0) to the
+    configured values: round 1 is plain averaging, round ``warmup_rounds + 1`` is the first at full settings.
+    Round 1's pseudo-gradient (the model's way out of its random init, many times later rounds') then never
+    enters the momentum, which would otherwise carry it on for ~1/(1 − momentum) rounds."""
+    if warmup_rounds <= 0 or round_no > warmup_rounds:
+        return lr, momentum
+    ramp = (round_no - 1) / warmup_rounds
+    return 1.0 + ramp * (lr - 1.0), ramp * momentum
+
+
 @torch.no_grad()
 def outer_sgd_step_(
     params: torch.Tensor,
@@ -60,15 +74,16 @@ def outer_sgd_step_(
     nesterov: bool,
 ) -> torch.Tensor | None:
     """One SGD step with (Nesterov) momentum, in place, returning the momentum buffer (created on the first
-    step, ``None`` without momentum). ``grad`` is consumed: it is overwritten by the update direction.
+    step with momentum, ``None`` before). ``grad`` is consumed: it is overwritten by the update direction.
 
     Bit for bit what ``torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)`` computes (a unit
     test pins it), minus its full-size temporary: torch's Nesterov step writes ``grad + momentum * buf`` into a
     new tensor, here it goes into ``grad``, which the caller no longer needs. With ``momentum == 0`` it is plain
-    SGD (torch refuses Nesterov without momentum; plain averaging is a natural thing to ask for)."""
+    SGD, θ ← θ − lr·grad (torch refuses Nesterov without momentum; plain averaging is a natural thing to ask
+    for), and the buffer is left as it is (a warm-up round with momentum 0 neither reads nor feeds it)."""
     if momentum == 0:
         params.add_(grad, alpha=-lr)
-        return None
+        return momentum_buffer
     if momentum_buffer is None:
         momentum_buffer = grad.clone()
     else:
@@ -87,8 +102,16 @@ class OuterState:
     Late joiners' downloads call :meth:`snapshot` from the averager's thread while the loop may be stepping,
     hence the lock around every change."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, momentum: float, nesterov: bool = True):
-        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        momentum: float,
+        nesterov: bool = True,
+        warmup_rounds: int = 0,
+    ):
+        self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
         self._shards = local_shards(model)
         self.numels = [shard.numel() for shard in self._shards]
         self.on_gpu = any(shard.is_cuda for shard in self._shards)
@@ -128,16 +151,21 @@ class OuterState:
     def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
         """The outer step with the galaxy's average Δ (consumed), then count the round."""
         with self.lock:
+            lr, momentum = self.hparams(self.outer_step + 1)
             self.momentum_buffer = outer_sgd_step_(
                 self.params,
                 averaged_pseudo_grad,
                 self.momentum_buffer,
-                lr=self.lr,
-                momentum=self.momentum,
+                lr=lr,
+                momentum=momentum,
                 nesterov=self.nesterov,
             )
             self.outer_step += 1
             self._hash = None
+
+    def hparams(self, round_no: int) -> tuple[float, float]:
+        """(outer lr, outer momentum) of outer step ``round_no`` (1-based), warm-up included."""
+        return round_hparams(round_no, lr=self.lr, momentum=self.momentum, warmup_rounds=self.warmup_rounds)
 
     def scatter_into_model(self) -> None:
         """θ_local ← θ_outer, in the model's dtype."""

@@ -37,7 +37,7 @@ def bench(path_model: str, workdir: Path) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     numel = sum(p.numel() for p in model.parameters())
-    outer = DiLoCo(model, InProcessGalaxy(1).averager(0, numel), HvConfig(local_steps=1), warn=lambda *_: None)
+    outer = DiLoCo(model, InProcessGalaxy(1).averager(0, numel), HvConfig(local_steps=1, outer_momentum=0.9), warn=lambda *_: None)
     outer.step()  # creates the momentum buffer
     n_params = sum(p.numel() for p in model.parameters())
     model_config = model.config.to_dict()

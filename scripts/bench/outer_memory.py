@@ -112,7 +112,9 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     if rank == 0:
         maddrs_queue.put(ours.visible_maddrs)
     try:
-        hv = HvConfig(local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed")
+        hv = HvConfig(  # with momentum: the outer state at its largest
+            local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed", outer_momentum=0.9
+        )
         diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
         noise = torch.Generator().manual_seed(rank)
         peers_seen = []

@@ -78,7 +78,9 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
-        hv = HvConfig(local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed")
+        hv = HvConfig(  # with momentum, as the figures in the README were taken
+            local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", outer_momentum=0.9
+        )
         diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
         noise = torch.Generator().manual_seed(100 + rank)
         for round_id in range(args.rounds):

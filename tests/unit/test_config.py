@@ -53,7 +53,7 @@ def test_hv_flags_turn_the_galaxy_on():
     assert config.hv is not None
     assert config.hv.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/QmA", "/ip4/127.0.0.1/tcp/2/p2p/QmB"]
     assert (config.hv.galaxy_size, config.hv.world_rank, config.hv.local_steps) == (2, 1, 10)
-    assert (config.hv.outer_lr, config.hv.outer_momentum) == (0.7, 0.9)
+    assert (config.hv.outer_lr, config.hv.outer_momentum) == (1.0, 0.0)
 
 
 def test_config_file_with_flag_override(tmp_path):

@@ -1,0 +1,419 @@
+"""Convergence of a galaxy against plain data parallelism, simulated in one process (no hivemind, no torchrun):
+the quality yardstick of issue 12.
+
+M clusters train one after the other in this process, each with its own model built by ``build_model`` (same
+seed), the trainer's AdamW + warm-up/cosine schedule, its own disjoint share of the corpus (``plan_data`` with
+galaxy_rank=m, galaxy_size=M) and the trainer's ``inner_step`` / ``evaluate``. Every H inner steps the real
+outer step runs: one :class:`open_diloco.outer.diloco.DiLoCo` per cluster, built from an ``HvConfig`` (so an
+arm without outer overrides runs the shipped defaults), averaging through ``tests/support``'s in-process galaxy
+(the clusters' ``step()`` calls meet in threads). Each round is checked against a hand-written reference of the
+outer math (mean Δ, SGD with (Nesterov) momentum, the outer warm-up), the clusters' data is checked disjoint,
+the inits identical, and θ_local ← θ_outer checked to reach the model. Every arm sees the same total tokens.
+
+Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run's defaults for that arm):
+
+    ddp                  one cluster, batch B (the baseline)
+    half:M=2             one cluster, batch B/M (a cluster alone, 1/M of the tokens)
+    diloco:M=2,H=20      M clusters of batch B/M, outer step every H inner steps
+      keys: M H olr (--hv.outer-lr) mom (--hv.outer-momentum) nest (--hv.outer-nesterov, 0/1)
+            owarm (--hv.outer-warmup-rounds) wd (inner weight decay) lr (inner lr)
+            reset (1: reset AdamW state each round)
+
+    python scripts/bench/convergence.py --quick --threads 1            # <= 10 min on 2 CPU cores, 2M model
+    python scripts/bench/convergence.py --threads 1                    # <= 40 min: seq 256, B 32, 300 steps
+    python scripts/bench/convergence.py --model 25m --quick            # the ~25M config's quick setting
+    python scripts/bench/convergence.py --arms "ddp diloco:M=2,H=20,olr=0.5,mom=0.8"
+
+Prints final val_loss per arm and its ratio to DDP's, next to the paper's figure (arXiv 2503.09799).
+
+Latest figures and the outer-settings sweep: README, "Training quality".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: tests/support is shared
+
+from open_diloco.config import Config, HvConfig  # noqa: E402
+from open_diloco.data import build_eval_loader, build_train_loader, plan_data  # noqa: E402
+from open_diloco.model import build_model, load_model_config  # noqa: E402
+from open_diloco.optim import build_inner_optimizer, build_scheduler  # noqa: E402
+from open_diloco.outer.diloco import DiLoCo  # noqa: E402
+from open_diloco.outer.state import fingerprint_bytes, local_shards  # noqa: E402
+from open_diloco.trainer import evaluate, inner_step, position_at  # noqa: E402
+from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
+
+STDLIB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
+MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh"}
+# (seq, DDP batch, steps, arms) per model and size; arms: all see the same total tokens
+SETTINGS = {
+    ("2m", "quick"): (128, 16, 200, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 half:M=4 diloco:M=4,H=20"),
+    # the issue-12 setting; ~10 min per arm on one core, so M=4 arms come by --extra-arms
+    ("2m", "full"): (256, 32, 300, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"),
+    ("25m", "quick"): (128, 8, 100, "ddp half:M=2 diloco:M=2,H=20"),
+    ("25m", "full"): (128, 16, 200, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 diloco:M=4,H=20"),
+}
+PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs DDP), as quoted in issue 12
+    1: "M=1 beats DDP",
+    2: "+0.7% (35M)",
+    4: "(not quoted)",
+}
+TARGET = {2: 1.02, 4: 1.04}
+
+
+def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> Config:
+    return Config(
+        path_model=Path(args.path_model),
+        seq_length=args.seq_length,
+        per_device_train_batch_size=batch,
+        total_batch_size=batch,
+        lr=lr,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.steps,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=wd,
+        max_steps=args.steps,
+        seed=args.seed,
+        dataset_path=args.dataset_path,
+        data_cache_dir=Path(args.data_cache_dir),
+        num_workers=0,
+        eval_steps=args.eval_steps,
+        precision="32-true",
+        torch_compile=False,
+        device="cpu",
+    )
+
+
+WORLD = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0, is_main=True)
+
+
+class Cluster:
+    """One cluster: model, inner optimizer, schedule and its share of the data, as the trainer sets them up."""
+
+    def __init__(self, args, spec, rank: int, size: int, batch: int):
+        config = make_config(args, batch, spec["lr"], spec["wd"])
+        vocab = load_model_config(config.path_model).vocab_size
+        self.plan = plan_data(config, vocab, 1, rank, size)
+        self.model = build_model(config.path_model, config.seed)
+        self.model.train()
+        self.model.set_requires_gradient_sync = lambda flag: None  # what FSDP2 offers; a no-op unsharded
+        self.optimizer = build_inner_optimizer(self.model, config.lr, config.weight_decay, config.adam_betas)
+        self.scheduler = build_scheduler(
+            self.optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
+        )
+        loader = build_train_loader(self.plan, per_device_batch=batch, rank=0, world_size=1, num_workers=0)
+        self.batches = self._recording(position_at(0, loader, self.scheduler, 1))
+        self.seen: list[int] = []
+        self.max_grad_norm = config.max_grad_norm
+
+    def _recording(self, batches):
+        for batch in batches:
+            self.seen.extend(int(i) for i in batch["sample_id"])
+            yield batch
+
+    def step(self) -> float:
+        loss, _ = inner_step(self.model, self.optimizer, self.batches, 1, self.max_grad_norm, WORLD)
+        self.scheduler.step()
+        return loss
+
+
+class ReferenceOuter:
+    """The outer step written out by hand, in fp64: g = mean Δ; round k of a warm-up of W rounds uses
+    lr_k = 1 + (k−1)/W·(lr − 1), μ_k = (k−1)/W·μ; with μ_k > 0: b ← μ_k·b + g (b = g the first time) and
+    θ ← θ − lr_k·(g + μ_k·b) (Nesterov) or θ − lr_k·b; with μ_k = 0: θ ← θ − lr_k·g, b untouched."""
+
+    def __init__(self, theta: torch.Tensor, hv: HvConfig):
+        self.theta = theta.clone().double()
+        self.buf: torch.Tensor | None = None
+        self.hv = hv
+        self.rounds = 0
+
+    def hparams(self, k: int) -> tuple[float, float]:
+        lr, mom, warm = self.hv.outer_lr, self.hv.outer_momentum, self.hv.outer_warmup_rounds
+        if k <= warm:
+            return 1 + (k - 1) / warm * (lr - 1), (k - 1) / warm * mom
+        return lr, mom
+
+    def step(self, locals_: list[torch.Tensor]) -> None:
+        self.rounds += 1
+        lr, mom = self.hparams(self.rounds)
+        grad = torch.stack([self.theta - t.double() for t in locals_]).mean(0)
+        if mom:
+            self.buf = grad.clone() if self.buf is None else self.buf.mul(mom).add(grad)
+            grad = grad + mom * self.buf if self.hv.outer_nesterov else self.buf
+        self.theta -= lr * grad
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([s.reshape(-1) for s in local_shards(model)]).detach().clone()
+
+
+def hv_of(spec: dict, rank: int) -> HvConfig:
+    """The arm's galaxy config: HvConfig's defaults (the shipped ones) unless the arm overrides them."""
+    overrides = {
+        field: spec[key]
+        for key, field in (
+            ("olr", "outer_lr"),
+            ("mom", "outer_momentum"),
+            ("nest", "outer_nesterov"),
+            ("owarm", "outer_warmup_rounds"),
+        )
+        if spec.get(key) is not None
+    }
+    return HvConfig(
+        galaxy_size=spec["M"],
+        world_rank=rank,
+        local_steps=spec["H"],
+        on_partial_round="proceed",
+        **overrides,
+    )
+
+
+def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
+    size, local_steps = spec["M"], spec["H"]
+    galaxy = name.startswith("diloco")
+    batch = args.batch // size if (galaxy or name.startswith("half")) else args.batch
+    clusters = [Cluster(args, spec, m, size if galaxy else 1, batch) for m in range(size if galaxy else 1)]
+    record: dict = {
+        "arm": name,
+        "spec": spec,
+        "batch_per_cluster": batch,
+        "val": {},
+        "loss": [],
+        "rounds": [],
+    }
+    if galaxy:
+        hashes = {fingerprint_bytes(flat(c.model)) for c in clusters}
+        assert len(hashes) == 1, "clusters start from different weights"
+        averagers = InProcessGalaxy(size)
+        hvs = [hv_of(spec, m) for m in range(size)]
+        record["outer"] = {
+            "outer_lr": hvs[0].outer_lr,
+            "outer_momentum": hvs[0].outer_momentum,
+            "outer_nesterov": hvs[0].outer_nesterov,
+            "outer_warmup_rounds": hvs[0].outer_warmup_rounds,
+        }
+        outers = [
+            DiLoCo(c.model, averagers.averager(m, flat(c.model).numel()), hvs[m], warn=print)
+            for m, c in enumerate(clusters)
+        ]
+        reference = ReferenceOuter(outers[0].state.params, hvs[0])
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        losses = [c.step() for c in clusters]
+        record["loss"].append(sum(losses) / len(losses))
+        if galaxy and step % local_steps == 0:
+            round_index = step // local_steps
+            locals_ = [flat(c.model) for c in clusters]
+            results: list = [None] * size
+
+            def outer_step(m: int, step: int = step, results: list = results) -> None:
+                results[m] = outers[m].after_inner_step(step)
+
+            threads = [threading.Thread(target=outer_step, args=(m,)) for m in range(size)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            reference.step(locals_)
+            theta = outers[0].state.params
+            err = float((theta.double() - reference.theta).abs().max())
+            assert err < 1e-4, f"round {round_index}: DiLoCo's θ_outer differs from the reference by {err}"
+            for c, outer in zip(clusters, outers, strict=True):
+                assert torch.equal(flat(c.model), outer.state.params), "θ_local ← θ_outer did not land"
+                if spec["reset"]:
+                    c.optimizer.state.clear()
+            assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"
+            lr, mom = outers[0].state.hparams(round_index)
+            record["rounds"].append(
+                {
+                    "step": step,
+                    "pseudo_grad_norm": results[0]["pseudo_grad_norm"],
+                    "outer_lr": lr,
+                    "momentum": mom,
+                    "drift": float(torch.stack(locals_).std(0).norm()),
+                }
+            )
+        if step % args.eval_interval == 0 or step == args.steps:
+            record["val"][step] = evaluate(clusters[0].model, eval_loader, WORLD)
+            print(
+                f"  {name:<34} step {step:>4} loss {record['loss'][-1]:.4f} val {record['val'][step]:.4f} "
+                f"lr {clusters[0].scheduler.get_last_lr()[0]:.2e} ({time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
+    seen = [set(c.seen) for c in clusters]
+    record["disjoint"] = all(
+        not (seen[a] & seen[b]) for a in range(len(seen)) for b in range(a + 1, len(seen))
+    )
+    record["repeats"] = sum(len(c.seen) - len(s) for c, s in zip(clusters, seen, strict=True))
+    record["val_ids_overlap"] = bool(set(map(int, clusters[0].plan.val_ids)) & set().union(*seen))
+    if galaxy:
+        record["jump"] = jump_after_round(record["loss"], local_steps)
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def jump_after_round(loss: list[float], local_steps: int) -> float:
+    """Mean (loss 2 steps after a round) − (loss of the round's last step), over rounds 2 … : the outer step's
+    immediate cost (the loss otherwise falls between neighbouring steps)."""
+    jumps = [loss[s + 1] - loss[s - 1] for s in range(2 * local_steps, len(loss) - 2, local_steps)]
+    return sum(jumps) / len(jumps) if jumps else float("nan")
+
+
+# None: the shipped default (HvConfig's, or the run's --outer-* flags)
+DEFAULT_SPEC = {"M": 1, "H": 0, "olr": None, "mom": None, "nest": None, "owarm": None, "reset": 0}
+KEY_TYPES = {
+    "M": int,
+    "H": int,
+    "olr": float,
+    "mom": float,
+    "nest": int,
+    "owarm": int,
+    "reset": int,
+    "lr": float,
+    "wd": float,
+}
+
+
+def parse_arm(text: str, args) -> tuple[str, dict]:
+    kind, _, rest = text.partition(":")
+    spec = dict(
+        DEFAULT_SPEC,
+        olr=args.outer_lr,
+        mom=args.outer_momentum,
+        nest=args.nesterov,
+        owarm=args.outer_warmup_rounds,
+        lr=args.lr,
+        wd=args.weight_decay,
+    )
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in KEY_TYPES:
+            raise SystemExit(f"arm {text}: unknown key {key} (known: {', '.join(KEY_TYPES)})")
+        spec[key] = KEY_TYPES[key](float(value))
+    if kind == "diloco" and spec["H"] < 1:
+        raise SystemExit(f"arm {text}: give H")
+    if kind not in ("ddp", "half", "diloco"):
+        raise SystemExit(f"arm {text}: kind is ddp, half or diloco")
+    return text, spec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the quick setting (<= 10 min on 2 cores)")
+    parser.add_argument("--model", choices=sorted({m for m, _ in SETTINGS}), default="2m")
+    parser.add_argument("--arms", default=None, help="default: the setting's arms (see SETTINGS)")
+    parser.add_argument("--extra-arms", default="", help="arms run after the setting's")
+    parser.add_argument("--path-model", default=None, help="overrides --model's directory")
+    parser.add_argument("--dataset-path", default=STDLIB)
+    parser.add_argument("--data-cache-dir", default=str(REPO / "outputs/data_cache"))
+    parser.add_argument("--seq-length", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="DDP's batch; clusters get batch/M")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--outer-lr", type=float, default=None, help="default: --hv.outer-lr's")
+    parser.add_argument("--outer-momentum", type=float, default=None, help="default: --hv.outer-momentum's")
+    parser.add_argument("--nesterov", type=int, default=None, help="default: --hv.outer-nesterov's")
+    parser.add_argument("--outer-warmup-rounds", type=int, default=None, help="default: --hv's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-steps", type=int, default=8)
+    parser.add_argument("--eval-batch", type=int, default=16)
+    parser.add_argument("--eval-interval", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="JSON lines, one per arm")
+    parser.add_argument(
+        "--ddp-val", type=float, default=None, help="DDP's final val_loss when no ddp arm runs"
+    )
+    parser.add_argument("--half-val", type=float, default=None, help="a half arm's final val_loss, ditto")
+    args = parser.parse_args()
+    seq, batch, steps, arms = SETTINGS[(args.model, "quick" if args.quick else "full")]
+    for key, value in (("seq_length", seq), ("batch", batch), ("steps", steps), ("arms", arms)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.arms = f"{args.arms} {args.extra_arms}".strip()
+    args.path_model = args.path_model or str(MODELS[args.model])
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    arms = [parse_arm(text, args) for text in args.arms.split()]
+
+    eval_plan = plan_data(
+        make_config(args, args.eval_batch, args.lr, args.weight_decay),
+        load_model_config(args.path_model).vocab_size,
+        1,
+        0,
+        1,
+    )
+    eval_loader = build_eval_loader(
+        eval_plan, per_device_batch=args.eval_batch, rank=0, world_size=1, steps=args.eval_steps
+    )
+    if args.eval_steps * args.eval_batch > len(eval_plan.val_ids):
+        print(
+            f"note: validation reads {args.eval_steps * args.eval_batch} samples of {len(eval_plan.val_ids)}"
+        )
+    defaults = HvConfig()
+    print(
+        f"{time.strftime('%Y-%m-%d')}: model {args.path_model}; corpus {eval_plan.corpus.num_tokens} tokens; "
+        f"seq {args.seq_length}, DDP batch {args.batch}, {args.steps} steps, lr {args.lr}, "
+        f"wd {args.weight_decay}, warm-up {args.warmup_steps}, seed {args.seed}; shipped outer: lr "
+        f"{defaults.outer_lr}, momentum {defaults.outer_momentum}, nesterov {defaults.outer_nesterov}, "
+        f"warm-up rounds {defaults.outer_warmup_rounds}",
+        flush=True,
+    )
+
+    results = []
+    for name, spec in arms:
+        result = run_arm(args, name, spec, eval_loader)
+        results.append(result)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    report(results, args.steps, args.ddp_val, args.half_val)
+
+
+def report(
+    results: list[dict], steps: int, ddp_val: float | None = None, half_val: float | None = None
+) -> None:
+    base = next((r["val"][steps] for r in results if r["arm"] == "ddp"), ddp_val)
+    halves = {r["spec"]["M"]: r["val"][steps] for r in results if r["arm"].startswith("half")}
+    print(
+        f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'target':>7} {'ok':>3} {'jump':>6} {'|Δ| r1':>7} "
+        f"{'|Δ| last':>8} {'paper':>14}  checks"
+    )
+    for r in results:
+        val = r["val"][steps]
+        ratio = val / base if base else math.nan
+        m = r["spec"]["M"]
+        galaxy = r["arm"].startswith("diloco")
+        target, ok = "", ""
+        if galaxy and m in TARGET:
+            target = f"{TARGET[m]:.2f}"
+            half = halves.get(m, half_val if m == 2 else None)
+            ok = "yes" if ratio <= TARGET[m] and (half is None or val < half) else "no"
+        norms = [x["pseudo_grad_norm"] for x in r["rounds"]]
+        checks = f"disjoint={r['disjoint']} repeats={r['repeats']} val-overlap={r['val_ids_overlap']}"
+        print(
+            f"{r['arm']:<40} {val:8.4f} {ratio:7.3f} {target:>7} {ok:>3} "
+            f"{r.get('jump', math.nan):6.3f} {norms[0] if norms else math.nan:7.2f} "
+            f"{norms[-1] if norms else math.nan:8.2f} {PAPER.get(m, '') if galaxy else '':>14}  {checks}"
+        )
+
+
+if __name__ == "__main__":
+    main()
