@@ -2,7 +2,9 @@
 
 What a checkpoint holds, and why that is enough for an exact resume:
 - model and inner-optimizer state as DTensors (DCP reshards them when the rank count changes);
-- the outer momentum, re-shaped like the parameters so DCP reshards it too. θ_outer itself is not stored:
+- the outer momentum and, with a lossy ``--hv.compression``, the error feedback, re-shaped like the parameters
+  so DCP reshards them too (a run with error feedback resumed from a checkpoint without it starts from zero).
+  θ_outer itself is not stored:
   saves land right after an outer step, where θ_local ← θ_outer, so the model weights *are* θ_outer;
 - step counters, each rank's RNG states, and the config and model config it was made with.
 The data position and the learning-rate schedule are pure functions of the step, so they are derived on
@@ -114,14 +116,8 @@ def _clean_fqn(name: str) -> str:
     return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
 
 
-def _outer_momentum_state(
-    model: torch.nn.Module, outer: OuterLoop, *, to_load: bool = False
-) -> dict[str, DTensor]:
-    """The outer momentum as one DTensor per parameter, placed like the parameter, so DCP can reshard it.
-
-    ``to_load``: DCP loads *into* the tensors it is given, and a freshly built outer loop has no momentum
-    yet, so zero placeholders shaped like this rank's shards receive it. No galaxy: nothing."""
-    pieces = outer.momentum_pieces(for_load=to_load)
+def _shaped_like_params(model: torch.nn.Module, pieces: list[torch.Tensor] | None) -> dict[str, DTensor]:
+    """One DTensor per parameter, placed like the parameter, so DCP can reshard a per-value outer buffer."""
     if pieces is None:
         return {}
     state = {}
@@ -138,18 +134,36 @@ def _outer_momentum_state(
     return state
 
 
+def _outer_momentum_state(
+    model: torch.nn.Module, outer: OuterLoop, *, to_load: bool = False
+) -> dict[str, DTensor]:
+    """The outer momentum as one DTensor per parameter (see :func:`_shaped_like_params`).
+
+    ``to_load``: DCP loads *into* the tensors it is given, and a freshly built outer loop has no momentum
+    yet, so zero placeholders shaped like this rank's shards receive it. No galaxy: nothing."""
+    return _shaped_like_params(model, outer.momentum_pieces(for_load=to_load))
+
+
+def _local_pieces(model: torch.nn.Module, state: dict[str, DTensor]) -> list[torch.Tensor]:
+    return [state[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
+
+
 def _app_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     outer: OuterLoop,
     with_momentum: bool,
     to_load: bool = False,
+    with_error_feedback: bool = True,
 ) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     momentum = _outer_momentum_state(model, outer, to_load=to_load) if with_momentum else {}
     if momentum:
         state["outer_momentum"] = momentum
+    error_feedback = _shaped_like_params(model, outer.error_feedback_pieces()) if with_error_feedback else {}
+    if error_feedback:
+        state["error_feedback"] = error_feedback
     return state
 
 
@@ -189,6 +203,7 @@ def save(
             "step": step,
             "outer_step": outer.outer_step,
             "has_outer_momentum": "outer_momentum" in state,
+            "has_error_feedback": "error_feedback" in state,
             "world_size": dist.get_world_size(),
             "model_config": model_config,
             "config": config,
@@ -216,7 +231,14 @@ def load(
     """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective."""
     # A galaxy may start from a single-cluster checkpoint (fresh momentum) and vice versa (momentum unused).
     with_momentum = bool(metadata.get("has_outer_momentum"))
-    state = _app_state(model, optimizer, outer, with_momentum=with_momentum, to_load=True)
+    state = _app_state(
+        model,
+        optimizer,
+        outer,
+        with_momentum=with_momentum,
+        to_load=True,
+        with_error_feedback=bool(metadata.get("has_error_feedback")),
+    )
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException: name it
@@ -233,12 +255,10 @@ def load(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     momentum = state.get("outer_momentum")
-    pieces = (
-        [momentum[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
-        if momentum
-        else None
-    )
+    pieces = _local_pieces(model, momentum) if momentum else None
     outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
+    if state.get("error_feedback"):
+        outer.restore_error_feedback(_local_pieces(model, state["error_feedback"]))
     return int(metadata["step"])
 
 

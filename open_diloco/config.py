@@ -81,8 +81,22 @@ class HvConfig(BaseModel):
     join_timeout: Annotated[float, Field(gt=0)] = 60.0
     """Seconds to wait for the DHT and (for a late joiner) for a peer to download the outer state from."""
 
-    compression: Literal["none", "fp16"] = "none"
-    """Wire compression of the pseudo-gradient all-reduce."""
+    compression: Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sparse"] = "none"
+    """Wire compression of the pseudo-gradient all-reduce (bytes per round vs fp32 `none`): `fp16`/`bf16` 2x;
+    `int8`, `int4`, `int2` blockwise quantization, ~4x, ~7.5x, ~15x; `sparse` sends --hv.sparse-density of the
+    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default. Every
+    cluster must use the same. Measured costs in the README ("Compression")."""
+
+    error_feedback: bool = True
+    """With a lossy codec (bf16, int*, sparse): add what the encoding dropped to the next round's
+    pseudo-gradient (one fp32 copy of the shard per rank, checkpointed)."""
+
+    sparse_density: Annotated[float, Field(gt=0, le=1)] = 0.0625
+    """`sparse`: the share of the values sent each round (of every 4096, this share)."""
+
+    sparse_rule: Literal["cyclic", "random"] = "cyclic"
+    """`sparse`: which values a round sends, derived from the round id in every cluster alike: `cyclic` slides a
+    window so every value goes once every 1/density rounds; `random` draws a fresh set each round."""
 
     on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
     """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then

@@ -14,6 +14,13 @@ included for its own span, *copies* ``decompress(compress(avg))`` into its buffe
   a second full-size tensor (2x the shard in flight); a failed reducer's span keeps our own values (not zeros,
   which under copy semantics would erase the span); we count it and report the round incomplete.
 
+Our own codecs (``--hv.compression`` bf16/int8/int4/int2/sparse, ``open_diloco.outer.codecs``) cannot ride
+hivemind's wire format, a fixed protobuf enum: a part travels as the codec's bytes in a uint8 tensor serialized
+with ``NONE`` (:class:`CodecCompression`). Senders encode their parts (the outer loop already rounded them to the
+codec's grid, so this is lossless); the reducer decodes each sender's part, averages in fp32 (its own part round
+trips through the codec too, like everyone's), and encodes the average once; every peer, the reducer too, decodes
+those bytes and copies them. Part sizes are powers of two times the codec's block, so no block straddles parts.
+
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
 """
@@ -25,9 +32,41 @@ import asyncio
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
+
+from open_diloco.outer.codecs import Codec
+
+
+class CodecCompression(CompressionBase):
+    """One of our codecs as a hivemind compression: the encoding travels as a uint8 tensor serialized with
+    ``NONE``. ``compress`` is the senders' side (their parts are already on the codec's grid);
+    ``estimate_compression_ratio`` sizes the parts (a power of two: parts start on block boundaries)."""
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return encoded_message(self.codec.encode(tensor.detach().reshape(-1), on_grid=True))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return self.codec.decode(NoCompression().extract(serialized_tensor))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.wire_ratio
+
+
+def encoded_message(blob: torch.Tensor) -> runtime_pb2.Tensor:
+    return NoCompression().compress(blob, CompressionInfo.from_tensor(blob))
 
 
 class CanonicalAllReduce(AllReduceRunner):
@@ -39,12 +78,28 @@ class CanonicalAllReduce(AllReduceRunner):
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
             self.ordered_peer_ids.index(self.peer_id)
         )
-        self.result_compression = self.tensor_part_container.compression.compression_type
+        compression = self.tensor_part_container.compression
+        self.result_compression = compression.compression_type
+        self.codec: Codec | None = compression.codec if isinstance(compression, CodecCompression) else None
+        self.tensor_part_container.codec = self.codec
         self.bytes_sent = self.bytes_received = 0
         self._serving, self._served = 0, asyncio.Event()
 
     def _serialize_result(self, averaged_part: torch.Tensor):
+        if self.codec is not None:  # the average is encoded once, here; everyone decodes these bytes
+            return encoded_message(self.codec.encode(averaged_part))
         return serialize_torch_tensor(averaged_part, self.result_compression)
+
+    def _deserialize_part(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        """A sender's part as fp32 values (our codecs: decoded)."""
+        part = deserialize_torch_tensor(serialized)
+        return self.codec.decode(part) if self.codec is not None else part
+
+    def _as_sent(self, part: torch.Tensor) -> torch.Tensor:
+        """Our own part as the reducer would see it had it come over the wire."""
+        if self.codec is None:
+            return part
+        return self.codec.decode(self.codec.encode(part.reshape(-1), on_grid=True)).view_as(part)
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
@@ -53,9 +108,11 @@ class CanonicalAllReduce(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
+                sender_index, part_index, self._as_sent(tensor_part), weight=self.weight
             )
-            if self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
+            if self.codec is not None:
+                canonical = self.codec.decode(self.codec.encode(averaged))  # what the others decode
+            elif self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
                 canonical = averaged  # fp32 on the wire is exact: the others got these very bytes
             else:
                 canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
@@ -68,7 +125,7 @@ class CanonicalAllReduce(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                lambda msg: (self._deserialize_part(msg.tensor_part), msg.weight),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -147,6 +204,9 @@ class InPlaceParts(TensorPartContainer):
             prefetch=other.prefetch,
         )
 
+    codec: Codec | None = None
+    """Set by the runner for our codecs: averages then arrive as encodings, decoded here before the copy."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._slices = [[part for part, _info in parts] for parts in self._input_parts_by_peer]
@@ -160,6 +220,8 @@ class InPlaceParts(TensorPartContainer):
                 f"(expected {self._outputs_registered_by_peer[peer_index]})"
             )
         target = self._slices[peer_index][part_index]
+        if self.codec is not None and part.dtype == torch.uint8:
+            part = self.codec.decode(part)
         if part is not target:
             target.copy_(part.reshape(target.shape))
         self._outputs_registered_by_peer[peer_index] += 1

@@ -1,6 +1,7 @@
 """One shard's hivemind averager, and the adapter that gives the outer loop its ``Averager``.
 
-Compression: "none" and "fp16". Hivemind 1.1.12's 8-bit codecs do not round-trip with NumPy 2.4
+Compression: "none" and "fp16" are hivemind's own; "bf16", "int8", "int4", "int2" and "sparse" are ours
+(``open_diloco.outer.codecs``, carried by ``galaxy/allreduce.py``'s :class:`CodecCompression`). Hivemind 1.1.12's 8-bit codecs do not round-trip with NumPy 2.4
 (``Uniform8BitQuantization``/``Quantile8BitQuantization`` raise ``TypeError: only 0-dimensional arrays can be
 converted to Python scalars`` in ``extract``), and ``BLOCKWISE_8BIT`` needs bitsandbytes.
 """
@@ -22,9 +23,10 @@ from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, RoundFailed
-from open_diloco.galaxy.allreduce import CanonicalAllReduce
+from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
+from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.protocols import RoundReport
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
@@ -37,7 +39,11 @@ _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaki
 _GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # how long after a round with others this peer's p2pd stays up (see HivemindAverager.shutdown)
-COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
+COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    **{name: (lambda name=name: CodecCompression(wire_codec(name))) for name in ("bf16", "int8", "int4", "int2", "sparse")},
+}
 
 
 class CanonicalAverager(DecentralizedAverager):

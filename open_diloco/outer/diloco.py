@@ -17,6 +17,7 @@ import torch
 
 from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
 from open_diloco.outer.protocols import Averager, PendingRound, RoundReport
 from open_diloco.outer.state import OuterState, combine_hashes, sum_of_squares
@@ -65,6 +66,8 @@ class DiLoCo:
             momentum=hv.outer_momentum,
             nesterov=hv.outer_nesterov,
             warmup_rounds=hv.outer_warmup_rounds,
+            compressor=build_compressor(hv.compression, hv.sparse_density, hv.sparse_rule),
+            error_feedback=hv.error_feedback,
         )
         self.averager.serve_state(self._served_state)
 
@@ -103,6 +106,12 @@ class DiLoCo:
     def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
         self.state.restore_after_checkpoint(outer_step, momentum_pieces)
 
+    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
+        return self.state.error_feedback_pieces()
+
+    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
+        self.state.restore_error_feedback(pieces)
+
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int) -> dict[str, Any]:
         """Run an outer step when ``inner_step`` ends a round (see :class:`OuterLoop`)."""
@@ -120,7 +129,7 @@ class DiLoCo:
         own_hash = self.state.hash()
         try:
             with self.averager.buffer() as pseudo_grad:
-                local_sq = self.state.pseudo_grad_into(pseudo_grad)
+                local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
             pending = self.averager.start_round(self.outer_step, fingerprint)
         except RoundFailed as err:
@@ -164,7 +173,7 @@ class DiLoCo:
         try:
             with self.averager.buffer() as averaged:
                 if failed:  # the buffer may hold a dead round's leftovers: average of one = our own Δ again
-                    self.state.pseudo_grad_into(averaged)
+                    self.state.pseudo_grad_for_wire_into(averaged)
                 self.state.apply(averaged)
         except RoundFailed as err:  # a round that outlived its timeout still holds the buffer: nothing to apply
             raise GalaxyError(

@@ -95,6 +95,15 @@ class OuterLoop(Protocol):
         """Re-read θ_outer from the freshly loaded model and take the loaded momentum and round counter."""
         ...
 
+    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
+        """The error feedback of a lossy codec shaped like this rank's parameter shards (views, for checkpoints);
+        ``None``: none kept."""
+        ...
+
+    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
+        """Take the error feedback a checkpoint held."""
+        ...
+
     def close(self) -> None:
         """Leave the galaxy; idempotent and bounded in time."""
         ...
@@ -118,6 +127,12 @@ class NullOuterLoop:
         return None
 
     def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
+        pass
+
+    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
+        return None
+
+    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
         pass
 
     def close(self) -> None:

@@ -5,6 +5,14 @@ host memory. The outer state is exactly two flat fp32 buffers (θ_outer and the 
 lives in the averager's buffer (the one that goes on the wire) and the outer step updates in place, so a
 round holds three fp32 copies of the shard in all. θ_local needs no backup: it does not change until the round
 ends, so a retried round recomputes Δ from it.
+
+With a lossy ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes per value
+of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each round, and a
+sparse round carries most of Δ for many rounds). ``e`` is private to the cluster: a checkpoint stores it (resharded
+like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the galaxy's
+state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
+and the old ``e``, all unchanged since the round started: no copy of what was sent is kept, and a retried round
+sends the very same Q(Δ + e) again.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import threading
 from typing import Any
 
 import torch
+
+from open_diloco.outer.codecs import PseudoGradCompressor
 
 
 def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -110,8 +120,11 @@ class OuterState:
         momentum: float,
         nesterov: bool = True,
         warmup_rounds: int = 0,
+        compressor: PseudoGradCompressor | None = None,
+        error_feedback: bool = True,
     ):
         self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
+        self.compressor = compressor
         self._shards = local_shards(model)
         self.numels = [shard.numel() for shard in self._shards]
         self.on_gpu = any(shard.is_cuda for shard in self._shards)
@@ -123,6 +136,10 @@ class OuterState:
         self._hash: str | None = None
         """:meth:`hash` of ``params``, kept until they change (a round ends with the hash the next one starts
         with). Everything that writes ``params`` goes through this class and clears it."""
+        self.error: torch.Tensor | None = (
+            torch.zeros_like(self.params) if compressor is not None and error_feedback else None
+        )
+        """Error feedback: what the encodings dropped so far, added to the next Δ (``None``: off)."""
         self.gather_local_into(self.params)
 
     @property
@@ -148,9 +165,36 @@ class OuterState:
             total += _squares(delta)
         return total
 
+    def pseudo_grad_for_wire_into(self, flat: torch.Tensor) -> float:
+        """What this cluster sends this round, in ``flat``: Δ, or with a codec Q(Δ + e) in its wire layout; returns
+        ‖Δ‖² (before the error feedback)."""
+        total = self.pseudo_grad_into(flat)
+        if self.compressor is not None:
+            self.compressor.to_wire_(flat, self.error, self.outer_step)
+        return total
+
+    @torch.no_grad()
+    def _commit_error_feedback(self, chunk: int = 1 << 18) -> None:
+        """e ← Δ_fb − Q(Δ_fb) with Δ_fb = Δ + e, Δ recomputed as :meth:`pseudo_grad_into` does (same operations,
+        same bits) a chunk at a time, without a full-size temporary."""
+        offset = 0
+        for shard, numel in zip(self._shards, self.numels, strict=True):
+            local_flat = shard.reshape(-1)
+            for start in range(0, numel, chunk):
+                local = local_flat[start : start + chunk].to("cpu", torch.float32)
+                piece = slice(offset + start, offset + start + local.numel())
+                self.error[piece].add_(torch.sub(self.params[piece], local))
+            offset += numel
+        self.compressor.residual_(self.error, self.outer_step)
+
     def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
-        """The outer step with the galaxy's average Δ (consumed), then count the round."""
+        """The outer step with the galaxy's average Δ (consumed; with a codec, in its wire layout), then count the
+        round."""
         with self.lock:
+            if self.compressor is not None:
+                if self.error is not None:
+                    self._commit_error_feedback()
+                self.compressor.from_wire_(averaged_pseudo_grad, self.outer_step)
             lr, momentum = self.hparams(self.outer_step + 1)
             self.momentum_buffer = outer_sgd_step_(
                 self.params,
@@ -201,7 +245,22 @@ class OuterState:
             self._hash = None
             self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
             self.outer_step = int(metadata["outer_step"])
+            if self.error is not None:
+                self.error.zero_()  # what we dropped belonged to the trajectory we just left
         self.scatter_into_model()
+
+    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
+        """The error feedback split and shaped like this rank's parameter shards (views, no copy); ``None``: off."""
+        if self.error is None:
+            return None
+        return [piece.view_as(shard) for piece, shard in zip(self.error.split(self.numels), self._shards, strict=True)]
+
+    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
+        """Take the error feedback a checkpoint held (a no-op when this run keeps none)."""
+        if self.error is None:
+            return
+        with torch.no_grad(), self.lock:
+            self.error.copy_(torch.cat([piece.reshape(-1).float() for piece in pieces]))
 
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
         """The momentum split and shaped like this rank's parameter shards (views, no copy)."""

@@ -2,7 +2,9 @@
 
 Each thread is a cluster; a barrier makes every round meet. The result is the exact mean of the buffers of
 the clusters present, copied to each, so it is bitwise identical by construction: what the unit tests check
-is the outer loop's math and decisions around it."""
+is the outer loop's math and decisions around it. With one of our codecs (``compression``) the mean is rounded
+the way the galaxy's reducer does (decode(encode(mean)); the senders' buffers are already on the codec's grid,
+which the wire carries exactly), so benches measure the codec's effect on training."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.protocols import RoundReport
 
 
@@ -19,8 +22,9 @@ class InProcessGalaxy:
     """``size`` clusters averaging in threads. ``drop``: galaxy ranks missing from every round (they average
     alone)."""
 
-    def __init__(self, size: int, drop: set[int] | None = None):
+    def __init__(self, size: int, drop: set[int] | None = None, compression: str = "none"):
         self.size = size
+        self.codec = wire_codec(compression)
         self.drop = drop or set()
         self.barrier = threading.Barrier(size, timeout=30)
         self.buffers: dict[int, torch.Tensor] = {}
@@ -44,10 +48,15 @@ class InProcessRound:
         else:
             present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
         average = torch.stack([galaxy.buffers[r] for r in present]).mean(0)
+        sent = av.values.numel() * 4
+        if galaxy.codec is not None:
+            sent = galaxy.codec.encode(av.values, on_grid=True).numel()  # a peer of two sends about one encoding
+            if len(present) > 1:
+                galaxy.codec.round_trip_(average)
         peers = {r: galaxy.meta[r] for r in present}
         galaxy.barrier.wait()
         av.values.copy_(average)
-        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=av.values.numel() * 4)
+        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent)
 
 
 class InProcessAverager:
