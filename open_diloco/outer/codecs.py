@@ -136,11 +136,16 @@ class BlockIntCodec(Codec):
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(-1, self.block)
 
-    def _scales(self, blocks: torch.Tensor, on_grid: bool = False) -> torch.Tensor:
+    def _scales(self, blocks: torch.Tensor, numel: int, on_grid: bool = False) -> torch.Tensor:
         absmax = blocks.abs().amax(1)
         _check_finite(bool(torch.isfinite(absmax).all()), "the pseudo-gradient")
         if self.clip_sigmas is not None and not on_grid:
-            absmax = torch.minimum(absmax, blocks.square().mean(1).sqrt_().mul_(self.clip_sigmas))
+            counts = torch.full_like(absmax, self.block)
+            if numel % self.block:  # the padding of the last block is not part of its RMS
+                counts[-1] = numel % self.block
+            clip = blocks.square().sum(1).div_(counts).sqrt_().mul_(self.clip_sigmas)
+            # below ~1e-19 the squares underflow to 0 (and past ~1e19 overflow): such blocks keep their absmax
+            absmax = torch.where(clip > 0, torch.minimum(absmax, clip), absmax)
         # truncate to bf16 (clear the low 16 bits): never above the absmax, exactly representable
         return (absmax.view(torch.int32) & -65536).view(torch.float32)
 
@@ -157,7 +162,7 @@ class BlockIntCodec(Codec):
         flat = values.view(-1)
         for piece in flat.split(_CHUNK):
             blocks = self._blocks(piece)
-            scales = self._scales(blocks)
+            scales = self._scales(blocks, piece.numel())
             piece.copy_(self._values(self._codes(blocks, scales), scales).view(-1)[: piece.numel()])
 
     def encode(self, values: torch.Tensor, on_grid: bool = False) -> torch.Tensor:
@@ -165,7 +170,7 @@ class BlockIntCodec(Codec):
         exactly."""
         numel = values.numel()
         blocks = self._blocks(values)
-        scales = self._scales(blocks, on_grid)
+        scales = self._scales(blocks, numel, on_grid)
         nonzero = torch.nonzero(scales).view(-1)
         carried = int(nonzero[-1]) + 1 if nonzero.numel() else 0
         blocks, scales = blocks[:carried], scales[:carried]
@@ -245,7 +250,7 @@ class SparseSelection:
         """Write ``compact`` (a :meth:`gather` output) back to the selected places of ``flat``."""
         main, tail, columns, tail_columns = self._split(flat, round_id)
         body = main.shape[0] * columns.numel()
-        main[:, columns] = compact[:body].view(main.shape[0], -1)
+        main[:, columns] = compact[:body].view(main.shape[0], columns.numel())
         tail[tail_columns] = compact[body:]
 
 
