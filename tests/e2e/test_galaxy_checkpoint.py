@@ -23,17 +23,19 @@ def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     return [read_metrics(m) for m in metrics]
 
 
-def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "int2"])  # int2: the error feedback is checkpointed too
+def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     ckpt = str(tmp_path / "ckpt{rank}")
     galaxy = Galaxy(tmp_path)
+    codec = ("--hv.compression", compression)
     try:
-        straight = run_galaxy(galaxy, "straight", "--max-steps", "20")
-        run_galaxy(galaxy, "first", "--max-steps", "10", "--ckpt.interval", "10", "--ckpt.path", ckpt)
+        straight = run_galaxy(galaxy, "straight", "--max-steps", "20", *codec)
+        run_galaxy(galaxy, "first", "--max-steps", "10", "--ckpt.interval", "10", "--ckpt.path", ckpt, *codec)
         for rank in (0, 1):
             assert [p.name for p in (tmp_path / f"ckpt{rank}").iterdir()] == ["step_00000010"]
         resumed = run_galaxy(
             galaxy, "resumed", "--max-steps", "20", "--ckpt.interval", "10", "--ckpt.path", ckpt,
-            "--ckpt.resume", "latest",
+            "--ckpt.resume", "latest", *codec,
         )
         for rank in (0, 1):
             assert "resumed from" in galaxy.log(f"resumed{rank}")
