@@ -84,7 +84,8 @@ class HvConfig(BaseModel):
     compression: Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sparse"] = "none"
     """Wire compression of the pseudo-gradient all-reduce (bytes per round vs fp32 `none`): `fp16`/`bf16` 2x;
     `int8`, `int4`, `int2` blockwise quantization, ~4x, ~7.5x, ~15x; `sparse` sends --hv.sparse-density of the
-    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default. Every
+    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default (experimental:
+    it does not train yet, README "Compression"). Every
     cluster must use the same. Measured costs in the README ("Compression")."""
 
     error_feedback: bool = True
