@@ -64,11 +64,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The checkpoint's metadata, or a one-line error for a partial or corrupt checkpoint."""
+def read_metadata(path: Path, checked_by: str = "--ckpt.resume (or use `latest`)") -> dict[str, Any]:
+    """The checkpoint's metadata, or a one-line error for a partial or corrupt checkpoint (a missing one
+    names ``checked_by``, the flag or argument to correct)."""
     path = Path(path)
     if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} does not exist: check --ckpt.resume (or use `latest`)")
+        raise ConfigError(f"checkpoint {path} does not exist: check {checked_by}")
     meta_file = path / METADATA
     if not meta_file.is_file() or not (path / ".metadata").is_file():
         raise ConfigError(

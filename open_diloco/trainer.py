@@ -22,6 +22,7 @@ from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
+from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
 from open_diloco.world import World, describe_world, join_process_group, leave_process_group
@@ -38,6 +39,7 @@ def train(config: Config) -> None:
     galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
     data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ensure_run_outputs_writable(config, world.is_main)
 
     guard = StopGuard().install()
     join_process_group(world)
