@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from collections.abc import Iterable, Iterator
@@ -15,6 +16,7 @@ from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.errors import Stop
+from open_diloco.logs import log_from_every_rank
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
@@ -25,7 +27,9 @@ from open_diloco.outer.state import local_shards
 from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
-from open_diloco.world import World, describe_world, join_process_group, leave_process_group
+from open_diloco.world import World, describe_world, env_flag, join_process_group, leave_process_group
+
+log = logging.getLogger(__name__)
 
 
 def train(config: Config) -> None:
@@ -37,6 +41,7 @@ def train(config: Config) -> None:
     vocab_size = model_config["vocab_size"]
     resume = checkpoint.resolve_resume(config.ckpt, model_config)
     galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
+    log_from_every_rank(galaxy_rank, world.rank, world.local_rank, env_flag("LOG_LEVEL"))
     data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
     ensure_run_outputs_writable(config, world.is_main)
@@ -124,6 +129,12 @@ def train(config: Config) -> None:
     except Stop as stop:
         _say(world, f"stopping: {stop.reason}")
         raise SystemExit(stop.exit_code) from None
+    except Exception as err:  # when and on which rank; the one-line error or the traceback follows
+        log.error(
+            "training stopped: %s",
+            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+        )
+        raise
     finally:
         guard.begin_shutdown()
         outer.close()
@@ -176,9 +187,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         dist.broadcast_object_list(entry, src=0)
         averager = averager or start(entry[0])
     try:
-        return DiLoCo(
-            model, averager, hv, cluster=cluster, warn=lambda message: _say(world, f"warning: {message}")
-        )
+        return DiLoCo(model, averager, hv, cluster=cluster, warn=log.warning)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise
