@@ -57,6 +57,9 @@ def train(config: Config) -> None:
         config.model_dump(mode="json"),
     )
     outer: OuterLoop = NullOuterLoop()
+    saver = checkpoint.CheckpointSaver(
+        config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config
+    )
     finished = False
     try:
         model = build_model(config.path_model, config.seed)
@@ -114,17 +117,8 @@ def train(config: Config) -> None:
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
             if config.ckpt.interval and step % config.ckpt.interval == 0:
-                saved = checkpoint.save(
-                    config.ckpt.path,
-                    step,
-                    model=model,
-                    optimizer=optimizer,
-                    outer=outer,
-                    config=config.model_dump(mode="json"),
-                    model_config=model_config,
-                    keep=config.ckpt.keep,
-                )
-                _say(world, f"saved checkpoint {saved}")
+                saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
+        saver.wait()  # the run's last checkpoint is complete before the run counts as finished
         finished = True
     except Stop as stop:
         _say(world, f"stopping: {stop.reason}")
@@ -137,6 +131,7 @@ def train(config: Config) -> None:
         raise
     finally:
         guard.begin_shutdown()
+        saver.close(timeout=checkpoint.SAVE_GRACE_SECONDS)  # a stopped run: bounded wait, then abandon
         outer.close()
         metrics.close()
         leave_process_group(synchronize=finished)

@@ -67,7 +67,9 @@ def straight(tmp_path_factory) -> dict[int, float]:
 
 def test_kill_and_resume_is_bit_exact(tmp_path, straight):
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    start_and_kill_when(2, first, lambda: last_step(first) >= 23, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
+    # saves are written in the background: kill once step 20's checkpoint is published and training went on
+    published = lambda: last_step(first) >= 23 and (ckpt / "step_00000020").is_dir()  # noqa: E731
+    start_and_kill_when(2, first, published, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
     assert [p.name for p in ckpt.iterdir()] == ["step_00000020"]
     proc = run(2, second, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
     assert "resumed from" in proc.stdout
