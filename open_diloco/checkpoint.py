@@ -15,13 +15,14 @@ the new one, never a directory that looks complete but is not.
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import json
 import logging
 import os
 import shutil
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -189,9 +189,8 @@ class CheckpointSaver:
         self.root, self.keep = Path(root), keep
         self._config, self._model_config = config, model_config
         self._group: dist.ProcessGroup | None = None  # created at the first save, which every rank makes
-        self._stager: DefaultStager | None = None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._in_flight: tuple[int, Future[Path | None]] | None = None
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._in_flight: tuple[int, concurrent.futures.Future[Path | None]] | None = None
         self._abandoned = False
 
     def start(
@@ -201,9 +200,6 @@ class CheckpointSaver:
         self._wait_for_previous(step)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-            cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
-            # pinned host memory makes the device-to-host copy fast; the same buffers serve every save
-            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         rank = dist.get_rank()
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
@@ -223,20 +219,22 @@ class CheckpointSaver:
         }
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         started = time.perf_counter()
-        written = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+        staged = _host_copy(state)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         staged_s = time.perf_counter() - started
         publish = metadata if rank == 0 else None
-        self._in_flight = (step, self._writer.submit(self._finish, written, tmp, final, publish, staged_s))
+        self._in_flight = (step, self._writer.submit(self._write, staged, tmp, final, publish, staged_s))
 
-    def _finish(
-        self, written: Future, tmp: Path, final: Path, metadata: dict[str, Any] | None, staged_s: float
+    def _write(
+        self, staged: dict[str, Any], tmp: Path, final: Path, metadata: dict[str, Any] | None, staged_s: float
     ) -> Path | None:
-        """In the writer thread: wait until every rank's part is written (DCP's write ends on every rank only
-        after rank 0 has gathered all parts and written DCP's .metadata), then rank 0 (the one given
-        ``metadata``) publishes the checkpoint."""
+        """In the writer thread: write this rank's part with DCP, which returns on every rank only after rank 0
+        has gathered every part and written DCP's .metadata; then rank 0 (the one given ``metadata``)
+        publishes the checkpoint."""
         started = time.perf_counter()
         try:
-            written.result()
+            dcp.save(staged, checkpoint_id=tmp, process_group=self._group)
         except BaseException as err:  # CheckpointException is a BaseException
             if self._abandoned:
                 return None
@@ -262,7 +260,7 @@ class CheckpointSaver:
         return final
 
     def _wait_for_previous(self, step: int) -> None:
-        if self._in_flight is None or self._in_flight[1].done():
+        if not self.writing:
             return
         started = time.perf_counter()
         previous = self._in_flight[0]
@@ -274,6 +272,11 @@ class CheckpointSaver:
             step,
             time.perf_counter() - started,
         )
+
+    @property
+    def writing(self) -> bool:
+        """Whether a save is still being written."""
+        return self._in_flight is not None and not self._in_flight[1].done()
 
     def wait(self, timeout: float | None = None) -> Path | None:
         """Wait for the save in flight; return its directory once published (None on ranks other than 0, for
@@ -289,7 +292,7 @@ class CheckpointSaver:
         in flight ``timeout`` seconds, then abandon it (it stays a ``.tmp``, never published)."""
         try:
             self.wait(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
             self._abandoned = True
             log.warning(
                 "abandoned checkpoint %s (still being written %.0f s after the stop): the previous "
@@ -298,8 +301,28 @@ class CheckpointSaver:
                 timeout,
             )
         self._writer.shutdown(wait=False)
-        if self._stager is not None and not self._abandoned:
-            self._stager.close()
+
+
+def _host_copy(state: Any) -> Any:
+    """A copy of ``state`` in host memory that training cannot touch: every tensor copied (a DTensor keeps its
+    mesh and placements around a copy of its local shard), everything else deep-copied. (DCP's own stager
+    fails on the outer-momentum DTensors, which are views into one flat buffer.)"""
+    if isinstance(state, dict):
+        return {key: _host_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(value) for value in state)
+    if isinstance(state, DTensor):
+        return DTensor.from_local(
+            state.to_local().to("cpu", copy=True, non_blocking=True),
+            device_mesh=state.device_mesh,
+            placements=state.placements,
+            run_check=False,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, torch.Tensor):
+        return state.to("cpu", copy=True, non_blocking=True)
+    return copy.deepcopy(state)
 
 
 def load(
