@@ -15,7 +15,7 @@ import torch.distributed as dist
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
-from open_diloco.errors import Stop
+from open_diloco.errors import ConfigError, Stop
 from open_diloco.logs import log_from_every_rank
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
@@ -123,11 +123,10 @@ def train(config: Config) -> None:
     except Stop as stop:
         _say(world, f"stopping: {stop.reason}")
         raise SystemExit(stop.exit_code) from None
-    except Exception as err:  # when and on which rank; the one-line error or the traceback follows
-        log.error(
-            "training stopped: %s",
-            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
-        )
+    except Exception as err:
+        if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli.py
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.error("training stopped: %s", first_line)  # when and on which rank; the traceback follows
         raise
     finally:
         guard.begin_shutdown()
