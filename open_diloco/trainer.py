@@ -181,7 +181,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         dist.broadcast_object_list(entry, src=0)
         averager = averager or start(entry[0])
     try:
-        return DiLoCo(model, averager, hv, cluster=cluster, warn=log.warning)
+        outer_log = logging.getLogger("open_diloco.outer")
+        return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise
