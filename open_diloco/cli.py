@@ -379,6 +379,13 @@ def describe_error(err: ConfigError | pydantic.ValidationError | cyclopts.Cyclop
         return describe_error(cause)
     if isinstance(err, cyclopts.UnusedCliTokensError):
         return describe_unused_tokens(err)
+    token = getattr(err, "token", None)
+    if isinstance(err, cyclopts.UnknownOptionError) and token is not None and token.source not in ("", "cli"):
+        key = token.keyword.strip("[]").replace("][", ".")
+        return (
+            f"config file {token.source}: unknown key {key!r}: keys are the flag names without `--` "
+            "(see --help), `hv` and `ckpt` as tables"
+        )
     return " ".join(str(err).split()) + " (see --help)"
 
 

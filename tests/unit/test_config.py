@@ -162,3 +162,12 @@ def test_every_bounded_numeric_flag_shows_its_range_in_help(capsys, monkeypatch)
         for name, field in model.model_fields.items():
             constrained = any(hasattr(c, attr) for c in field.metadata for attr in ("ge", "gt", "le", "lt"))
             assert not constrained or "[range: " in (field.description or ""), name
+
+
+def test_an_unknown_key_in_a_config_file_names_the_file_and_key(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("fake_data = true\n[hv]\ngalaxy_sise = 2\n")
+    assert run(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"open-diloco: error: config file {path}: unknown key 'hv.galaxy_sise': keys are the flag names "
+                   "without `--` (see --help), `hv` and `ckpt` as tables"], err
