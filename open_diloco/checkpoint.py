@@ -189,7 +189,9 @@ class CheckpointSaver:
         self.root, self.keep = Path(root), keep
         self._config, self._model_config = config, model_config
         self._group: dist.ProcessGroup | None = None  # created at the first save, which every rank makes
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="checkpoint-writer"
+        )
         self._in_flight: tuple[int, concurrent.futures.Future[Path | None]] | None = None
         self._abandoned = False
 
@@ -239,7 +241,9 @@ class CheckpointSaver:
             if self._abandoned:
                 return None
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            log.error("checkpoint %s failed (%s): the previous checkpoints are intact", final.name, first[:300])
+            log.error(
+                "checkpoint %s failed (%s): the previous checkpoints are intact", final.name, first[:300]
+            )
             return None
         if self._abandoned or metadata is None:
             return None

@@ -177,7 +177,9 @@ def export(checkpoint_path: Path, out_dir: Path, *, force: bool = False) -> None
     """
     from open_diloco.checkpoint import export_pretrained, read_metadata
 
-    read_metadata(checkpoint_path, checked_by="CHECKPOINT-PATH")  # a bad checkpoint fails before OUT_DIR is made
+    read_metadata(
+        checkpoint_path, checked_by="CHECKPOINT-PATH"
+    )  # a bad checkpoint fails before OUT_DIR is made
     ensure_empty_output_dir(out_dir, "OUT-DIR", force)
     print(f"exported {checkpoint_path} to {export_pretrained(checkpoint_path, out_dir)}")
 
@@ -276,7 +278,9 @@ def check_config_syntax(path: Path) -> None:
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {path} cannot be read ({err}): check the file") from None
     kind = {".toml": "TOML", ".json": "JSON"}.get(path.suffix, "YAML")
-    line, problem = {"TOML": _toml_syntax_error, "JSON": _json_syntax_error, "YAML": _yaml_syntax_error}[kind](text)
+    line, problem = {"TOML": _toml_syntax_error, "JSON": _json_syntax_error, "YAML": _yaml_syntax_error}[
+        kind
+    ](text)
     if problem is not None:
         where = f", line {line}" if line is not None else ""
         raise ConfigError(f"config file {path}{where}: {problem}: fix the {kind} syntax")

@@ -22,7 +22,9 @@ __all__ = ["CkptConfig", "Config", "ConfigError", "HvConfig", "check_against_wor
 
 # allow_inf_nan=False: `--lr inf` or `--max-grad-norm nan` is a typo, never a setting.
 # use_attribute_docstrings: each field's docstring becomes its description, the --help text cyclopts shows.
-_STRICT = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, use_attribute_docstrings=True)
+_STRICT = ConfigDict(
+    extra="forbid", validate_assignment=True, allow_inf_nan=False, use_attribute_docstrings=True
+)
 
 Multiaddrs = Annotated[list[str], Parameter(consume_multiple=True, negative=())]
 
@@ -303,8 +305,14 @@ def _range_text(schema: dict[str, Any]) -> str | None:
     if "prefixItems" in schema:
         ranges = {_range_text(item) for item in schema["prefixItems"]}
         return f"each {ranges.pop()}" if len(ranges) == 1 and None not in ranges else None
-    low = next(((schema[key], op) for key, op in (("minimum", "≤"), ("exclusiveMinimum", "<")) if key in schema), None)
-    high = next(((op, schema[key]) for key, op in (("maximum", "≤"), ("exclusiveMaximum", "<")) if key in schema), None)
+    low = next(
+        ((schema[key], op) for key, op in (("minimum", "≤"), ("exclusiveMinimum", "<")) if key in schema),
+        None,
+    )
+    high = next(
+        ((op, schema[key]) for key, op in (("maximum", "≤"), ("exclusiveMaximum", "<")) if key in schema),
+        None,
+    )
     if low and high:
         return f"{low[0]} {low[1]} x {high[0]} {high[1]}"
     if low:

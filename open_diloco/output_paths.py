@@ -28,7 +28,9 @@ def ensure_writable_dir(path: Path, flag: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".open-diloco-probe-"):
             pass
     except OSError as err:
-        raise ConfigError(f"{flag} {path} cannot be written ({_reason(err)}): choose a writable directory") from None
+        raise ConfigError(
+            f"{flag} {path} cannot be written ({_reason(err)}): choose a writable directory"
+        ) from None
     return path
 
 
@@ -44,7 +46,9 @@ def ensure_appendable_file(path: Path, flag: str) -> Path:
             with open(path, "a", encoding="utf-8"):
                 pass
         except OSError as err:
-            raise ConfigError(f"{flag} {path} cannot be appended to ({_reason(err)}): choose another file") from None
+            raise ConfigError(
+                f"{flag} {path} cannot be appended to ({_reason(err)}): choose another file"
+            ) from None
     return path
 
 
@@ -53,7 +57,9 @@ def ensure_empty_output_dir(path: Path, flag: str, force: bool) -> Path:
     a non-empty directory would mix the result with what was there."""
     path = Path(path)
     if path.is_dir() and any(path.iterdir()) and not force:
-        raise ConfigError(f"{flag} {path} is not empty: choose a new directory, or pass --force to write into it")
+        raise ConfigError(
+            f"{flag} {path} is not empty: choose a new directory, or pass --force to write into it"
+        )
     return ensure_writable_dir(path, flag)
 
 

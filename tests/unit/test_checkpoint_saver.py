@@ -74,8 +74,13 @@ def test_the_copy_is_taken_before_training_changes_the_weights(process_group, tm
     assert saved == checkpoint.step_dir(tmp_path, 1) and checkpoint.list_checkpoints(tmp_path) == [saved]
 
     fresh_model, fresh_optimizer, fresh_outer = trained(seed=1)
-    step = checkpoint.load(saved, checkpoint.read_metadata(saved), model=fresh_model, optimizer=fresh_optimizer,
-                           outer=fresh_outer)
+    step = checkpoint.load(
+        saved,
+        checkpoint.read_metadata(saved),
+        model=fresh_model,
+        optimizer=fresh_optimizer,
+        outer=fresh_outer,
+    )
     assert step == 1
     loaded = weights(fresh_model)
     assert all(torch.equal(loaded[name], before[name]) for name in before)
@@ -85,7 +90,9 @@ def test_the_copy_is_taken_before_training_changes_the_weights(process_group, tm
 
 def test_saves_are_published_one_at_a_time_and_pruned(process_group, tmp_path, caplog):
     model, optimizer, outer = trained()
-    saver = checkpoint.CheckpointSaver(tmp_path, keep=2, config={"lr": 1}, model_config=model.config.to_dict())
+    saver = checkpoint.CheckpointSaver(
+        tmp_path, keep=2, config={"lr": 1}, model_config=model.config.to_dict()
+    )
     for step in (1, 2, 3):
         saver.start(step, model=model, optimizer=optimizer, outer=outer)  # each waits for the one before
     saver.wait()
@@ -95,7 +102,9 @@ def test_saves_are_published_one_at_a_time_and_pruned(process_group, tmp_path, c
     saver.close(timeout=1)
 
 
-def test_a_save_abandoned_at_a_stop_is_never_taken_for_a_checkpoint(process_group, tmp_path, monkeypatch, caplog):
+def test_a_save_abandoned_at_a_stop_is_never_taken_for_a_checkpoint(
+    process_group, tmp_path, monkeypatch, caplog
+):
     model, optimizer, outer = trained()
     saver = checkpoint.CheckpointSaver(tmp_path, keep=3, config={}, model_config=model.config.to_dict())
     saver.start(1, model=model, optimizer=optimizer, outer=outer)
@@ -108,6 +117,7 @@ def test_a_save_abandoned_at_a_stop_is_never_taken_for_a_checkpoint(process_grou
     saver._writer.shutdown(wait=True)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
     assert not (Path(tmp_path) / "step_00000002").exists()
-    assert checkpoint.resolve_resume(
-        CkptConfig(path=tmp_path, resume="latest"), model.config.to_dict()
-    )[0].name == "step_00000001"
+    assert (
+        checkpoint.resolve_resume(CkptConfig(path=tmp_path, resume="latest"), model.config.to_dict())[0].name
+        == "step_00000001"
+    )

@@ -93,7 +93,10 @@ def test_config_file_with_flag_override(tmp_path):
         (["--num-workers", "100000"], "--num-workers: Input should be less than or equal to 64"),
         (["--ckpt.interval", "0"], "--ckpt.interval: Input should be greater than or equal to 1"),
         (["--hv.run-id="], "--hv.run-id: String should have at least 1 character"),
-        (["--hv.matchmaking-time", "200"], "--hv.averaging-timeout 120.0 is not above --hv.matchmaking-time 200.0"),
+        (
+            ["--hv.matchmaking-time", "200"],
+            "--hv.averaging-timeout 120.0 is not above --hv.matchmaking-time 200.0",
+        ),
     ],
 )
 def test_bad_flags_give_one_line(argv, message, capsys):
@@ -125,9 +128,21 @@ def test_warmup_cosine_schedule():
     "name, text, message",
     [
         ("run.toml", "fake_data = true\n\nlr = \n", "run.toml, line 3: Invalid value: fix the TOML syntax"),
-        ("run.toml", "fake_data = true\nmax_steps = [\n", "run.toml, line 3: Invalid value at the end of the file"),
-        ("run.yaml", "fake_data: true\nlr: 0.1\n  x: : y\n", "run.yaml, line 3: mapping values are not allowed here"),
-        ("run.json", '{\n"lr": 0.1,\n}', "run.json, line 3: Expecting property name enclosed in double quotes"),
+        (
+            "run.toml",
+            "fake_data = true\nmax_steps = [\n",
+            "run.toml, line 3: Invalid value at the end of the file",
+        ),
+        (
+            "run.yaml",
+            "fake_data: true\nlr: 0.1\n  x: : y\n",
+            "run.yaml, line 3: mapping values are not allowed here",
+        ),
+        (
+            "run.json",
+            '{\n"lr": 0.1,\n}',
+            "run.json, line 3: Expecting property name enclosed in double quotes",
+        ),
     ],
 )
 def test_a_config_file_that_does_not_parse_names_the_file_and_line(tmp_path, name, text, message, capsys):
@@ -147,7 +162,9 @@ def test_a_config_path_that_is_a_directory_is_refused(tmp_path, capsys):
 def test_every_bounded_numeric_flag_shows_its_range_in_help(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     assert run(["--help"]) == 0
-    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ --")}
+    lines = {
+        line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ --")
+    }
     expected = {
         "--lr": "[range: > 0]",
         "--min-lr-ratio": "[range: 0 ≤ x ≤ 1]",
@@ -169,5 +186,7 @@ def test_an_unknown_key_in_a_config_file_names_the_file_and_key(tmp_path, capsys
     path.write_text("fake_data = true\n[hv]\ngalaxy_sise = 2\n")
     assert run(["--config", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"open-diloco: error: config file {path}: unknown key 'hv.galaxy_sise': keys are the flag names "
-                   "without `--` (see --help), `hv` and `ckpt` as tables"], err
+    assert err == [
+        f"open-diloco: error: config file {path}: unknown key 'hv.galaxy_sise': keys are the flag names "
+        "without `--` (see --help), `hv` and `ckpt` as tables"
+    ], err

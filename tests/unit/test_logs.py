@@ -16,9 +16,14 @@ def test_rank_logging_is_idempotent_and_leveled(capfd):
     logging.getLogger("some.library").info("theirs at info")
     # what logging.captureWarnings sends (pytest's own warning capture would intercept a real warnings.warn;
     # tests/dist/test_logs.py raises a real one under torchrun)
-    logging.getLogger("py.warnings").warning("%s", "x.py:1: UserWarning: careful\n  warnings.warn('careful')\n")
+    logging.getLogger("py.warnings").warning(
+        "%s", "x.py:1: UserWarning: careful\n  warnings.warn('careful')\n"
+    )
     lines = capfd.readouterr().err.splitlines()
-    assert any(line.endswith("INFO galaxy_rank=3 rank=5 local_rank=1 open_diloco.trainer: ours at info") for line in lines)
+    assert any(
+        line.endswith("INFO galaxy_rank=3 rank=5 local_rank=1 open_diloco.trainer: ours at info")
+        for line in lines
+    )
     assert not any("theirs at info" in line for line in lines)
     warned = [line for line in lines if "careful" in line]
     # hivemind, once imported, names the WARNING level "WARN"

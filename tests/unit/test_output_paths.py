@@ -9,7 +9,14 @@ import pytest
 from open_diloco.cli import run
 from open_diloco.output_paths import ensure_appendable_file, ensure_empty_output_dir, ensure_writable_dir
 
-TRAIN = ["--fake-data", "--path-model", "tests/models/llama-2m-fresh", "--no-torch-compile", "--max-steps", "1"]
+TRAIN = [
+    "--fake-data",
+    "--path-model",
+    "tests/models/llama-2m-fresh",
+    "--no-torch-compile",
+    "--max-steps",
+    "1",
+]
 
 
 def one_error_line(capsys) -> str:
@@ -58,13 +65,18 @@ def test_output_dir_must_be_empty_unless_forced(tmp_path, a_file):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--metric-logger-type", "jsonl", "--metrics-path", "{file}/m.jsonl"], "--metrics-path {file}/m.jsonl: its directory"),
+        (
+            ["--metric-logger-type", "jsonl", "--metrics-path", "{file}/m.jsonl"],
+            "--metrics-path {file}/m.jsonl: its directory",
+        ),
         (["--metric-logger-type", "jsonl", "--metrics-path", "{tmp}"], "--metrics-path {tmp} is a directory"),
         (["--ckpt.interval", "1", "--ckpt.path", "{file}"], "--ckpt.path {file} is a file, not a directory"),
         (["--ckpt.interval", "1", "--ckpt.path", "{file}/ckpt"], "--ckpt.path {file}/ckpt cannot be written"),
     ],
 )
-def test_training_outputs_that_cannot_be_written_stop_it_before_it_starts(tmp_path, a_file, flags, message, capsys):
+def test_training_outputs_that_cannot_be_written_stop_it_before_it_starts(
+    tmp_path, a_file, flags, message, capsys
+):
     fill = {"file": a_file, "tmp": tmp_path}
     assert run([*TRAIN, *(f.format(**fill) for f in flags)]) == 2
     assert message.format(**fill) in one_error_line(capsys)
@@ -74,7 +86,13 @@ def test_training_outputs_that_cannot_be_written_stop_it_before_it_starts(tmp_pa
 def test_a_data_cache_that_cannot_be_written_is_one_line(tmp_path, a_file, capsys):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("hello world " * 50)
-    argv = ["--dataset-path", str(tmp_path / "docs"), "--data-cache-dir", str(a_file / "cache"), "--no-torch-compile"]
+    argv = [
+        "--dataset-path",
+        str(tmp_path / "docs"),
+        "--data-cache-dir",
+        str(a_file / "cache"),
+        "--no-torch-compile",
+    ]
     assert run(argv) == 2
     assert f"--data-cache-dir {a_file}/cache cannot be written" in one_error_line(capsys)
 
@@ -92,7 +110,9 @@ def test_export_never_writes_into_a_non_empty_directory_unless_forced(tmp_path, 
     (checkpoint / ".metadata").write_bytes(b"")
     (checkpoint / "metadata.json").write_text(json.dumps({"format": 1}))
     assert run(["export", str(checkpoint), str(tmp_path)]) == 2
-    assert f"OUT-DIR {tmp_path} is not empty: choose a new directory, or pass --force" in one_error_line(capsys)
+    assert f"OUT-DIR {tmp_path} is not empty: choose a new directory, or pass --force" in one_error_line(
+        capsys
+    )
     assert run(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "does not exist: check CHECKPOINT-PATH" in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
