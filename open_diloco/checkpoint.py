@@ -17,9 +17,13 @@ the new one, never a directory that looks complete but is not.
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import json
+import logging
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from open_diloco.config import CkptConfig, ConfigError
 from open_diloco.outer.protocols import OuterLoop
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -66,11 +72,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The checkpoint's metadata, or a one-line error for a partial or corrupt checkpoint."""
+def read_metadata(path: Path, checked_by: str = "--ckpt.resume (or use `latest`)") -> dict[str, Any]:
+    """The checkpoint's metadata, or a one-line error for a partial or corrupt checkpoint (a missing one
+    names ``checked_by``, the flag or argument to correct)."""
     path = Path(path)
     if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} does not exist: check --ckpt.resume (or use `latest`)")
+        raise ConfigError(f"checkpoint {path} does not exist: check {checked_by}")
     meta_file = path / METADATA
     if not meta_file.is_file() or not (path / ".metadata").is_file():
         raise ConfigError(
@@ -174,30 +181,49 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def save(
-    root: Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    outer: OuterLoop,
-    config: dict[str, Any],
-    model_config: dict[str, Any],
-    keep: int,
-) -> Path:
-    """Write checkpoint ``step`` atomically on every rank; keep the newest ``keep``. Collective."""
-    rank = dist.get_rank()
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    state = _app_state(model, optimizer, outer, with_momentum=True)
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
+SAVE_GRACE_SECONDS = 5.0
+"""How long a stopping rank gives a save in flight before abandoning it (within shutdown.GRACE_SECONDS)."""
+
+
+class CheckpointSaver:
+    """Writes checkpoints in the background, so that a save costs the galaxy a copy in memory, not a write.
+
+    A save blocks training only while it stages a copy of this rank's state (model, inner optimizer, outer
+    momentum) in host memory; the next inner step may then change the weights freely. A background thread
+    writes the copy with DCP over a gloo group of its own (the training collectives never interleave with
+    the checkpoint's), and rank 0 publishes it once every rank's part is on disk: ``metadata.json`` last,
+    then the rename of ``step_<N>.tmp`` to ``step_<N>``, then the pruning to ``keep``. One save at a time:
+    a save that finds the previous one still writing waits for it (and says so).
+
+    The end of a run waits for its last save; a stop (signal, error) waits a bounded time and otherwise
+    abandons it: an abandoned save stays a ``.tmp`` directory, which is never taken for a checkpoint.
+    Every call is collective (all ranks, same steps)."""
+
+    def __init__(self, root: Path, keep: int, config: dict[str, Any], model_config: dict[str, Any]):
+        self.root, self.keep = Path(root), keep
+        self._config, self._model_config = config, model_config
+        self._group: dist.ProcessGroup | None = None  # created at the first save, which every rank makes
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="checkpoint-writer"
+        )
+        self._in_flight: tuple[int, concurrent.futures.Future[Path | None]] | None = None
+        self._abandoned = False
+
+    def start(
+        self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: OuterLoop
+    ) -> None:
+        """Stage checkpoint ``step`` and start writing it; returns once the weights may change again."""
+        self._wait_for_previous(step)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        rank = dist.get_rank()
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self._group)
+        state = _app_state(model, optimizer, outer, with_momentum=True)
         metadata = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -205,19 +231,117 @@ def save(
             "has_outer_momentum": "outer_momentum" in state,
             "has_error_feedback": "error_feedback" in state,
             "world_size": dist.get_world_size(),
-            "model_config": model_config,
-            "config": config,
+            "model_config": self._model_config,
+            "config": self._config,
         }
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        started = time.perf_counter()
+        staged = _host_copy(state)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        staged_s = time.perf_counter() - started
+        publish = metadata if rank == 0 else None
+        self._in_flight = (step, self._writer.submit(self._write, staged, tmp, final, publish, staged_s))
+
+    def _write(
+        self, staged: dict[str, Any], tmp: Path, final: Path, metadata: dict[str, Any] | None, staged_s: float
+    ) -> Path | None:
+        """In the writer thread: write this rank's part with DCP, which returns on every rank only after rank 0
+        has gathered every part and written DCP's .metadata; then rank 0 (the one given ``metadata``)
+        publishes the checkpoint."""
+        started = time.perf_counter()
+        try:
+            dcp.save(staged, checkpoint_id=tmp, process_group=self._group)
+        except BaseException as err:  # CheckpointException is a BaseException
+            if self._abandoned:
+                return None
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.error(
+                "checkpoint %s failed (%s): the previous checkpoints are intact", final.name, first[:300]
+            )
+            return None
+        if self._abandoned or metadata is None:
+            return None
         meta_tmp = tmp / (METADATA + ".part")
         meta_tmp.write_text(json.dumps(metadata, indent=2))
         os.replace(meta_tmp, tmp / METADATA)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in list_checkpoints(root)[:-keep]:
+        for old in list_checkpoints(self.root)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+        log.info(
+            "saved checkpoint %s (training paused %.2f s to stage it, written in %.2f s more)",
+            final,
+            staged_s,
+            time.perf_counter() - started,
+        )
+        return final
+
+    def _wait_for_previous(self, step: int) -> None:
+        if not self.writing:
+            return
+        started = time.perf_counter()
+        previous = self._in_flight[0]
+        self.wait()
+        log.warning(
+            "checkpoint %s was still being written at step %d: training waited %.1f s for it "
+            "(a larger --ckpt.interval avoids this)",
+            step_dir(self.root, previous).name,
+            step,
+            time.perf_counter() - started,
+        )
+
+    @property
+    def writing(self) -> bool:
+        """Whether a save is still being written."""
+        return self._in_flight is not None and not self._in_flight[1].done()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Wait for the save in flight; return its directory once published (None on ranks other than 0, for
+        a failed save, or when none was in flight). Raises ``TimeoutError`` after ``timeout`` seconds."""
+        if self._in_flight is None:
+            return None
+        result = self._in_flight[1].result(timeout=timeout)
+        self._in_flight = None
+        return result
+
+    def close(self, timeout: float) -> None:
+        """End of the saver, on the way out of a run that did not finish (stop signal, error): give the save
+        in flight ``timeout`` seconds, then abandon it (it stays a ``.tmp``, never published)."""
+        try:
+            self.wait(timeout)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+            self._abandoned = True
+            log.warning(
+                "abandoned checkpoint %s (still being written %.0f s after the stop): the previous "
+                "checkpoints are intact",
+                step_dir(self.root, self._in_flight[0]).name,
+                timeout,
+            )
+        self._writer.shutdown(wait=False)
+
+
+def _host_copy(state: Any) -> Any:
+    """A copy of ``state`` in host memory that training cannot touch: every tensor copied (a DTensor keeps its
+    mesh and placements around a copy of its local shard), everything else deep-copied. (DCP's own stager
+    fails on the outer-momentum DTensors, which are views into one flat buffer.)"""
+    if isinstance(state, dict):
+        return {key: _host_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(value) for value in state)
+    if isinstance(state, DTensor):
+        return DTensor.from_local(
+            state.to_local().to("cpu", copy=True, non_blocking=True),
+            device_mesh=state.device_mesh,
+            placements=state.placements,
+            run_check=False,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, torch.Tensor):
+        return state.to("cpu", copy=True, non_blocking=True)
+    return copy.deepcopy(state)
 
 
 def load(

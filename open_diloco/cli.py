@@ -20,6 +20,7 @@ from cyclopts import Parameter, validators
 
 from open_diloco.config import Config, ConfigError
 from open_diloco.errors import OpenDilocoError
+from open_diloco.output_paths import ensure_empty_output_dir, ensure_writable_dir
 
 EXIT_USAGE = 2
 
@@ -154,6 +155,7 @@ def prepare_data(
 
     if output.exists():
         raise ConfigError(f"{output} already exists: choose a new output directory")
+    ensure_writable_dir(output.parent, f"OUTPUT {output}: its directory")
     tokenizer = load_tokenizer(path_tokenizer)
     source = find_source(dataset_path, dataset_text_field)
     corpus = pack_corpus(source, dataset_text_field, tokenizer, output)
@@ -161,10 +163,24 @@ def prepare_data(
 
 
 @app.command(name="export")
-def export(checkpoint_path: Path, out_dir: Path) -> None:
-    """Write a checkpoint as a transformers model directory (config.json + model.safetensors)."""
-    from open_diloco.checkpoint import export_pretrained
+def export(checkpoint_path: Path, out_dir: Path, *, force: bool = False) -> None:
+    """Write a checkpoint as a transformers model directory (config.json + model.safetensors).
 
+    Parameters
+    ----------
+    checkpoint_path
+        A checkpoint directory (`step_<N>` under --ckpt.path).
+    out_dir
+        Directory to write; absent or empty unless --force.
+    force
+        Write into OUT-DIR even if it holds files (same-named files are replaced).
+    """
+    from open_diloco.checkpoint import export_pretrained, read_metadata
+
+    read_metadata(
+        checkpoint_path, checked_by="CHECKPOINT-PATH"
+    )  # a bad checkpoint fails before OUT_DIR is made
+    ensure_empty_output_dir(out_dir, "OUT-DIR", force)
     print(f"exported {checkpoint_path} to {export_pretrained(checkpoint_path, out_dir)}")
 
 
@@ -190,20 +206,20 @@ def preflight(
     trainer_args
         The trainer's flags, after `--`.
     num_nodes
-        Nodes in this cluster.
+        Nodes in this cluster. [range: ≥ 1]
     node_rank
-        This node's rank (0 hosts the rendezvous; the others must reach it).
+        This node's rank (0 hosts the rendezvous; the others must reach it). [range: 0 ≤ x < num-nodes]
     master_addr
         Host of node_rank 0.
     master_port
-        Rendezvous port on master_addr.
+        Rendezvous port on master_addr. [range: 1 ≤ x ≤ 65535]
     nproc_per_node
-        Ranks this node will start.
+        Ranks this node will start. [range: ≥ 1]
     timeout
-        Seconds each network check may take.
+        Seconds each network check may take. [range: > 0]
     master_wait
         Seconds a node_rank > 0 waits for the master to listen (nodes start together and node 0 runs its own
-        preflight first).
+        preflight first). [range: ≥ 0]
     """
     from open_diloco.preflight import EXIT_FAILED, Launch, build_checks, run_checks
 
@@ -245,11 +261,64 @@ def config_file_provider(path: Path) -> Any:
     ``[hv]`` and ``[ckpt]`` tables for the groups; an unknown key is an error like an unknown flag."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist: check the path")
+        problem = "is not a file" if path.exists() else "does not exist"
+        raise ConfigError(f"config file {path} {problem}: check the path")
     provider = _CONFIG_PROVIDERS.get(path.suffix)
     if provider is None:
         raise ConfigError(f"config file {path} has an unknown type: use .toml, .yaml, .yml or .json")
+    check_config_syntax(path)
     return provider(path, must_exist=True)
+
+
+def check_config_syntax(path: Path) -> None:
+    """Parse the file once ourselves, so that a syntax error names the file and the line: cyclopts reports
+    the parser's message alone (a YAML error without its line, no file name for any format)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read ({err}): check the file") from None
+    kind = {".toml": "TOML", ".json": "JSON"}.get(path.suffix, "YAML")
+    line, problem = {"TOML": _toml_syntax_error, "JSON": _json_syntax_error, "YAML": _yaml_syntax_error}[
+        kind
+    ](text)
+    if problem is not None:
+        where = f", line {line}" if line is not None else ""
+        raise ConfigError(f"config file {path}{where}: {problem}: fix the {kind} syntax")
+
+
+def _toml_syntax_error(text: str) -> tuple[int | None, str | None]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: cyclopts reads TOML with tomli there
+        import tomli as tomllib
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:  # before Python 3.14 the line is only in the message
+        found = re.search(r" \(at line (\d+), column \d+\)", str(err))
+        if found:
+            return int(found[1]), str(err)[: found.start()]
+        return text.count("\n") + 1, str(err).replace(" (at end of document)", " at the end of the file")
+    return None, None
+
+
+def _json_syntax_error(text: str) -> tuple[int | None, str | None]:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        return err.lineno, err.msg
+    return None, None
+
+
+def _yaml_syntax_error(text: str) -> tuple[int | None, str | None]:
+    import yaml
+
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        return (mark.line + 1 if mark is not None else None), problem
+    return None, None
 
 
 def _split_config_flag(argv: list[str]) -> tuple[Path | None, list[str]]:
@@ -314,6 +383,13 @@ def describe_error(err: ConfigError | pydantic.ValidationError | cyclopts.Cyclop
         return describe_error(cause)
     if isinstance(err, cyclopts.UnusedCliTokensError):
         return describe_unused_tokens(err)
+    token = getattr(err, "token", None)
+    if isinstance(err, cyclopts.UnknownOptionError) and token is not None and token.source not in ("", "cli"):
+        key = token.keyword.strip("[]").replace("][", ".")
+        return (
+            f"config file {token.source}: unknown key {key!r}: keys are the flag names without `--` "
+            "(see --help), `hv` and `ckpt` as tables"
+        )
     return " ".join(str(err).split()) + " (see --help)"
 
 

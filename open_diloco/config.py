@@ -10,7 +10,7 @@ ranks) live in :func:`check_against_world`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from cyclopts import Parameter
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -20,7 +20,11 @@ from open_diloco.errors import ConfigError
 
 __all__ = ["CkptConfig", "Config", "ConfigError", "HvConfig", "check_against_world"]
 
-_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+# allow_inf_nan=False: `--lr inf` or `--max-grad-norm nan` is a typo, never a setting.
+# use_attribute_docstrings: each field's docstring becomes its description, the --help text cyclopts shows.
+_STRICT = ConfigDict(
+    extra="forbid", validate_assignment=True, allow_inf_nan=False, use_attribute_docstrings=True
+)
 
 Multiaddrs = Annotated[list[str], Parameter(consume_multiple=True, negative=())]
 
@@ -62,7 +66,7 @@ class HvConfig(BaseModel):
     to --hv.outer-lr and --hv.outer-momentum; round 1 is then plain averaging, so the first round's large
     pseudo-gradient never enters the momentum. 0: full settings from round 1."""
 
-    run_id: str = "open_diloco"
+    run_id: Annotated[str, Field(min_length=1)] = "open_diloco"
     """Prefix of every DHT key of this run; clusters of one galaxy must share it."""
 
     host_maddrs: Multiaddrs = ["/ip4/0.0.0.0/tcp/0"]
@@ -118,11 +122,16 @@ class HvConfig(BaseModel):
         return maddrs
 
     @model_validator(mode="after")
-    def _rank_in_galaxy(self) -> HvConfig:
+    def _cross_field(self) -> HvConfig:
         if self.world_rank >= self.galaxy_size:
             raise ConfigError(
                 f"--hv.world-rank {self.world_rank} is not below --hv.galaxy-size {self.galaxy_size}: "
                 f"give each cluster a rank in 0..{self.galaxy_size - 1}"
+            )
+        if self.averaging_timeout <= self.matchmaking_time:
+            raise ConfigError(
+                f"--hv.averaging-timeout {self.averaging_timeout} is not above --hv.matchmaking-time "
+                f"{self.matchmaking_time}: a round includes its matchmaking, so raise the timeout"
             )
         return self
 
@@ -146,6 +155,7 @@ class CkptConfig(BaseModel):
 
 
 Precision = Literal["auto", "bf16-mixed", "fp16-mixed", "32-true"]
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 @Parameter(name="*")
@@ -184,7 +194,7 @@ class Config(BaseModel):
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     """AdamW weight decay."""
 
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.95)
     """AdamW betas."""
 
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
@@ -193,7 +203,7 @@ class Config(BaseModel):
     max_steps: Annotated[int, Field(ge=1)] = 1000
     """Inner steps to train."""
 
-    seed: int = 42
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 42
     """Seed of weight init, fake data and data order."""
 
     # data
@@ -213,7 +223,7 @@ class Config(BaseModel):
     """Where raw data given to --dataset-path is tokenized and packed once, reused by later runs with the same
     files and tokenizer. Share it between a node's ranks (the first prepares, the others wait)."""
 
-    num_workers: Annotated[int, Field(ge=0)] = 1
+    num_workers: Annotated[int, Field(ge=0, le=64)] = 1
     """Background data-loading processes per rank."""
 
     eval_interval: Annotated[int, Field(ge=1)] | None = None
@@ -299,3 +309,43 @@ def check_against_world(config: Config, world_size: int) -> int:
             "or fewer ranks"
         )
     return config.total_batch_size // per_step
+
+
+def _range_text(schema: dict[str, Any]) -> str | None:
+    """The valid range of one JSON-schema property (``≥ 1``, ``0 ≤ x < 1``), or None if it has none. A
+    nullable field's range is its non-null branch's; a tuple's, its items' when they share one."""
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") != "null":
+            return _range_text(branch)
+    if "prefixItems" in schema:
+        ranges = {_range_text(item) for item in schema["prefixItems"]}
+        return f"each {ranges.pop()}" if len(ranges) == 1 and None not in ranges else None
+    low = next(
+        ((schema[key], op) for key, op in (("minimum", "≤"), ("exclusiveMinimum", "<")) if key in schema),
+        None,
+    )
+    high = next(
+        ((op, schema[key]) for key, op in (("maximum", "≤"), ("exclusiveMaximum", "<")) if key in schema),
+        None,
+    )
+    if low and high:
+        return f"{low[0]} {low[1]} x {high[0]} {high[1]}"
+    if low:
+        return f"{'≥' if low[1] == '≤' else '>'} {low[0]}"
+    if high:
+        return f"{high[0]} {high[1]}"
+    return None
+
+
+def _show_ranges_in_help(model: type[BaseModel]) -> None:
+    """Append each numeric field's valid range to its description (the --help text), read from the same
+    constraints pydantic enforces, so that the help and the error a bad value gets cannot disagree."""
+    properties = model.model_json_schema()["properties"]
+    for name, field in model.model_fields.items():
+        text = _range_text(properties[name])
+        if text is not None:
+            field.description = f"{field.description} [range: {text}]"
+
+
+for _model in (HvConfig, CkptConfig, Config):
+    _show_ranges_in_help(_model)

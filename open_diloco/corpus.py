@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 
 from open_diloco.config import ConfigError
+from open_diloco.output_paths import ensure_writable_dir
 from open_diloco.tokenizer import TextTokenizer
 
 FORMAT = "open_diloco.packed/1"
@@ -324,7 +325,7 @@ def prepare_cached(
     the others wait (see the module doc). Raises the preparer's ConfigError in every waiting process."""
     if source.kind == "packed":
         return PackedCorpus.open(Path(source.path))
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(cache_dir, "--data-cache-dir")
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(source.path).name).strip("._") or "corpus"
     name = f"{stem}-{cache_key(source, text_field, tokenizer)}"
     out_dir, lock, error = cache_dir / name, cache_dir / f"{name}.lock", cache_dir / f"{name}.error"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from collections.abc import Iterable, Iterator
@@ -14,7 +15,8 @@ import torch.distributed as dist
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
-from open_diloco.errors import Stop
+from open_diloco.errors import ConfigError, Stop
+from open_diloco.logs import log_from_every_rank
 from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
@@ -22,9 +24,12 @@ from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
+from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
-from open_diloco.world import World, describe_world, join_process_group, leave_process_group
+from open_diloco.world import World, describe_world, env_flag, join_process_group, leave_process_group
+
+log = logging.getLogger(__name__)
 
 
 def train(config: Config) -> None:
@@ -36,8 +41,10 @@ def train(config: Config) -> None:
     vocab_size = model_config["vocab_size"]
     resume = checkpoint.resolve_resume(config.ckpt, model_config)
     galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
+    log_from_every_rank(galaxy_rank, world.rank, world.local_rank, env_flag("LOG_LEVEL"))
     data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ensure_run_outputs_writable(config, world.is_main)
 
     guard = StopGuard().install()
     join_process_group(world)
@@ -50,6 +57,9 @@ def train(config: Config) -> None:
         config.model_dump(mode="json"),
     )
     outer: OuterLoop = NullOuterLoop()
+    saver = checkpoint.CheckpointSaver(
+        config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config
+    )
     finished = False
     try:
         model = build_model(config.path_model, config.seed)
@@ -107,23 +117,20 @@ def train(config: Config) -> None:
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
             if config.ckpt.interval and step % config.ckpt.interval == 0:
-                saved = checkpoint.save(
-                    config.ckpt.path,
-                    step,
-                    model=model,
-                    optimizer=optimizer,
-                    outer=outer,
-                    config=config.model_dump(mode="json"),
-                    model_config=model_config,
-                    keep=config.ckpt.keep,
-                )
-                _say(world, f"saved checkpoint {saved}")
+                saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
+        saver.wait()  # the run's last checkpoint is complete before the run counts as finished
         finished = True
     except Stop as stop:
         _say(world, f"stopping: {stop.reason}")
         raise SystemExit(stop.exit_code) from None
+    except Exception as err:
+        if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli.py
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.error("training stopped: %s", first_line)  # when and on which rank; the traceback follows
+        raise
     finally:
         guard.begin_shutdown()
+        saver.close(timeout=checkpoint.SAVE_GRACE_SECONDS)  # a stopped run: bounded wait, then abandon
         outer.close()
         metrics.close()
         leave_process_group(synchronize=finished)
@@ -174,9 +181,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         dist.broadcast_object_list(entry, src=0)
         averager = averager or start(entry[0])
     try:
-        return DiLoCo(
-            model, averager, hv, cluster=cluster, warn=lambda message: _say(world, f"warning: {message}")
-        )
+        outer_log = logging.getLogger("open_diloco.outer")
+        return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from open_diloco.checkpoint import read_metadata
 from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, kill_tree, read_metrics, trainer_env, with_overrides
 
 pytestmark = pytest.mark.dist
@@ -67,7 +68,9 @@ def straight(tmp_path_factory) -> dict[int, float]:
 
 def test_kill_and_resume_is_bit_exact(tmp_path, straight):
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    start_and_kill_when(2, first, lambda: last_step(first) >= 23, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
+    # saves are written in the background: kill once step 20's checkpoint is published and training went on
+    published = lambda: last_step(first) >= 23 and (ckpt / "step_00000020").is_dir()  # noqa: E731
+    start_and_kill_when(2, first, published, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
     assert [p.name for p in ckpt.iterdir()] == ["step_00000020"]
     proc = run(2, second, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
     assert "resumed from" in proc.stdout
@@ -109,6 +112,33 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
     # the killed run had already trained past the checkpoint: the resumed run retraces it exactly
     common = set(after_resume) & set(before_kill)
     assert common and all(after_resume[s] == before_kill[s] for s in common)
+
+
+def test_a_stop_signal_during_a_background_save_leaves_only_complete_checkpoints(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    # no loader worker: a SIGTERMed worker can turn the rank's Stop into the DataLoader's RuntimeError (a
+    # shutdown race of its own, not this test's subject)
+    flags = ["--ckpt.interval", "1", "--ckpt.keep", "3", "--ckpt.path", str(ckpt), "--num-workers", "0"]
+    proc = subprocess.Popen(command(2, metrics, *flags), cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (last_step(metrics) >= 6 and any(p.name.endswith(".tmp") for p in ckpt.glob("*"))):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a save was caught"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert proc.returncode != 0 and "stopping: signal SIGTERM" in output, output[-3000:]
+    complete = [p for p in ckpt.iterdir() if not p.name.endswith(".tmp")]
+    assert complete, output[-3000:]
+    for path in complete:  # published means whole: every one loads its metadata and resumes
+        assert read_metadata(path)["step"] == int(path.name[len("step_") :])
+    saved_step = max(read_metadata(path)["step"] for path in complete)
+    resumed = tmp_path / "resumed.jsonl"
+    run(2, resumed, "--ckpt.path", str(ckpt), "--ckpt.resume", "latest", "--max-steps", str(saved_step + 1))
+    assert sorted(losses(resumed)) == [saved_step + 1]
 
 
 def test_bad_checkpoints_are_refused_with_one_line(tmp_path):

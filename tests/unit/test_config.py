@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from open_diloco.cli import parse, run
-from open_diloco.config import Config, ConfigError, check_against_world
+from open_diloco.config import CkptConfig, Config, ConfigError, HvConfig, check_against_world
 from open_diloco.optim import warmup_cosine
 
 BASE = ["--fake-data", "--path-model", "tests/models/llama-2m-fresh"]
@@ -86,6 +86,17 @@ def test_config_file_with_flag_override(tmp_path):
             "--ckpt.interval 15 is not a multiple of --hv.local-steps 10",
         ),
         (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+        (["--lr", "inf"], "--lr: Input should be a finite number"),
+        (["--max-grad-norm", "nan"], "--max-grad-norm: Input should be a finite number"),
+        (["--adam-betas", "1.5", "0.9"], "--adam-betas: Input should be less than 1"),
+        (["--seed", "-1"], "--seed: Input should be greater than or equal to 0"),
+        (["--num-workers", "100000"], "--num-workers: Input should be less than or equal to 64"),
+        (["--ckpt.interval", "0"], "--ckpt.interval: Input should be greater than or equal to 1"),
+        (["--hv.run-id="], "--hv.run-id: String should have at least 1 character"),
+        (
+            ["--hv.matchmaking-time", "200"],
+            "--hv.averaging-timeout 120.0 is not above --hv.matchmaking-time 200.0",
+        ),
     ],
 )
 def test_bad_flags_give_one_line(argv, message, capsys):
@@ -111,3 +122,71 @@ def test_warmup_cosine_schedule():
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert factors[4] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1, abs=0.01)
     assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("run.toml", "fake_data = true\n\nlr = \n", "run.toml, line 3: Invalid value: fix the TOML syntax"),
+        (
+            "run.toml",
+            "fake_data = true\nmax_steps = [\n",
+            "run.toml, line 3: Invalid value at the end of the file",
+        ),
+        (
+            "run.yaml",
+            "fake_data: true\nlr: 0.1\n  x: : y\n",
+            "run.yaml, line 3: mapping values are not allowed here",
+        ),
+        (
+            "run.json",
+            '{\n"lr": 0.1,\n}',
+            "run.json, line 3: Expecting property name enclosed in double quotes",
+        ),
+    ],
+)
+def test_a_config_file_that_does_not_parse_names_the_file_and_line(tmp_path, name, text, message, capsys):
+    path = tmp_path / name
+    path.write_text(text)
+    for argv in (["--config", str(path)], ["check-config", str(path)]):
+        assert run(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"open-diloco: error: config file {tmp_path / message}" in err[0], err
+
+
+def test_a_config_path_that_is_a_directory_is_refused(tmp_path, capsys):
+    assert run(["--config", str(tmp_path)]) == 2
+    assert f"config file {tmp_path} is not a file: check the path" in capsys.readouterr().err
+
+
+def test_every_bounded_numeric_flag_shows_its_range_in_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    assert run(["--help"]) == 0
+    lines = {
+        line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ --")
+    }
+    expected = {
+        "--lr": "[range: > 0]",
+        "--min-lr-ratio": "[range: 0 ≤ x ≤ 1]",
+        "--total-steps": "[range: ≥ 1]",  # optional fields show their range too
+        "--adam-betas": "[range: each 0 ≤ x < 1]",
+        "--hv.outer-momentum": "[range: 0 ≤ x < 1]",
+        "--ckpt.keep": "[range: ≥ 1]",
+    }
+    for flag, text in expected.items():
+        assert text in lines[flag], lines[flag]
+    for model in (Config, HvConfig, CkptConfig):
+        for name, field in model.model_fields.items():
+            constrained = any(hasattr(c, attr) for c in field.metadata for attr in ("ge", "gt", "le", "lt"))
+            assert not constrained or "[range: " in (field.description or ""), name
+
+
+def test_an_unknown_key_in_a_config_file_names_the_file_and_key(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("fake_data = true\n[hv]\ngalaxy_sise = 2\n")
+    assert run(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"open-diloco: error: config file {path}: unknown key 'hv.galaxy_sise': keys are the flag names "
+        "without `--` (see --help), `hv` and `ckpt` as tables"
+    ], err
