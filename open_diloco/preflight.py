@@ -22,6 +22,7 @@ from pathlib import Path
 
 from open_diloco.addresses import peer_address
 from open_diloco.config import Config, ConfigError, check_against_world
+from open_diloco.output_paths import ensure_run_outputs_writable
 
 EXIT_FAILED = 1
 
@@ -97,6 +98,19 @@ def _run_with_timeout(check: Check) -> tuple[str, str]:
     return outcome[0]
 
 
+def check_outputs(config: Config, launch: Launch) -> str:
+    """What training will write can be written from this node: the checkpoint directory (every rank writes its
+    shard) and, on node 0 (where the cluster's rank 0 runs), the jsonl metrics file."""
+    try:
+        ensure_run_outputs_writable(config, is_main=launch.node_rank == 0)
+    except ConfigError as err:
+        raise CheckFailed(str(err), "point the flag at a writable place, or fix its permissions") from None
+    written = [f"checkpoints in {config.ckpt.path}"] if config.ckpt.interval is not None else []
+    if launch.node_rank == 0 and config.metric_logger_type == "jsonl":
+        written.append(f"metrics to {config.metrics_path}")
+    return "can write " + ", ".join(written) if written else "nothing to write"
+
+
 def build_checks(
     load_config: Callable[[], Config], launch: Launch, timeout_s: float = 5.0, master_wait_s: float = 60.0
 ) -> list[Check]:
@@ -131,6 +145,7 @@ def build_checks(
             lambda: check_python("config" in state and state["config"].hv is not None),
             max(60.0, timeout_s),
         ),
+        Check("outputs", lambda: check_outputs(needs_config(), launch), timeout_s),
         Check("devices", lambda: check_devices(needs_config(), launch.nproc_per_node), max(30.0, timeout_s)),
         Check(
             "master", lambda: check_master(launch, timeout_s, master_wait_s), master_wait_s + 2 * timeout_s

@@ -14,6 +14,7 @@ from open_diloco.preflight import (
     Launch,
     check_dht_peers,
     check_master,
+    check_outputs,
     parse_multiaddr,
     run_checks,
 )
@@ -81,3 +82,24 @@ def test_dht_peers():
         assert "1 initial peer(s)" in check_dht_peers(config.model_copy(update={"hv": hv}), 1)
     with pytest.raises(CheckFailed, match="unreachable"):
         check_dht_peers(config.model_copy(update={"hv": hv}), 1)
+
+
+def test_outputs_check_proves_the_paths_training_writes(tmp_path):
+    config = Config(fake_data=True, metric_logger_type="jsonl", metrics_path=tmp_path / "m.jsonl")
+    config.ckpt.interval, config.ckpt.path = 10, tmp_path / "ckpt"
+    assert (
+        check_outputs(config, Launch())
+        == f"can write checkpoints in {tmp_path / 'ckpt'}, metrics to {tmp_path / 'm.jsonl'}"
+    )
+    assert (
+        check_outputs(config, Launch(num_nodes=2, node_rank=1))
+        == f"can write checkpoints in {tmp_path / 'ckpt'}"
+    )
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    config.ckpt.path = blocker / "ckpt"
+    with pytest.raises(
+        CheckFailed, match=r"--ckpt.path .*/a_file/ckpt cannot be written \(Not a directory\)"
+    ) as failed:
+        check_outputs(config, Launch())
+    assert "writable place" in failed.value.fix
