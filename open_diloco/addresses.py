@@ -10,12 +10,13 @@ from open_diloco.errors import ConfigError
 _MULTIADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?")
 
 
-def peer_address(maddr: str) -> tuple[str, int]:
-    """Host and TCP port of a DHT peer's full multiaddr (``/ip4/10.0.0.1/tcp/31337/p2p/12D3KooW...``)."""
+def peer_address(maddr: str, flag: str = "--hv.initial-peers") -> tuple[str, int]:
+    """Host and TCP port of a DHT peer's full multiaddr (``/ip4/10.0.0.1/tcp/31337/p2p/12D3KooW...``); an error
+    names ``flag``, where it came from."""
     match = _MULTIADDR.fullmatch(maddr.strip())
     if match is None or not re.fullmatch(r"/p2p/\w+", match[4] or ""):
         raise ConfigError(
-            f"--hv.initial-peers {maddr!r} is not a full /ip4|ip6|dns/HOST/tcp/PORT/p2p/PEER_ID multiaddr; pass "
+            f"{flag} {maddr!r} is not a full /ip4|ip6|dns/HOST/tcp/PORT/p2p/PEER_ID multiaddr; pass "
             "the line hivemind-dht prints, e.g. /ip4/10.0.0.1/tcp/31337/p2p/12D3KooW..."
         )
     return match[2], int(match[3])

@@ -110,6 +110,10 @@ class HvConfig(BaseModel):
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
 
+    heartbeat_interval: Annotated[float, Field(gt=0)] = 5.0
+    """Seconds between refreshes of this cluster's status record in the DHT (besides one after every round):
+    `open-diloco status` flags a cluster silent after 3 missed refreshes (or 2 rounds, if longer)."""
+
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 

@@ -60,7 +60,7 @@ def train(config: Config) -> None:
     saver = checkpoint.CheckpointSaver(
         config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config
     )
-    finished = False
+    ending = "stopped"  # how the run ended, for the status board
     try:
         model = build_model(config.path_model, config.seed)
         model = parallelize(
@@ -114,26 +114,30 @@ def train(config: Config) -> None:
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
             metrics.log(record)
+            outer.report(record)
             if step % config.log_interval == 0 or step == config.max_steps:
                 _say(world, format_step_line(record, config.max_steps))
             if config.ckpt.interval and step % config.ckpt.interval == 0:
                 saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
         saver.wait()  # the run's last checkpoint is complete before the run counts as finished
-        finished = True
+        ending = "finished"
     except Stop as stop:
         _say(world, f"stopping: {stop.reason}")
+        ending = f"stopped ({stop.reason})"
         raise SystemExit(stop.exit_code) from None
     except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        ending = f"failed ({first_line[:200]})"
         if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli.py
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             log.error("training stopped: %s", first_line)  # when and on which rank; the traceback follows
         raise
     finally:
         guard.begin_shutdown()
         saver.close(timeout=checkpoint.SAVE_GRACE_SECONDS)  # a stopped run: bounded wait, then abandon
+        outer.report({"state": ending})
         outer.close()
         metrics.close()
-        leave_process_group(synchronize=finished)
+        leave_process_group(synchronize=ending == "finished")
 
 
 def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -182,10 +186,22 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         averager = averager or start(entry[0])
     try:
         outer_log = logging.getLogger("open_diloco.outer")
-        return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning)
+        status = _status_board(hv, averager, world) if world.rank == 0 else None
+        return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning, status=status)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise
+
+
+def _status_board(hv: HvConfig, averager: Any, world: World) -> Any:
+    """This cluster's record on the galaxy's status board (``open-diloco status``), kept by rank 0."""
+    from open_diloco.cli import version_line
+    from open_diloco.galaxy.status import StatusPublisher, cluster_identity
+
+    identity = cluster_identity(
+        hv.world_rank, world.world_size, hv.compression, hv.local_steps, version_line(), averager.peer_id
+    )
+    return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval)
 
 
 def inner_step(

@@ -46,8 +46,10 @@ def start_dht(
     host_maddrs: Sequence[str],
     announce_maddrs: Sequence[str],
     join_timeout: float,
+    client_mode: bool = False,
 ) -> GalaxyDHT:
     """Start a DHT node that joins ``initial_peers`` (none: a new DHT), waiting at most ``join_timeout``.
+    ``client_mode``: a node that only asks (``open-diloco status``); it stores nothing and serves no one.
 
     Bad addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix."""
     for maddr in initial_peers:
@@ -59,7 +61,7 @@ def start_dht(
         announce_maddrs=list(announce_maddrs) or None,
         start=True,
         await_ready=False,
-        client_mode=False,
+        client_mode=client_mode,
         nat_port_map=False,
         use_relay=False,
         use_auto_relay=False,

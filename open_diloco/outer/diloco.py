@@ -19,7 +19,7 @@ from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
-from open_diloco.outer.protocols import Averager, PendingRound, RoundReport
+from open_diloco.outer.protocols import Averager, NullStatusBoard, PendingRound, RoundReport, StatusBoard
 from open_diloco.outer.state import OuterState, combine_hashes, sum_of_squares
 
 if TYPE_CHECKING:
@@ -53,8 +53,10 @@ class DiLoCo:
         *,
         cluster: ClusterComm | None = None,
         warn: Any = print,
+        status: StatusBoard | None = None,
     ):
         self.averager = averager
+        self.status = status or NullStatusBoard()
         self.hv = hv
         self.galaxy_rank = hv.world_rank
         self.policy = RoundPolicy(hv.galaxy_size, hv.on_partial_round, hv.max_retries)
@@ -245,5 +247,11 @@ class DiLoCo:
             self.warn(f"outer step {self.outer_step}: θ_outer differs from the galaxy and re-sync failed")
         return ok
 
+    def report(self, record: dict[str, Any]) -> None:
+        self.status.update(record)
+
     def close(self) -> None:
-        self.averager.shutdown()
+        try:
+            self.status.close()  # while the DHT still runs
+        finally:
+            self.averager.shutdown()

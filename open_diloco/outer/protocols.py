@@ -104,9 +104,37 @@ class OuterLoop(Protocol):
         """Take the error feedback a checkpoint held."""
         ...
 
+    def report(self, record: dict[str, Any]) -> None:
+        """Take this cluster's record of an inner step (the metrics record), or ``{"state": ...}`` once at the
+        end, for the galaxy's status board; no I/O on the caller's thread."""
+        ...
+
     def close(self) -> None:
         """Leave the galaxy; idempotent and bounded in time."""
         ...
+
+
+class StatusBoard(Protocol):
+    """Where a cluster tells the rest of the galaxy (and its operators) how it is doing: ``open-diloco status``
+    reads it. The galaxy package keeps it in the DHT; only a cluster's rank 0 has a real one."""
+
+    def update(self, step_record: dict[str, Any]) -> None:
+        """Take an inner step's metrics record (or ``{"state": ...}``); publishes in the background."""
+        ...
+
+    def close(self) -> None:
+        """Publish the last record (bounded in time) and stop publishing."""
+        ...
+
+
+class NullStatusBoard:
+    """Ranks other than 0, and tests: nothing to tell."""
+
+    def update(self, step_record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class NullOuterLoop:
@@ -133,6 +161,9 @@ class NullOuterLoop:
         return None
 
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
+        pass
+
+    def report(self, record: dict[str, Any]) -> None:
         pass
 
     def close(self) -> None:

@@ -47,7 +47,7 @@ def test_two_launches_form_one_cluster_with_per_node_logs(tmp_path):
         assert latest.is_symlink() and re.fullmatch(rf"cluster_train_\d{{8}}_\d{{6}}_node{rank}\.log", latest.readlink().name)
         logs[rank] = latest.read_text()
         assert logs[rank] in outputs[rank]  # the console shows what the log holds
-        assert "preflight: all 6 checks passed" in logs[rank]
+        assert "preflight: all 7 checks passed" in logs[rank]
         assert "torchrun exited with status 0" in logs[rank]
     # One cluster of 2 ranks: one node got group rank 0 and prints the step lines, for both.
     leader = [rank for rank in (0, 1) if re.search(r"group_rank=0\b", logs[rank])]

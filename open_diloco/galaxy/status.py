@@ -1,0 +1,180 @@
+"""The galaxy's status board: every cluster's rank 0 keeps one small record about its cluster in the DHT,
+and ``open-diloco status`` reads them all (see :mod:`open_diloco.status_view` for how they are judged).
+
+Why the DHT: it is the one place every site of a galaxy already reaches, so the question "which cluster is
+behind, and by how much?" needs no login anywhere and no central server. The records live under
+``{run_id}/status``, one DHT subkey per galaxy rank, and expire by themselves after :data:`RECORD_TTL`: a
+cluster that was killed outright keeps its last record until then, and the reader sees from its age that it
+went silent.
+
+The publisher refreshes the record from a thread of its own every ``--hv.heartbeat-interval`` seconds and
+at once after every round, so a record's age says how long ago the cluster was last alive, independent of how
+long a round takes. The training loop only hands over fields (:meth:`StatusPublisher.update`, no I/O); only
+this thread talks to the DHT, so a slow or unreachable DHT never stalls an inner step.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
+
+from open_diloco.galaxy.dht import shutdown_dht, start_dht
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL = 3600.0
+"""Seconds a record outlives its cluster's last refresh: long enough for an operator to see which cluster
+went silent, short enough that a finished run's records do not linger for days."""
+
+STORE_TIMEOUT = 3.0
+"""Seconds one publication may take before it is given up (the next heartbeat tries again)."""
+CLOSE_SECONDS = 3.0
+"""What the final publication gets at the end of a run; on loopback or a sane link it takes milliseconds."""
+
+# What the trainer's per-step records contribute to a status record (same names as the metrics contract).
+_FROM_METRICS = (
+    "loss",
+    "tokens_per_second",
+    "outer_step",
+    "param_hash",
+    "in_sync",
+    "galaxy_peers",
+    "allreduce_seconds",
+    "bytes_sent",
+    "bytes_received",
+)
+
+
+def status_key(run_id: str) -> str:
+    """The DHT key under which every cluster of run ``run_id`` keeps its record (subkey: its galaxy rank)."""
+    return f"{run_id}/status"
+
+
+class StatusPublisher:
+    """Keeps this cluster's record in the DHT (run on the cluster's global rank 0 only).
+
+    ``identity`` holds what does not change during a run (galaxy rank, host, ranks, codec, H, version)."""
+
+    def __init__(self, dht: DHT, run_id: str, identity: dict[str, Any], heartbeat_seconds: float):
+        self.dht, self.key = dht, status_key(run_id)
+        self.heartbeat_seconds = heartbeat_seconds
+        self._record: dict[str, Any] = {
+            **identity,
+            "state": "training",
+            "inner_step": 0,
+            "outer_step": 0,
+            "started_at": get_dht_time(),
+            "heartbeat_seconds": heartbeat_seconds,
+        }
+        self._lock = threading.Lock()
+        self._publish_now = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="galaxy-status", daemon=True)
+        self._thread.start()
+
+    def update(self, step_record: dict[str, Any]) -> None:
+        """Take the trainer's record of one inner step (the metrics record); after a round, publish at once."""
+        fields = {key: step_record[key] for key in _FROM_METRICS if key in step_record}
+        if "step" in step_record:
+            fields["inner_step"] = step_record["step"]
+        if "state" in step_record:
+            fields["state"] = step_record["state"]
+        with self._lock:
+            if "outer_step" in step_record:
+                now = get_dht_time()
+                previous = self._record.get("round_ended_at")
+                if previous is not None:
+                    fields["round_wall_seconds"] = now - previous
+                fields["round_ended_at"] = now
+            self._record.update(fields)
+        if "outer_step" in step_record or "state" in step_record:
+            self._publish_now.set()
+
+    def close(self) -> None:
+        """Publish the final record (its ``state`` says how the run ended) and stop: at most
+        :data:`CLOSE_SECONDS`, inside the trainer's stop grace, whatever the DHT does."""
+        self._closed.set()
+        self._publish_now.set()
+        self._thread.join(CLOSE_SECONDS)
+
+    def _run(self) -> None:
+        while True:
+            closing = self._closed.is_set()  # read first: the publication after close() carries the final state
+            self._publish()
+            if closing:
+                return
+            self._publish_now.wait(self.heartbeat_seconds)
+            self._publish_now.clear()
+
+    def _publish(self) -> None:
+        with self._lock:
+            record = {**self._record, "published_at": get_dht_time()}
+        try:
+            stored = self.dht.store(
+                self.key,
+                record,
+                expiration_time=record["published_at"] + RECORD_TTL,
+                subkey=record["galaxy_rank"],
+                return_future=True,
+            ).result(timeout=STORE_TIMEOUT)
+        except Exception as err:  # the DHT is slow, gone or shutting down: the next heartbeat tries again
+            log.debug("status record not published: %r", err)
+            return
+        if not stored:
+            log.debug("status record not stored (no DHT peer took it)")
+
+
+def cluster_identity(
+    galaxy_rank: int, ranks: int, codec: str, local_steps: int, version: str, peer_id: str
+) -> dict[str, Any]:
+    """The fixed part of a cluster's record."""
+    return {
+        "galaxy_rank": galaxy_rank,
+        "host": socket.gethostname(),
+        "ranks": ranks,
+        "codec": codec,
+        "local_steps": local_steps,
+        "version": version,
+        "peer_id": peer_id,
+    }
+
+
+class StatusReader:
+    """A DHT client (it never takes part in a round) that reads every cluster's record of one run; a context
+    manager, so that ``--watch`` joins the DHT once and every exit leaves it."""
+
+    def __init__(self, initial_peers: Sequence[str], run_id: str, timeout: float):
+        self.key, self.timeout = status_key(run_id), timeout
+        self.dht = start_dht(initial_peers, ["/ip4/127.0.0.1/tcp/0"], [], timeout, client_mode=True)
+
+    def __enter__(self) -> StatusReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        shutdown_dht(self.dht)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every cluster's latest record, by galaxy rank. Each gains ``last_seen_seconds``: how long ago its
+        cluster last refreshed it (by the clocks of the two machines, which the DHT's expiry also assumes are
+        roughly in step)."""
+        try:
+            found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self.timeout)
+        except TimeoutError:
+            found = None
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        records = []
+        for entry in found.value.values():
+            if not isinstance(entry.value, dict) or "galaxy_rank" not in entry.value:
+                continue  # not one of ours (another program under a key of the same name)
+            record = dict(entry.value)
+            record["last_seen_seconds"] = max(0.0, now - float(record.get("published_at", now)))
+            records.append(record)
+        return sorted(records, key=lambda record: record["galaxy_rank"])

@@ -1,0 +1,151 @@
+"""How ``open-diloco status`` judges and shows the galaxy's status records (pure: no DHT, no torch).
+
+A record is what one cluster's rank 0 published (:mod:`open_diloco.galaxy.status`). Judging adds the flags an
+on-call engineer acts on:
+
+- ``stopped``: the cluster said it ended (finished, stopped by a signal, failed), with how;
+- ``silent``: it still claims to train but has not refreshed its record for longer than
+  :func:`silent_after` allows (killed, hung, or cut off from the DHT);
+- ``behind``: its outer step trails the most advanced cluster that is still training;
+- ``hash differs``: its θ_outer hash differs from the majority of the clusters at the same outer step (after a
+  round, clusters of one galaxy hold bitwise-identical weights, so any difference is a split).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+SILENT_HEARTBEATS = 3
+"""Missed heartbeats after which a cluster counts as silent (one late refresh is no alarm)."""
+SILENT_ROUNDS = 2
+"""Rounds without a word after which a cluster counts as silent, where rounds are longer than heartbeats."""
+
+
+def silent_after(record: dict[str, Any]) -> float:
+    """Seconds without a refresh after which ``record``'s cluster counts as silent."""
+    heartbeat = float(record.get("heartbeat_seconds", 5.0))
+    round_wall = float(record.get("round_wall_seconds") or 0.0)
+    return max(SILENT_HEARTBEATS * heartbeat, SILENT_ROUNDS * round_wall)
+
+
+def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``records`` with ``flags`` (a list of short strings, empty when all is well) and ``behind_by``
+    (outer steps behind the most advanced training cluster)."""
+    rows = [dict(record) for record in records]
+    training = [row for row in rows if row.get("state") == "training"]
+    for row in training:
+        row["silent"] = row["last_seen_seconds"] > silent_after(row)
+    live = [row for row in training if not row["silent"]]
+    lead = max((row["outer_step"] for row in live), default=None)
+    majority = _majority_hash_per_outer_step(rows)
+    for row in rows:
+        flags: list[str] = []
+        if row.get("state") != "training":
+            flags.append(str(row.get("state", "stopped")))
+        elif row["silent"]:
+            flags.append(f"silent {row['last_seen_seconds']:.0f}s")
+        row["behind_by"] = max(0, lead - row["outer_step"]) if lead is not None else 0
+        if row["behind_by"]:
+            flags.append(f"behind {row['behind_by']} round(s)")
+        expected = majority.get(row["outer_step"])
+        if row.get("param_hash") is not None and row["param_hash"] != expected:
+            flags.append("hash differs")
+        row["flags"] = flags
+        row.pop("silent", None)
+    return rows
+
+
+def _majority_hash_per_outer_step(rows: list[dict[str, Any]]) -> dict[int, str | None]:
+    """The hash most clusters at each outer step agree on; ``None`` where there is no strict majority (two
+    clusters that disagree are both flagged: the board cannot tell which one split off)."""
+    by_step: dict[int, Counter[str]] = {}
+    for row in rows:
+        if row.get("param_hash") is not None:
+            by_step.setdefault(row["outer_step"], Counter())[row["param_hash"]] += 1
+    majority: dict[int, str | None] = {}
+    for step, counts in by_step.items():
+        (top, votes), *_ = counts.most_common(1)
+        majority[step] = top if votes * 2 > sum(counts.values()) else None
+    return majority
+
+
+# -- what the person sees ----------------------------------------------------------------------------------
+JSON_KEYS = (
+    "galaxy_rank",
+    "state",
+    "host",
+    "ranks",
+    "inner_step",
+    "outer_step",
+    "param_hash",
+    "in_sync",
+    "loss",
+    "tokens_per_second",
+    "allreduce_seconds",
+    "round_wall_seconds",
+    "bytes_sent",
+    "bytes_received",
+    "galaxy_peers",
+    "codec",
+    "local_steps",
+    "version",
+    "peer_id",
+    "last_seen_seconds",
+    "behind_by",
+    "flags",
+)
+"""What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
+rename)."""
+
+
+def as_json_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: row.get(key) for key in JSON_KEYS} for row in rows]
+
+
+def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | None = None) -> Any:
+    """A rich table, one row per cluster, flagged rows in red."""
+    from rich.table import Table
+
+    clusters = f"{len(rows)} cluster(s)" + (f" of {expected_size}" if expected_size else "")
+    table = Table(title=f"galaxy {run_id}: {clusters}", title_justify="left")
+    for name, justify in (
+        ("rank", "right"),
+        ("host", "left"),
+        ("ranks", "right"),
+        ("state", "left"),
+        ("inner", "right"),
+        ("outer", "right"),
+        ("loss", "right"),
+        ("tok/s", "right"),
+        ("round s", "right"),
+        ("MB sent", "right"),
+        ("codec", "left"),
+        ("hash", "left"),
+        ("seen", "right"),
+        ("flags", "left"),
+    ):
+        table.add_column(name, justify=justify)
+    for row in rows:
+        table.add_row(
+            str(row["galaxy_rank"]),
+            str(row.get("host", "?")),
+            str(row.get("ranks", "?")),
+            str(row.get("state", "?")),
+            str(row.get("inner_step", "?")),
+            str(row.get("outer_step", "?")),
+            _number(row.get("loss"), "{:.4f}"),
+            _number(row.get("tokens_per_second"), "{:,.0f}"),
+            _number(row.get("allreduce_seconds"), "{:.2f}"),
+            _number(row.get("bytes_sent"), "{:.1f}", scale=1e-6),
+            str(row.get("codec", "?")),
+            str(row.get("param_hash") or "-"),
+            f"{row['last_seen_seconds']:.0f}s ago",
+            ", ".join(row["flags"]) or "ok",
+            style="red" if row["flags"] else None,
+        )
+    return table
+
+
+def _number(value: Any, fmt: str, scale: float = 1.0) -> str:
+    return "-" if value is None else fmt.format(value * scale)

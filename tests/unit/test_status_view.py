@@ -1,0 +1,60 @@
+"""How `open-diloco status` judges the clusters' records: behind, silent, stopped, split."""
+
+from __future__ import annotations
+
+from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, judge, silent_after
+
+
+def record(rank: int, outer: int, phash: str, *, seen: float = 1.0, state: str = "training", **extra) -> dict:
+    return {"galaxy_rank": rank, "outer_step": outer, "inner_step": outer * 10, "param_hash": phash,
+            "state": state, "last_seen_seconds": seen, "heartbeat_seconds": 5.0, **extra}
+
+
+def flags(rows: list[dict]) -> dict[int, list[str]]:
+    return {row["galaxy_rank"]: row["flags"] for row in rows}
+
+
+def test_a_healthy_galaxy_has_no_flags():
+    rows = judge([record(0, 4, "aa"), record(1, 4, "aa"), record(2, 4, "aa")])
+    assert flags(rows) == {0: [], 1: [], 2: []}
+    assert [row["behind_by"] for row in rows] == [0, 0, 0]
+
+
+def test_behind_counts_rounds_against_the_most_advanced_training_cluster():
+    rows = judge([record(0, 7, "aa"), record(1, 5, "bb"), record(2, 9, "cc", state="finished")])
+    # the finished cluster does not set the pace; the hash is compared only at the same outer step
+    assert flags(rows) == {0: [], 1: ["behind 2 round(s)"], 2: ["finished"]}
+
+
+def test_silent_after_three_heartbeats_or_two_rounds_whichever_is_longer():
+    assert silent_after(record(0, 1, "aa")) == 15.0
+    assert silent_after(record(0, 1, "aa", round_wall_seconds=40.0)) == 80.0
+    rows = judge([record(0, 3, "aa", seen=2.0), record(1, 3, "aa", seen=16.0), record(2, 3, "aa", seen=16.0,
+                                                                                      round_wall_seconds=40.0)])
+    assert flags(rows) == {0: [], 1: ["silent 16s"], 2: []}
+
+
+def test_a_silent_cluster_does_not_set_the_pace():
+    rows = judge([record(0, 3, "aa"), record(1, 6, "bb", seen=100.0)])
+    assert flags(rows) == {0: [], 1: ["silent 100s"]}
+
+
+def test_a_hash_that_differs_from_the_majority_at_its_outer_step_is_flagged():
+    rows = judge([record(0, 4, "aa"), record(1, 4, "aa"), record(2, 4, "zz")])
+    assert flags(rows) == {0: [], 1: [], 2: ["hash differs"]}
+    # two clusters that disagree: no majority, the board cannot tell which split off, so both are flagged
+    assert flags(judge([record(0, 4, "aa"), record(1, 4, "zz")])) == {0: ["hash differs"], 1: ["hash differs"]}
+
+
+def test_json_rows_keep_the_contract_keys_and_the_table_renders_every_cluster():
+    rows = judge([record(0, 4, "aa", host="site-a"), record(1, 3, "bb", state="stopped (SIGTERM)")])
+    out = as_json_rows(rows)
+    assert [list(row) for row in out] == [list(JSON_KEYS)] * 2
+    assert out[1]["flags"] == ["stopped (SIGTERM)", "behind 1 round(s)"]
+
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(build_table(rows, "demo", expected_size=3))
+    text = console.export_text()
+    assert "galaxy demo: 2 cluster(s) of 3" in text and "site-a" in text and "stopped (SIGTERM)" in text
