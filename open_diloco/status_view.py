@@ -6,7 +6,7 @@ on-call engineer acts on:
 - ``stopped``: the cluster said it ended (finished, stopped by a signal, failed), with how;
 - ``silent``: it still claims to train but has not refreshed its record for longer than
   :func:`silent_after` allows (killed, hung, or cut off from the DHT);
-- ``behind``: its outer step trails the most advanced cluster that is still training;
+- ``behind``: it trains, but its outer step trails the most advanced cluster that is still training;
 - ``hash differs``: its θ_outer hash differs from the majority of the clusters at the same outer step (after a
   round, clusters of one galaxy hold bitwise-identical weights, so any difference is a split).
 """
@@ -46,7 +46,7 @@ def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif row["silent"]:
             flags.append(f"silent {row['last_seen_seconds']:.0f}s")
         row["behind_by"] = max(0, lead - row["outer_step"]) if lead is not None else 0
-        if row["behind_by"]:
+        if row["behind_by"] and row.get("state") == "training":  # a stopped cluster is flagged as such
             flags.append(f"behind {row['behind_by']} round(s)")
         expected = majority.get(row["outer_step"])
         if row.get("param_hash") is not None and row["param_hash"] != expected:

@@ -50,7 +50,7 @@ def test_json_rows_keep_the_contract_keys_and_the_table_renders_every_cluster():
     rows = judge([record(0, 4, "aa", host="site-a"), record(1, 3, "bb", state="stopped (SIGTERM)")])
     out = as_json_rows(rows)
     assert [list(row) for row in out] == [list(JSON_KEYS)] * 2
-    assert out[1]["flags"] == ["stopped (SIGTERM)", "behind 1 round(s)"]
+    assert out[1]["flags"] == ["stopped (SIGTERM)"] and out[1]["behind_by"] == 1
 
     from rich.console import Console
 
