@@ -111,8 +111,12 @@ class HvConfig(BaseModel):
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
 
     heartbeat_interval: Annotated[float, Field(gt=0)] = 5.0
-    """Seconds between refreshes of this cluster's status record in the DHT (besides one after every round):
-    `open-diloco status` flags a cluster silent after 3 missed refreshes (or 2 rounds, if longer)."""
+    """Seconds between refreshes of this cluster's membership and status record in the DHT (besides one after
+    every round and one when it leaves)."""
+
+    member_expiry: Annotated[float, Field(gt=0)] = 15.0
+    """Seconds without a refresh after which a cluster no longer counts as alive: rounds stop waiting for it
+    (and `open-diloco status` flags it silent). A cluster that leaves cleanly stops counting at once."""
 
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
@@ -131,6 +135,12 @@ class HvConfig(BaseModel):
             raise ConfigError(
                 f"--hv.world-rank {self.world_rank} is not below --hv.galaxy-size {self.galaxy_size}: "
                 f"give each cluster a rank in 0..{self.galaxy_size - 1}"
+            )
+        if self.member_expiry <= self.heartbeat_interval:
+            raise ConfigError(
+                f"--hv.member-expiry {self.member_expiry} is not above --hv.heartbeat-interval "
+                f"{self.heartbeat_interval}: every live cluster would look gone between two heartbeats; raise the "
+                "expiry (3 intervals is a good choice)"
             )
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(

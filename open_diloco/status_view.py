@@ -4,8 +4,8 @@ A record is what one cluster's rank 0 published (:mod:`open_diloco.galaxy.status
 on-call engineer acts on:
 
 - ``stopped``: the cluster said it ended (finished, stopped by a signal, failed), with how;
-- ``silent``: it still claims to train but has not refreshed its record for longer than
-  :func:`silent_after` allows (killed, hung, or cut off from the DHT);
+- ``silent``: it still claims to train but has not refreshed its record for longer than its
+  ``--hv.member-expiry`` (killed, hung, or cut off from the DHT): the galaxy's rounds no longer wait for it;
 - ``behind``: it trains, but its outer step trails the most advanced cluster that is still training;
 - ``hash differs``: its θ_outer hash differs from the majority of the clusters at the same outer step (after a
   round, clusters of one galaxy hold bitwise-identical weights, so any difference is a split).
@@ -16,17 +16,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-SILENT_HEARTBEATS = 3
-"""Missed heartbeats after which a cluster counts as silent (one late refresh is no alarm)."""
-SILENT_ROUNDS = 2
-"""Rounds without a word after which a cluster counts as silent, where rounds are longer than heartbeats."""
-
 
 def silent_after(record: dict[str, Any]) -> float:
-    """Seconds without a refresh after which ``record``'s cluster counts as silent."""
-    heartbeat = float(record.get("heartbeat_seconds", 5.0))
-    round_wall = float(record.get("round_wall_seconds") or 0.0)
-    return max(SILENT_HEARTBEATS * heartbeat, SILENT_ROUNDS * round_wall)
+    """Seconds without a refresh after which ``record``'s cluster counts as silent: its own
+    ``--hv.member-expiry``, the same rule by which the galaxy's rounds stop waiting for it."""
+    return float(record.get("member_expiry_seconds") or 3 * float(record.get("heartbeat_seconds", 5.0)))
 
 
 def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,6 +81,7 @@ JSON_KEYS = (
     "bytes_sent",
     "bytes_received",
     "galaxy_peers",
+    "galaxy_alive",
     "codec",
     "local_steps",
     "version",

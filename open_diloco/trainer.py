@@ -172,6 +172,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             averaging_timeout=hv.averaging_timeout,
             join_timeout=hv.join_timeout,
             compression=hv.compression,
+            member_expiry=hv.member_expiry,
         )
 
     cluster = ClusterComm(world.device)
@@ -201,7 +202,7 @@ def _status_board(hv: HvConfig, averager: Any, world: World) -> Any:
     identity = cluster_identity(
         hv.world_rank, world.world_size, hv.compression, hv.local_steps, version_line(), averager.peer_id
     )
-    return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval)
+    return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry)
 
 
 def inner_step(

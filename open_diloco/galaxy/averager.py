@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, RoundFailed
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
+from open_diloco.galaxy.status import departed, read_records, status_key
 from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.protocols import RoundReport
 
@@ -37,6 +38,8 @@ torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
 _GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up
+MEMBERSHIP_READ_SECONDS = 3.0  # what reading the membership records may add to a round's start, at most
+MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whether anyone is left to find
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # how long after a round with others this peer's p2pd stays up (see HivemindAverager.shutdown)
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
@@ -104,14 +107,14 @@ class HivemindRound:
         if self.control is None:  # a galaxy of one
             return owner.lonely_report(self.metadata, self.start)
         try:
-            result = self.control.result(
-                timeout=max(0.0, self.start + owner.averaging_timeout + _GRACE - time.monotonic())
-            )
+            result = self._result_unless_left_alone()
         except TimeoutError:
             self.control.cancel()
             raise RoundFailed(
                 f"round {round_id} did not finish within --hv.averaging-timeout={owner.averaging_timeout}s"
             ) from None
+        except _LeftAlone:
+            return owner.lonely_report(self.metadata, self.start)
         except Exception as e:
             if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
                 return owner.lonely_report(self.metadata, self.start)
@@ -136,6 +139,28 @@ class HivemindRound:
         )
 
 
+    def _result_unless_left_alone(self) -> dict[str, Any]:
+        """The round's result, within the averaging timeout; :class:`_LeftAlone` when, while this peer still
+        looks for a group, every other cluster's membership record says it left (a cluster stopped or crashed
+        after this round began): the round would otherwise wait out the whole timeout for nobody."""
+        owner, control = self.owner, self.control
+        deadline = self.start + owner.averaging_timeout + _GRACE
+        while True:
+            now = time.monotonic()
+            try:
+                return control.result(timeout=max(0.0, min(deadline, now + MEMBERSHIP_POLL_SECONDS) - now))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if control.stage == AveragingStage.LOOKING_FOR_GROUP and owner.alone_in_galaxy():
+                control.cancel()
+                raise _LeftAlone
+
+
+class _LeftAlone(Exception):
+    """Every other cluster left while this peer looked for a group."""
+
+
 class HivemindAverager:
     """One shard's averager: a DHT node plus a :class:`CanonicalAverager` over a flat fp32 buffer.
 
@@ -146,10 +171,11 @@ class HivemindAverager:
     """
 
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
-                 averaging_timeout: float):
+                 averaging_timeout: float, run_id: str, member_expiry: float):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout = averaging_timeout
+        self.status_key, self.member_expiry = status_key(run_id), member_expiry
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
@@ -180,6 +206,16 @@ class HivemindAverager:
             return HivemindRound(self, None, metadata, start)
         control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False)
         return HivemindRound(self, control, metadata, start)
+
+    def departed_clusters(self) -> set[int]:
+        if self.galaxy_size == 1:
+            return set()
+        return departed(read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS), self.member_expiry)
+
+    def alone_in_galaxy(self) -> bool:
+        """Every other cluster of the galaxy is known to be gone."""
+        others = set(range(self.galaxy_size)) - {self.galaxy_rank}
+        return others <= self.departed_clusters()
 
     def lonely_report(self, metadata: dict[str, Any], start: float) -> RoundReport:
         return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
@@ -253,6 +289,7 @@ def start_shard_averager(
     averaging_timeout: float,
     join_timeout: float,
     compression: str,
+    member_expiry: float,
 ) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
 
@@ -290,7 +327,13 @@ def start_shard_averager(
         shutdown_dht(dht)
         raise
     return HivemindAverager(
-        dht, averager, galaxy_rank=galaxy_rank, galaxy_size=galaxy_size, averaging_timeout=averaging_timeout
+        dht,
+        averager,
+        galaxy_rank=galaxy_rank,
+        galaxy_size=galaxy_size,
+        averaging_timeout=averaging_timeout,
+        run_id=run_id,
+        member_expiry=member_expiry,
     )
 
 

@@ -1,5 +1,6 @@
-"""The galaxy's status board: every cluster's rank 0 keeps one small record about its cluster in the DHT,
-and ``open-diloco status`` reads them all (see :mod:`open_diloco.status_view` for how they are judged).
+"""The galaxy's membership and status board: every cluster's rank 0 keeps one small record about its cluster
+in the DHT. Rounds read them to know which clusters are gone (:func:`departed`: a round waits only for the
+others), and ``open-diloco status`` reads them all (:mod:`open_diloco.status_view` judges them).
 
 Why the DHT: it is the one place every site of a galaxy already reaches, so the question "which cluster is
 behind, and by how much?" needs no login anywhere and no central server. The records live under
@@ -28,6 +29,10 @@ from open_diloco.galaxy.dht import shutdown_dht, start_dht
 
 log = logging.getLogger(__name__)
 
+_PIPE = threading.Lock()
+"""hivemind's DHT takes requests through one pipe and no lock; the publisher thread and the round's membership
+read share this one, so their messages never interleave."""
+
 RECORD_TTL = 3600.0
 """Seconds a record outlives its cluster's last refresh: long enough for an operator to see which cluster
 went silent, short enough that a finished run's records do not linger for days."""
@@ -45,6 +50,7 @@ _FROM_METRICS = (
     "param_hash",
     "in_sync",
     "galaxy_peers",
+    "galaxy_alive",
     "allreduce_seconds",
     "bytes_sent",
     "bytes_received",
@@ -61,7 +67,9 @@ class StatusPublisher:
 
     ``identity`` holds what does not change during a run (galaxy rank, host, ranks, codec, H, version)."""
 
-    def __init__(self, dht: DHT, run_id: str, identity: dict[str, Any], heartbeat_seconds: float):
+    def __init__(
+        self, dht: DHT, run_id: str, identity: dict[str, Any], heartbeat_seconds: float, expiry_seconds: float
+    ):
         self.dht, self.key = dht, status_key(run_id)
         self.heartbeat_seconds = heartbeat_seconds
         self._record: dict[str, Any] = {
@@ -71,6 +79,7 @@ class StatusPublisher:
             "outer_step": 0,
             "started_at": get_dht_time(),
             "heartbeat_seconds": heartbeat_seconds,
+            "member_expiry_seconds": expiry_seconds,
         }
         self._lock = threading.Lock()
         self._publish_now = threading.Event()
@@ -116,13 +125,15 @@ class StatusPublisher:
         with self._lock:
             record = {**self._record, "published_at": get_dht_time()}
         try:
-            stored = self.dht.store(
-                self.key,
-                record,
-                expiration_time=record["published_at"] + RECORD_TTL,
-                subkey=record["galaxy_rank"],
-                return_future=True,
-            ).result(timeout=STORE_TIMEOUT)
+            with _PIPE:
+                stored = self.dht.store(
+                    self.key,
+                    record,
+                    expiration_time=record["published_at"] + RECORD_TTL,
+                    subkey=record["galaxy_rank"],
+                    return_future=True,
+                )
+            stored = stored.result(timeout=STORE_TIMEOUT)
         except Exception as err:  # the DHT is slow, gone or shutting down: the next heartbeat tries again
             log.debug("status record not published: %r", err)
             return
@@ -160,21 +171,39 @@ class StatusReader:
         shutdown_dht(self.dht)
 
     def read(self) -> list[dict[str, Any]]:
-        """Every cluster's latest record, by galaxy rank. Each gains ``last_seen_seconds``: how long ago its
-        cluster last refreshed it (by the clocks of the two machines, which the DHT's expiry also assumes are
-        roughly in step)."""
-        try:
-            found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self.timeout)
-        except TimeoutError:
-            found = None
-        if found is None or not isinstance(found.value, dict):
-            return []
-        now = get_dht_time()
-        records = []
-        for entry in found.value.values():
-            if not isinstance(entry.value, dict) or "galaxy_rank" not in entry.value:
-                continue  # not one of ours (another program under a key of the same name)
-            record = dict(entry.value)
-            record["last_seen_seconds"] = max(0.0, now - float(record.get("published_at", now)))
-            records.append(record)
-        return sorted(records, key=lambda record: record["galaxy_rank"])
+        """Every cluster's latest record, by galaxy rank (see :func:`read_records`)."""
+        return read_records(self.dht, self.key, self.timeout)
+
+
+def read_records(dht: DHT, key: str, timeout: float) -> list[dict[str, Any]]:
+    """Every cluster's latest record under ``key``, by galaxy rank; empty when none is found in ``timeout``.
+    Each gains ``last_seen_seconds``: how long ago its cluster last refreshed it (by the clocks of the two
+    machines, which the DHT's own expiry also assumes are roughly in step)."""
+    try:
+        with _PIPE:
+            found = dht.get(key, latest=True, return_future=True)
+        found = found.result(timeout=timeout)
+    except Exception as err:  # slow, unreachable or shutting down: nothing known
+        log.debug("status records not read: %r", err)
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    records = []
+    for entry in found.value.values():
+        if not isinstance(entry.value, dict) or not isinstance(entry.value.get("galaxy_rank"), int):
+            continue  # not one of ours (another program under a key of the same name)
+        record = dict(entry.value)
+        record["last_seen_seconds"] = max(0.0, now - float(record.get("published_at", now)))
+        records.append(record)
+    return sorted(records, key=lambda record: record["galaxy_rank"])
+
+
+def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
+    """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
+    than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""
+    return {
+        record["galaxy_rank"]
+        for record in records
+        if record.get("state") != "training" or record["last_seen_seconds"] > expiry
+    }

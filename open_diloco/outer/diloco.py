@@ -19,7 +19,14 @@ from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
-from open_diloco.outer.protocols import Averager, NullStatusBoard, PendingRound, RoundReport, StatusBoard
+from open_diloco.outer.protocols import (
+    AloneRound,
+    Averager,
+    NullStatusBoard,
+    PendingRound,
+    RoundReport,
+    StatusBoard,
+)
 from open_diloco.outer.state import OuterState, combine_hashes, sum_of_squares
 
 if TYPE_CHECKING:
@@ -36,6 +43,8 @@ class RoundInFlight:
     """Hash of this shard's θ_outer when the round started."""
     local_sq: float
     """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
+    alive: int
+    """Clusters alive when the round started (membership), this one included; agreed by the cluster's ranks."""
     attempts: int = 0
     start_error: str | None = None
 
@@ -57,9 +66,10 @@ class DiLoCo:
     ):
         self.averager = averager
         self.status = status or NullStatusBoard()
+        self._alive_before = hv.galaxy_size
         self.hv = hv
         self.galaxy_rank = hv.world_rank
-        self.policy = RoundPolicy(hv.galaxy_size, hv.on_partial_round, hv.max_retries)
+        self.policy = RoundPolicy(hv.on_partial_round, hv.max_retries)
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
         self.state = OuterState(
@@ -129,14 +139,27 @@ class DiLoCo:
     def start_round(self, attempts: int = 0) -> RoundInFlight:
         """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it."""
         own_hash = self.state.hash()
+        alive = self._alive_clusters()
         try:
             with self.averager.buffer() as pseudo_grad:
                 local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
-            pending = self.averager.start_round(self.outer_step, fingerprint)
+            if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
+                meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
+                pending: PendingRound = AloneRound(self.galaxy_rank, meta)
+            else:
+                pending = self.averager.start_round(self.outer_step, fingerprint)
         except RoundFailed as err:
-            return RoundInFlight(None, own_hash, float("nan"), attempts, start_error=str(err))
-        return RoundInFlight(pending, own_hash, local_sq, attempts)
+            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err))
+        return RoundInFlight(pending, own_hash, local_sq, alive, attempts)
+
+    def _alive_clusters(self) -> int:
+        """The galaxy less the clusters whose membership record says they are gone (never this one), the same
+        on every rank of this cluster: the largest count any rank saw, so that a rank that could not read the
+        DHT in time makes the round wait rather than skip a cluster that is there."""
+        gone = {rank for rank in self.averager.departed_clusters() if rank != self.galaxy_rank}
+        alive = self.hv.galaxy_size - len({rank for rank in gone if 0 <= rank < self.hv.galaxy_size})
+        return -self.cluster.min_int(-alive)
 
     @torch.no_grad()
     def finish_round(self, flight: RoundInFlight) -> dict[str, Any]:
@@ -152,11 +175,14 @@ class DiLoCo:
             )
             reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
             behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
-            decision = self.policy.decide(RoundOutcome(clusters, in_sync, behind, flight.attempts))
+            outcome = RoundOutcome(
+                clusters=clusters, alive=flight.alive, in_sync=in_sync, behind=behind, attempts=flight.attempts
+            )
+            decision = self.policy.decide(outcome)
             if decision is not Decision.RETRY:
                 break
             self.warn(
-                f"outer step {round_no}: partial round ({clusters} of {self.hv.galaxy_size} clusters): "
+                f"outer step {round_no}: partial round ({clusters} of {flight.alive} live clusters): "
                 f"retry {flight.attempts + 1}/{self.hv.max_retries}"
             )
             flight = self.start_round(flight.attempts + 1)
@@ -164,12 +190,18 @@ class DiLoCo:
         size = self.hv.galaxy_size
         if decision is Decision.STOP:
             raise GalaxyError(
-                f"outer step {round_no}: only {clusters} of {size} clusters averaged and --hv.on-partial-round "
-                "is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
+                f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
+                "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
             )
-        if clusters < size:
+        if flight.alive != self._alive_before:
+            self.warn(
+                f"outer step {round_no}: {flight.alive} of {size} clusters alive (were {self._alive_before}): "
+                "rounds now wait for these"
+            )
+            self._alive_before = flight.alive
+        if clusters < flight.alive:
             retried = f" after {flight.attempts} retries" if flight.attempts else ""
-            self.warn(f"outer step {round_no}: proceeding with {clusters} of {size} clusters{retried}")
+            self.warn(f"outer step {round_no}: proceeding with {clusters} of {flight.alive} live clusters{retried}")
         wanted_step = -self.cluster.min_int(-(reference[0] + 1))
 
         try:
@@ -188,6 +220,7 @@ class DiLoCo:
         return {
             "outer_step": self.outer_step,
             "galaxy_peers": report.group_size,
+            "galaxy_alive": flight.alive,
             "galaxy_complete": bool(report.complete),
             "allreduce_seconds": report.seconds,
             "bytes_sent": report.bytes_sent,

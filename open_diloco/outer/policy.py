@@ -14,13 +14,13 @@ class Decision(enum.Enum):
     APPLY = "apply"
     """Every cluster averaged and all started from the same θ_outer: apply the outer step."""
     PROCEED = "proceed"
-    """Some clusters were missing; apply the outer step with the average of those present."""
+    """Some live clusters were missing; apply the outer step with the average of those present."""
     RETRY = "retry"
-    """Some clusters were missing; recompute Δ and average again."""
+    """Some live clusters were missing; recompute Δ and average again."""
     RESYNC = "resync"
     """θ_outer differed from a more advanced cluster's: apply, then adopt that cluster's state."""
     STOP = "stop"
-    """Missing clusters under ``--hv.on-partial-round fail``: stop the run."""
+    """Missing live clusters under ``--hv.on-partial-round fail``: stop the run."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class RoundOutcome:
 
     clusters: int
     """Clusters whose Δ went fully into the average, counted on the cluster's worst shard."""
+    alive: int
+    """Clusters the round should have had: the galaxy less those whose membership record says they left or
+    went silent (this one included). A round of all of them is complete, however many --hv.galaxy-size says."""
     in_sync: bool
     """Every peer started the round from this cluster's θ_outer (equal hashes)."""
     behind: bool
@@ -39,12 +42,11 @@ class RoundOutcome:
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    galaxy_size: int
     on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
     max_retries: int = 2
 
     def decide(self, outcome: RoundOutcome) -> Decision:
-        partial = outcome.clusters < self.galaxy_size
+        partial = outcome.clusters < outcome.alive
         if partial and self.on_partial_round == "fail":
             return Decision.STOP
         if partial and self.on_partial_round == "retry" and outcome.attempts < self.max_retries:

@@ -29,6 +29,17 @@ class RoundReport:
     bytes_received: int = 0
 
 
+class AloneRound:
+    """The round of a cluster that knows it is the only one alive: its own Δ is the average, at once (no
+    matchmaking that could only wait for the timeout)."""
+
+    def __init__(self, galaxy_rank: int, metadata: dict[str, Any]):
+        self.galaxy_rank, self.metadata = galaxy_rank, metadata
+
+    def wait(self) -> RoundReport:
+        return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: self.metadata})
+
+
 class PendingRound(Protocol):
     """An all-reduce in flight. The trainer may keep computing until it calls :meth:`wait`."""
 
@@ -53,6 +64,12 @@ class Averager(Protocol):
 
     def start_round(self, round_id: int, fingerprint: dict[str, Any]) -> PendingRound:
         """Begin averaging the buffer's current contents; ``fingerprint`` travels to every peer."""
+        ...
+
+    def departed_clusters(self) -> set[int]:
+        """Galaxy ranks whose membership record says they are gone: they left (end of run, a stop) or have not
+        refreshed it for --hv.member-expiry. Empty when nothing is known (no record read in time): a round then
+        waits for the whole galaxy, as without membership."""
         ...
 
     def serve_state(self, get_state: Any) -> None:

@@ -93,7 +93,7 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
         return start_shard_averager(
             initial_peers=peers, host_maddrs=LOOPBACK, announce_maddrs=[], run_id=run_id, shard_index=0,
             numel=numel, galaxy_rank=rank, galaxy_size=2, matchmaking_time=1.0, averaging_timeout=60.0,
-            join_timeout=30.0, compression="none",
+            join_timeout=30.0, compression="none", member_expiry=15.0,
         )
 
     model = FlatModel(numel, seed=0)

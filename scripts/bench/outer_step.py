@@ -61,6 +61,7 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
         galaxy_size=args.peers,
         join_timeout=30.0,
         compression=args.compression,
+        member_expiry=15.0,
         **common,
     )
     raw = DecentralizedAverager(

@@ -35,6 +35,7 @@ BASE = dict(
     averaging_timeout=15.0,
     join_timeout=10.0,
     compression="none",
+    member_expiry=15.0,
 )
 
 

@@ -20,10 +20,13 @@ from open_diloco.outer.protocols import RoundReport
 
 class InProcessGalaxy:
     """``size`` clusters averaging in threads. ``drop``: galaxy ranks missing from every round (they average
-    alone)."""
+    alone). ``departed``: galaxy ranks the membership records say are gone."""
 
-    def __init__(self, size: int, drop: set[int] | None = None, compression: str = "none"):
+    def __init__(
+        self, size: int, drop: set[int] | None = None, compression: str = "none", departed: set[int] | None = None
+    ):
         self.size = size
+        self.departed = departed or set()
         self.codec = wire_codec(compression)
         self.drop = drop or set()
         self.barrier = threading.Barrier(size, timeout=30)
@@ -73,6 +76,9 @@ class InProcessAverager:
     def start_round(self, round_id: int, fingerprint: dict) -> InProcessRound:
         self.calls += 1
         return InProcessRound(self, round_id, fingerprint)
+
+    def departed_clusters(self) -> set[int]:
+        return set(self.galaxy.departed)
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

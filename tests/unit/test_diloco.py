@@ -34,7 +34,7 @@ def _run_clusters(galaxy, starts, locals_per_round, **kwargs):
 
     def cluster(rank: int):
         model = _model(starts)
-        hv = _hv(world_rank=rank, galaxy_size=galaxy.size, **kwargs)
+        hv = _hv(**{"world_rank": rank, "galaxy_size": galaxy.size, **kwargs})
         outer = DiLoCo(model, galaxy.averager(rank, len(starts)), hv, warn=lambda *_: None)
         records = []
         for local in locals_per_round[rank]:
@@ -116,8 +116,39 @@ def test_partial_round_fail_policy_stops():
     galaxy = InProcessGalaxy(1)
     hv = _hv(galaxy_size=2, on_partial_round="fail")
     outer = DiLoCo(_model([1.0]), galaxy.averager(0, 1), hv, warn=lambda *_: None)
-    with pytest.raises(GalaxyError, match="only 1 of 2 clusters"):
+    with pytest.raises(GalaxyError, match="only 1 of 2 live clusters"):
         outer.after_inner_step(1)
+
+
+def test_the_only_live_cluster_averages_alone_at_once():
+    # the other cluster's membership record says it left: no matchmaking (which could only time out), no retry,
+    # not even under `fail`; the outer step uses this cluster's own Δ
+    galaxy = InProcessGalaxy(1, departed={1})
+    warnings: list[str] = []
+    model = _model([1.0])
+    hv = _hv(galaxy_size=2, on_partial_round="fail", outer_lr=1.0, outer_momentum=0.0)
+    outer = DiLoCo(model, galaxy.averager(0, 1), hv, warn=warnings.append)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    record = outer.after_inner_step(1)
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.5]]))  # θ_outer ← own θ_local
+    assert outer.averager.calls == 0
+    assert (record["galaxy_peers"], record["galaxy_alive"], record["retries"]) == (1, 1, 0)
+    assert warnings == ["outer step 1: 1 of 2 clusters alive (were 2): rounds now wait for these"]
+    outer.after_inner_step(1)
+    assert len(warnings) == 1  # said once, when the live set changed
+
+
+def test_a_round_of_every_live_cluster_is_complete():
+    # galaxy of 3, cluster 2 gone: the two live clusters' round is whole (no retry), and averages the two
+    galaxy = InProcessGalaxy(2, departed={2})
+    results = _run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, galaxy_size=3, outer_lr=1.0,
+                            outer_momentum=0.0, on_partial_round="retry")
+    for rank in (0, 1):
+        weight, records, outer = results[rank]
+        assert (records[0]["galaxy_peers"], records[0]["galaxy_alive"], records[0]["retries"]) == (2, 2, 0)
+        assert outer.averager.calls == 1
+        torch.testing.assert_close(weight, torch.tensor([[0.25]]))
 
 
 def test_a_round_still_holding_the_buffer_stops_with_one_line():

@@ -26,11 +26,11 @@ def test_behind_counts_rounds_against_the_most_advanced_training_cluster():
     assert flags(rows) == {0: [], 1: ["behind 2 round(s)"], 2: ["finished"]}
 
 
-def test_silent_after_three_heartbeats_or_two_rounds_whichever_is_longer():
-    assert silent_after(record(0, 1, "aa")) == 15.0
-    assert silent_after(record(0, 1, "aa", round_wall_seconds=40.0)) == 80.0
-    rows = judge([record(0, 3, "aa", seen=2.0), record(1, 3, "aa", seen=16.0), record(2, 3, "aa", seen=16.0,
-                                                                                      round_wall_seconds=40.0)])
+def test_silent_after_the_clusters_own_member_expiry():
+    assert silent_after(record(0, 1, "aa")) == 15.0  # no expiry in the record: 3 heartbeats
+    assert silent_after(record(0, 1, "aa", member_expiry_seconds=40.0)) == 40.0
+    rows = judge([record(0, 3, "aa", seen=2.0), record(1, 3, "aa", seen=16.0),
+                  record(2, 3, "aa", seen=16.0, member_expiry_seconds=40.0)])
     assert flags(rows) == {0: [], 1: ["silent 16s"], 2: []}
 
 
