@@ -107,6 +107,10 @@ class HvConfig(BaseModel):
     """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then
     proceed), `proceed` with the clusters present, or `fail` (stop the run)."""
 
+    max_bad_rounds: Annotated[int, Field(ge=1)] = 3
+    """Rounds in a row this cluster may sit out with a non-finite pseudo-gradient (its training diverged: it
+    adopts the galaxy's θ_outer instead of sending) before it stops with one line saying why."""
+
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
 

@@ -106,6 +106,8 @@ def train(config: Config) -> None:
                 "memory_gib": _memory_gib(world.device),
             }
             record.update(outer.after_inner_step(step))
+            if record.get("pseudo_grad_finite") is False:  # diverged: the weights came back from the galaxy,
+                optimizer.state.clear()  # and AdamW's moments, likely NaN too, start afresh
             galaxy_step = outer.inner_step_of_galaxy()
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")

@@ -21,6 +21,9 @@ codec's grid, so this is lossless); the reducer decodes each sender's part, aver
 trips through the codec too, like everyone's), and encodes the average once; every peer, the reducer too, decodes
 those bytes and copies them. Part sizes are powers of two times the codec's block, so no block straddles parts.
 
+A reducer checks every part it receives: a sender whose part is not finite (or whose weight is not) is left out
+of that span's average from there on, like a sender that failed, and named in the round's report (``rejected``).
+
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
 """
@@ -28,6 +31,7 @@ Every codec must go through this copy-the-decoded-average path, or the hash chec
 from __future__ import annotations
 
 import asyncio
+import math
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -83,6 +87,8 @@ class CanonicalAllReduce(AllReduceRunner):
         self.codec: Codec | None = compression.codec if isinstance(compression, CodecCompression) else None
         self.tensor_part_container.codec = self.codec
         self.bytes_sent = self.bytes_received = 0
+        self.rejected_senders: set = set()
+        """Senders whose parts were not finite: left out of the spans we reduce (and named in the report)."""
         self._serving, self._served = 0, asyncio.Event()
 
     def _serialize_result(self, averaged_part: torch.Tensor):
@@ -129,6 +135,10 @@ class CanonicalAllReduce(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if not bool(torch.isfinite(tensor_part).all()) or not math.isfinite(weight):
+                    # garbage from this sender (diverged, broken or hostile): averaged without it from here on
+                    self.rejected_senders.add(self.sender_peer_ids[sender_index])
+                    break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -176,7 +186,8 @@ class CanonicalAllReduce(AllReduceRunner):
     def stats(self) -> dict[str, int]:
         return dict(
             failed_size=self.tensor_part_container.failed_size,
-            banned_senders=len(self.banned_senders),
+            banned_senders=len(self.banned_senders - self.rejected_senders),
+            rejected=sorted(peer.to_base58() for peer in self.rejected_senders),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )

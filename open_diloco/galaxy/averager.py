@@ -129,6 +129,8 @@ class HivemindRound:
                 )
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
+        rejected = sorted({result["gathered"][peer].get("galaxy_rank", -1) for peer in result["rejected"]
+                           if peer in result["gathered"]})
         return RoundReport(
             group_size=len(result["gathered"]),
             complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
@@ -136,6 +138,7 @@ class HivemindRound:
             seconds=time.monotonic() - self.start,
             bytes_sent=result["bytes_sent"],
             bytes_received=result["bytes_received"],
+            rejected=rejected,
         )
 
 

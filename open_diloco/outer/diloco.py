@@ -9,6 +9,7 @@ through :class:`ClusterComm`, so every shard of a cluster follows the same path.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,8 @@ class RoundInFlight:
     """Clusters alive when the round started (membership), this one included; agreed by the cluster's ranks."""
     attempts: int = 0
     start_error: str | None = None
+    diverged: bool = False
+    """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
 
 
 class DiLoCo:
@@ -67,6 +70,8 @@ class DiLoCo:
         self.averager = averager
         self.status = status or NullStatusBoard()
         self._alive_before = hv.galaxy_size
+        self.diverged_rounds = 0
+        """Rounds in a row this cluster sat out with a non-finite pseudo-gradient."""
         self.hv = hv
         self.galaxy_rank = hv.world_rank
         self.policy = RoundPolicy(hv.on_partial_round, hv.max_retries)
@@ -132,8 +137,9 @@ class DiLoCo:
         return self.step()
 
     def step(self) -> dict[str, Any]:
-        """One blocking outer step: start the round and finish it."""
-        return self.finish_round(self.start_round())
+        """One blocking outer step: start the round and finish it (or sit it out, see :meth:`sit_out`)."""
+        flight = self.start_round()
+        return self.sit_out(flight) if flight.diverged else self.finish_round(flight)
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
@@ -143,6 +149,8 @@ class DiLoCo:
         try:
             with self.averager.buffer() as pseudo_grad:
                 local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
+            if not self.cluster.all_true(math.isfinite(local_sq)):  # never sent: it would poison every cluster
+                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
@@ -166,17 +174,23 @@ class DiLoCo:
         """Wait for the round, decide with the policy (retrying as it says), apply the outer step, copy θ_outer
         into the model, and return the round's metrics."""
         round_no = self.outer_step + 1
+        self.diverged_rounds = 0
         while True:
             report, failed = self._wait(flight, round_no)
             self._check_peers(report)
-            clusters = self.cluster.min_int(report.group_size if report.complete else 1)
+            rejected = self._rejected_by_any_rank(report)
+            clusters = self.cluster.min_int(report.group_size - len(rejected) if report.complete else 1)
             in_sync = self.cluster.all_true(
                 all(meta.get("param_hash") == flight.own_hash for meta in report.peers.values())
             )
             reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
             behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
-            outcome = RoundOutcome(
-                clusters=clusters, alive=flight.alive, in_sync=in_sync, behind=behind, attempts=flight.attempts
+            outcome = RoundOutcome(  # a rejected cluster's Δ is garbage: waiting or retrying for it is no use
+                clusters=clusters,
+                alive=flight.alive - len(rejected),
+                in_sync=in_sync,
+                behind=behind,
+                attempts=flight.attempts,
             )
             decision = self.policy.decide(outcome)
             if decision is not Decision.RETRY:
@@ -193,6 +207,11 @@ class DiLoCo:
                 f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
                 "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
             )
+        if rejected:
+            self.warn(
+                f"outer step {round_no}: left cluster(s) {rejected} out of the average: their pseudo-gradient "
+                "was not finite"
+            )
         if flight.alive != self._alive_before:
             self.warn(
                 f"outer step {round_no}: {flight.alive} of {size} clusters alive (were {self._alive_before}): "
@@ -206,7 +225,13 @@ class DiLoCo:
 
         try:
             with self.averager.buffer() as averaged:
-                if failed:  # the buffer may hold a dead round's leftovers: average of one = our own Δ again
+                finite = self.cluster.all_true(failed or bool(torch.isfinite(averaged).all()))
+                if not finite:
+                    self.warn(
+                        f"outer step {round_no}: the galaxy's average is not finite (a peer sent or reduced "
+                        "garbage): it is not applied, this cluster takes its own pseudo-gradient this round"
+                    )
+                if failed or not finite:  # the buffer holds a dead round's leftovers or garbage: our own Δ again
                     self.state.pseudo_grad_for_wire_into(averaged)
                 self.state.apply(averaged)
         except RoundFailed as err:  # a round that outlived its timeout still holds the buffer: nothing to apply
@@ -228,10 +253,55 @@ class DiLoCo:
             "retries": flight.attempts,
             "in_sync": in_sync,
             "resynced": resynced,
+            "pseudo_grad_finite": True,
+            "average_finite": finite,
+            "rejected_peers": rejected,
             "pseudo_grad_norm": self.cluster.sum_float(flight.local_sq) ** 0.5,
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
+
+    @torch.no_grad()
+    def sit_out(self, flight: RoundInFlight) -> dict[str, Any]:
+        """This cluster's Δ is not finite (its inner training diverged): it sends nothing, so the galaxy's round
+        goes on without it, and it heals by adopting the galaxy's θ_outer once that round is applied; alone, or
+        when no peer serves it in time, it drops its local progress and goes back to its own θ_outer. After
+        ``--hv.max-bad-rounds`` such rounds in a row it stops: the divergence is its own, not a passing spike."""
+        round_no = self.outer_step + 1
+        self.diverged_rounds += 1
+        if self.diverged_rounds > self.hv.max_bad_rounds:
+            raise GalaxyError(
+                f"outer step {round_no}: this cluster's pseudo-gradient was not finite in "
+                f"{self.diverged_rounds} rounds in a row (its training diverges): stopping; lower --lr or "
+                "--max-grad-norm, or resume from an earlier checkpoint"
+            )
+        self.warn(
+            f"outer step {round_no}: this cluster's pseudo-gradient is not finite (its training diverged): it "
+            f"sends nothing and adopts the galaxy's θ_outer ({self.diverged_rounds}/{self.hv.max_bad_rounds})"
+        )
+        adopted = self.hv.galaxy_size > 1 and self._resync(round_no, "this cluster diverged")
+        self.state.scatter_into_model()
+        return {
+            "outer_step": self.outer_step,
+            "galaxy_peers": 0,
+            "galaxy_alive": flight.alive,
+            "galaxy_complete": False,
+            "allreduce_seconds": 0.0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "retries": 0,
+            "in_sync": False,
+            "resynced": adopted,
+            "pseudo_grad_finite": False,
+            "pseudo_grad_norm": float("nan"),
+            "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
+            "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
+        }
+
+    def _rejected_by_any_rank(self, report: RoundReport) -> list[int]:
+        """Galaxy ranks some shard's reducer left out as not finite, the same list on every rank."""
+        gathered = self.cluster.gather_strings(",".join(map(str, report.rejected)))
+        return sorted({int(rank) for ranks in gathered for rank in ranks.split(",") if rank})
 
     def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:
         """The round's report, or a group of one (``failed``) when it produced no result."""
@@ -252,7 +322,7 @@ class DiLoCo:
                     "every cluster must train the same model config with the same number of ranks"
                 )
 
-    def _resync(self, wanted_step: int) -> bool:
+    def _resync(self, wanted_step: int, why: str = "θ_outer differed from the galaxy") -> bool:
         """Adopt the outer state (θ_outer, momentum, round counter) of the galaxy's most advanced cluster after
         a hash mismatch, and say whether it worked.
 
@@ -272,12 +342,9 @@ class DiLoCo:
         if ok:
             previous = self.outer_step
             self.state.adopt(*downloaded)
-            self.warn(
-                f"outer step {previous}: θ_outer differed from the galaxy: adopted a peer's state at outer step "
-                f"{self.outer_step}"
-            )
+            self.warn(f"outer step {previous}: {why}: adopted a peer's state at outer step {self.outer_step}")
         else:
-            self.warn(f"outer step {self.outer_step}: θ_outer differs from the galaxy and re-sync failed")
+            self.warn(f"outer step {self.outer_step}: {why} and re-sync failed")
         return ok
 
     def report(self, record: dict[str, Any]) -> None:

@@ -27,6 +27,8 @@ class RoundReport:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    rejected: list[int] = field(default_factory=list)
+    """Galaxy ranks whose parts this shard's reducer left out of the average as not finite."""
 
 
 class AloneRound:

@@ -17,6 +17,7 @@ sends the very same Q(Δ + e) again.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -169,7 +170,7 @@ class OuterState:
         """What this cluster sends this round, in ``flat``: Δ, or with a codec Q(Δ + e) in its wire layout; returns
         ‖Δ‖² (before the error feedback)."""
         total = self.pseudo_grad_into(flat)
-        if self.compressor is not None:
+        if self.compressor is not None and math.isfinite(total):  # a non-finite Δ is never encoded nor sent
             self.compressor.to_wire_(flat, self.error, self.outer_step)
         return total
 

@@ -57,12 +57,33 @@ def _crash_when_reducing() -> None:
     CanonicalAllReduce._serialize_result = crash
 
 
-def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False):
+def _send_garbage() -> None:
+    """Fault injection: every part this peer sends to another reducer is NaN (a broken or hostile sender); the
+    span it reduces itself stays honest."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+
+    from open_diloco.galaxy.allreduce import CanonicalAllReduce
+
+    honest = CanonicalAllReduce._generate_input_for_peer
+
+    async def garbage(self, peer_index):
+        async for msg in honest(self, peer_index):
+            part = deserialize_torch_tensor(msg.tensor_part)
+            msg.tensor_part.CopyFrom(serialize_torch_tensor(torch.full_like(part, float("nan"))))
+            yield msg
+
+    CanonicalAllReduce._generate_input_for_peer = garbage
+
+
+def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
+          garbage=False):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
     from open_diloco.galaxy.averager import start_shard_averager
 
     if crash:
         _crash_when_reducing()
+    if garbage:
+        _send_garbage()
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -97,6 +118,8 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
                 continue
             present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
             mean = present.mean(0)
+            honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()
+            honest_mean = honest_mean.mean(0)
             error = (mine.double() - mean).abs()
             # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
             fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
@@ -106,6 +129,8 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
                 fp16_ok=bool((error <= fp16_tolerance).all()),
                 unchanged=bool(torch.equal(mine, inputs[rank])),
                 each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
+                finite=bool(torch.isfinite(mine).all()),
+                honest_share=float(((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()),
                 wall=time.monotonic() - start,
             )
             queue.put(("round", rank, round_id, asdict(report), result))
@@ -143,7 +168,7 @@ class Galaxy:
     def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
         if barrier is not None and barrier not in self.barriers:
             self.barriers.append(barrier)
-        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash") if k in kwargs}
+        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "garbage") if k in kwargs}
         args = (rank, {**BASE, "galaxy_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
         worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
         worker.start()
@@ -245,6 +270,27 @@ def test_rounds_are_bitwise_identical(galaxy, n, compression):
 
 
 CODEC_NUMEL = 1_100_003  # int8 and int4 parts hold 2^19 and 2^20 values: several parts, several reducers
+
+
+def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy):
+    # peer 2 sends NaN parts to the other reducers: they leave it out of their spans and name it; the others end
+    # the round with identical, finite bytes, the mean of the honest peers' buffers on the spans they reduced
+    # (CODEC_NUMEL: parts enough for every peer to reduce a span)
+    n, barrier = 3, CTX.Barrier(4)
+    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    for rank in (1, 2):
+        galaxy.start(rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, garbage=rank == 2)
+    galaxy.wait_for("ready", n)
+    barrier.wait(60)
+    results = {m[1]: m for m in galaxy.wait_for("round", n)}
+    honest = [results[0], results[1]]
+    for _, _, _, report, result in honest:
+        assert report["rejected"] == [2] and report["complete"], report
+        assert result["finite"], result
+        assert result["honest_share"] > 0.5, result  # the two honest reducers' spans: about 2/3 of the buffer
+    assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
+
 MIN_RATIO = {"bf16": 1.99, "int8": 3.9, "int4": 7.4, "int2": 14.8, "sparse": 14.8}
 MAX_ERROR = {"bf16": 0.01, "int8": 0.03, "int4": 0.3, "int2": 1.0, "sparse": 1.0}
 

@@ -23,10 +23,18 @@ class InProcessGalaxy:
     alone). ``departed``: galaxy ranks the membership records say are gone."""
 
     def __init__(
-        self, size: int, drop: set[int] | None = None, compression: str = "none", departed: set[int] | None = None
+        self,
+        size: int,
+        drop: set[int] | None = None,
+        compression: str = "none",
+        departed: set[int] | None = None,
+        serve_state: bool = False,
     ):
         self.size = size
         self.departed = departed or set()
+        self.serve_state = serve_state
+        """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
+        self.averagers: dict[int, InProcessAverager] = {}
         self.codec = wire_codec(compression)
         self.drop = drop or set()
         self.barrier = threading.Barrier(size, timeout=30)
@@ -34,7 +42,8 @@ class InProcessGalaxy:
         self.meta: dict[int, dict] = {}
 
     def averager(self, rank: int, numel: int) -> InProcessAverager:
-        return InProcessAverager(self, rank, numel)
+        self.averagers[rank] = InProcessAverager(self, rank, numel)
+        return self.averagers[rank]
 
 
 class InProcessRound:
@@ -84,6 +93,12 @@ class InProcessAverager:
         self.get_state = get_state
 
     def download_state(self, timeout: float):
+        if not self.galaxy.serve_state:
+            return None
+        for rank, other in sorted(self.galaxy.averagers.items()):
+            if rank != self.rank and other.get_state is not None:
+                metadata, tensors = other.get_state()
+                return metadata, [tensor.clone() for tensor in tensors]
         return None
 
     def shutdown(self) -> None:
