@@ -83,6 +83,7 @@ JSON_KEYS = (
     "galaxy_peers",
     "galaxy_alive",
     "codec",
+    "model_fingerprint",
     "local_steps",
     "version",
     "peer_id",

@@ -175,8 +175,10 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             join_timeout=hv.join_timeout,
             compression=hv.compression,
             member_expiry=hv.member_expiry,
+            schema=schema,
         )
 
+    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression}
     cluster = ClusterComm(world.device)
     if hv.initial_peers or world.world_size == 1:
         averager = start(hv.initial_peers)
@@ -189,21 +191,28 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         averager = averager or start(entry[0])
     try:
         outer_log = logging.getLogger("open_diloco.outer")
-        status = _status_board(hv, averager, world) if world.rank == 0 else None
+        status = _status_board(hv, averager, schema) if world.rank == 0 else None
         return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning, status=status)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise
 
 
-def _status_board(hv: HvConfig, averager: Any, world: World) -> Any:
-    """This cluster's record on the galaxy's status board (``open-diloco status``), kept by rank 0."""
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's parameter names and (global) shapes: clusters with different ones cannot
+    average together."""
+    import xxhash
+
+    layout = ";".join(f"{name}:{tuple(param.shape)}" for name, param in model.named_parameters())
+    return xxhash.xxh3_64(layout.encode()).hexdigest()
+
+
+def _status_board(hv: HvConfig, averager: Any, schema: dict[str, Any]) -> Any:
+    """This cluster's membership and status record (``open-diloco status``), kept by rank 0."""
     from open_diloco.cli import version_line
     from open_diloco.galaxy.status import StatusPublisher, cluster_identity
 
-    identity = cluster_identity(
-        hv.world_rank, world.world_size, hv.compression, hv.local_steps, version_line(), averager.peer_id
-    )
+    identity = cluster_identity(hv.world_rank, schema, hv.local_steps, version_line(), averager.peer_id)
     return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry)
 
 

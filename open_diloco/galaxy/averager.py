@@ -22,11 +22,11 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-from open_diloco.errors import ConfigError, DuplicateGalaxyRank, RoundFailed
+from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
-from open_diloco.galaxy.status import departed, read_records, status_key
+from open_diloco.galaxy.status import departed, read_records, schema_conflict, status_key
 from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.protocols import RoundReport
 
@@ -174,11 +174,13 @@ class HivemindAverager:
     """
 
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
-                 averaging_timeout: float, run_id: str, member_expiry: float):
+                 averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any]):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout = averaging_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
+        self.schema = schema
+        """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
@@ -211,9 +213,15 @@ class HivemindAverager:
         return HivemindRound(self, control, metadata, start)
 
     def departed_clusters(self) -> set[int]:
+        """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot
+        average with this one (matchmaking would silently never group the two)."""
         if self.galaxy_size == 1:
             return set()
-        return departed(read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS), self.member_expiry)
+        records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
+        conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
+        if conflict is not None:
+            raise GalaxyMismatch(conflict)
+        return departed(records, self.member_expiry)
 
     def alone_in_galaxy(self) -> bool:
         """Every other cluster of the galaxy is known to be gone."""
@@ -293,10 +301,14 @@ def start_shard_averager(
     join_timeout: float,
     compression: str,
     member_expiry: float,
+    schema: dict[str, Any] | None = None,
 ) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
 
     ``numel`` is the shard's flat buffer size: hivemind matches only peers with the same tensor schema.
+    ``schema``: what the cluster must share with the others (``galaxy.status.SCHEMA_KEYS``), checked against the
+    other clusters' records at every round (default: the shard's size and the codec, for peers that are not
+    a trainer's).
     ``initial_peers`` empty: this peer starts its own DHT. Every wait is bounded by ``join_timeout``; bad
     addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
     """
@@ -337,6 +349,7 @@ def start_shard_averager(
         averaging_timeout=averaging_timeout,
         run_id=run_id,
         member_expiry=member_expiry,
+        schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression},
     )
 
 

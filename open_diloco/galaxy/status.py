@@ -141,19 +141,40 @@ class StatusPublisher:
             log.debug("status record not stored (no DHT peer took it)")
 
 
-def cluster_identity(
-    galaxy_rank: int, ranks: int, codec: str, local_steps: int, version: str, peer_id: str
-) -> dict[str, Any]:
-    """The fixed part of a cluster's record."""
+SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec")
+"""What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
+tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs (codec)."""
+
+
+def cluster_identity(galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str, peer_id: str) -> dict[str, Any]:
+    """The fixed part of a cluster's record: who it is, and its :data:`SCHEMA_KEYS`."""
     return {
         "galaxy_rank": galaxy_rank,
         "host": socket.gethostname(),
-        "ranks": ranks,
-        "codec": codec,
+        **{key: schema[key] for key in SCHEMA_KEYS},
         "local_steps": local_steps,
         "version": version,
         "peer_id": peer_id,
     }
+
+
+def schema_conflict(
+    records: list[dict[str, Any]], galaxy_rank: int, schema: dict[str, Any], expiry: float
+) -> str | None:
+    """A line naming the first cluster whose record says it cannot average with this one, and what differs;
+    ``None`` when all can. Only clusters heard from within ``expiry`` count (also one that just stopped over the
+    same conflict, so that both sides are told): an old run's records under the same run id are no conflict."""
+    for record in records:
+        if record["galaxy_rank"] == galaxy_rank or record["last_seen_seconds"] > expiry:
+            continue
+        for key in SCHEMA_KEYS:
+            if key in record and record[key] != schema[key]:
+                return (
+                    f"cluster {record['galaxy_rank']} (host {record.get('host', '?')}) cannot average with this one: "
+                    f"its {key} is {record[key]!r}, here {schema[key]!r}; every cluster of a galaxy must train the "
+                    "same model with the same number of ranks and --hv.compression"
+                )
+    return None
 
 
 class StatusReader:

@@ -74,3 +74,16 @@ def test_duplicate_galaxy_rank_stops_both_clusters_with_the_line(galaxy):
         errors = [line for line in log.splitlines() if line.startswith("open-diloco: error:")]
         assert errors and all("also claims galaxy rank 0" in line and "--hv.world-rank" in line for line in errors), log[-3000:]
         assert "retry" not in log
+
+
+def test_clusters_that_cannot_average_together_stop_both_with_what_differs(galaxy):
+    # hivemind's matchmaking would silently never group them (each training alone behind partial rounds)
+    steps = ["--max-steps", "20", "--hv.local-steps", "3"]
+    galaxy.start_cluster(0, 2, *steps)
+    galaxy.start_cluster(1, 2, *steps, "--hv.compression", "int8")
+    for rank, (theirs, mine) in ((0, ("'int8'", "'none'")), (1, ("'none'", "'int8'"))):
+        assert galaxy.wait(f"cluster{rank}", 180) != 0, galaxy.log(f"cluster{rank}")[-3000:]
+        log = galaxy.log(f"cluster{rank}")
+        errors = [line for line in log.splitlines() if line.startswith("open-diloco: error:")]
+        expected = f"cannot average with this one: its codec is {theirs}, here {mine}"
+        assert errors and all(expected in line for line in errors), log[-3000:]
