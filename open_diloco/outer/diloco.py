@@ -293,7 +293,7 @@ class DiLoCo:
             "in_sync": False,
             "resynced": adopted,
             "pseudo_grad_finite": False,
-            "pseudo_grad_norm": float("nan"),
+            "pseudo_grad_norm": None,  # not finite (JSON has no NaN)
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
