@@ -251,7 +251,8 @@ class DiLoCo:
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
             "retries": flight.attempts,
-            "in_sync": in_sync,
+            # every live cluster took part and all started from this θ_outer: with one missing, nobody can tell
+            "in_sync": in_sync and clusters >= outcome.alive,
             "resynced": resynced,
             "pseudo_grad_finite": True,
             "average_finite": finite,

@@ -107,6 +107,7 @@ def test_partial_round_policy(policy, expected_calls):
     results = _run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, on_partial_round=policy, max_retries=2)
     weight, records, outer = results[0]
     assert records[0]["galaxy_peers"] == 1 and records[0]["retries"] == expected_calls - 1
+    assert records[0]["in_sync"] is False  # a live cluster was missing: nobody can tell
     assert outer.averager.calls == expected_calls
     # proceeding alone: the outer step used this cluster's own Δ = 1.0 → θ = 1 − 0.7·(1 + 0.9) = −0.33
     torch.testing.assert_close(weight, torch.tensor([[1.0 - 0.7 * 1.9]]))
@@ -133,7 +134,7 @@ def test_the_only_live_cluster_averages_alone_at_once():
     record = outer.after_inner_step(1)
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.5]]))  # θ_outer ← own θ_local
     assert outer.averager.calls == 0
-    assert (record["galaxy_peers"], record["galaxy_alive"], record["retries"]) == (1, 1, 0)
+    assert (record["galaxy_peers"], record["galaxy_alive"], record["retries"]) == (1, 1, 0) and record["in_sync"]
     assert warnings == ["outer step 1: 1 of 2 clusters alive (were 2): rounds now wait for these"]
     outer.after_inner_step(1)
     assert len(warnings) == 1  # said once, when the live set changed
