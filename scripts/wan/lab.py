@@ -162,6 +162,10 @@ class Lab:
         """Prefix a command with this to run it inside ``endpoint``'s namespace."""
         return ["ip", "netns", "exec", self.netns(endpoint)]
 
+    def set_link(self, endpoint: str, up: bool) -> None:
+        """Take ``endpoint``'s link down (a partition: nothing in or out) or bring it back up."""
+        _run("ip", "-n", self.bridge_netns, "link", "set", self._endpoint(endpoint), "up" if up else "down")
+
     # -- life cycle --------------------------------------------------------------------------------------
     def _state(self) -> None:
         pids = {proc.pid: psutil.Process(proc.pid).create_time()

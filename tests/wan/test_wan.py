@@ -77,6 +77,48 @@ def test_two_clusters_over_intercontinental(tmp_path):
 
 
 @needs_root
+def test_a_partition_heals_into_one_galaxy(tmp_path):
+    # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the link
+    # is back the two average together again with equal hashes, the one behind re-synced to the other
+    steps = ["--max-steps", "5000", "--hv.local-steps", "10", "--hv.averaging-timeout", "10",
+             "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4", "--hv.on-partial-round", "proceed"]
+    with Lab(2, "region") as lab:
+        pids = lab_pids(lab)
+        galaxy = Galaxy(tmp_path, lab=lab)
+        try:
+            metrics = [galaxy.start_cluster(rank, 2, *steps, nproc=1) for rank in (0, 1)]
+            galaxy.wait_for_step(metrics[1], 20, 240)
+            lab.set_link("cluster1", up=False)
+            cut_at = [max(outer_records(m)) for m in metrics]
+            time.sleep(30)
+            apart = [max(outer_records(m)) for m in metrics]
+            lab.set_link("cluster1", up=True)
+            back = time.monotonic()
+            healed = None
+            while healed is None and time.monotonic() - back < 60:
+                time.sleep(1)
+                galaxy.track()
+                rounds = [outer_records(m) for m in metrics]
+                healed = next((r for r in sorted(set(rounds[0]) & set(rounds[1]))
+                               if r > max(apart) and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
+                               and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]), None)
+            healed_after = time.monotonic() - back
+        finally:
+            galaxy.close()
+        pids += sorted(galaxy.seen_pids)
+    assert_gone(lab, pids)
+    rounds = [outer_records(m) for m in metrics]
+    # apart, both trained on, alone, into two different models
+    for side in (0, 1):
+        assert apart[side] > cut_at[side] + 2, (cut_at, apart)
+    assert rounds[0][min(apart)]["param_hash"] != rounds[1][min(apart)]["param_hash"]
+    assert healed is not None, [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)]
+    print(f"partition healed {healed_after:.0f} s after the link came back (round {healed})")
+    assert healed_after < 30
+    assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
+
+
+@needs_root
 def test_a_killed_lab_process_is_cleaned_up(tmp_path):
     ready = tmp_path / "lab.json"
     proc = subprocess.Popen(
