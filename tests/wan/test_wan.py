@@ -113,7 +113,8 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
         assert apart[side] > cut_at[side] + 2, (cut_at, apart)
     assert rounds[0][min(apart)]["param_hash"] != rounds[1][min(apart)]["param_hash"]
     assert healed is not None, [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)]
-    print(f"partition healed {healed_after:.0f} s after the link came back (round {healed})")
+    print(f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
+          f"back (round {healed})")
     assert healed_after < 30
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
