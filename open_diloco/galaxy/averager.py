@@ -26,9 +26,9 @@ from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch,
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
-from open_diloco.galaxy.status import departed, read_records, schema_conflict, status_key
+from open_diloco.galaxy.status import departed, lead_outer_step, read_records, schema_conflict, status_key
 from open_diloco.outer.codecs import wire_codec
-from open_diloco.outer.protocols import RoundReport
+from open_diloco.outer.protocols import Membership, RoundReport
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
 # which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
@@ -212,21 +212,24 @@ class HivemindAverager:
         control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False)
         return HivemindRound(self, control, metadata, start)
 
-    def departed_clusters(self) -> set[int]:
+    def membership(self) -> Membership:
         """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot
         average with this one (matchmaking would silently never group the two)."""
         if self.galaxy_size == 1:
-            return set()
+            return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)
-        return departed(records, self.member_expiry)
+        return Membership(
+            departed=frozenset(departed(records, self.member_expiry)),
+            lead=lead_outer_step(records, self.member_expiry),
+        )
 
     def alone_in_galaxy(self) -> bool:
         """Every other cluster of the galaxy is known to be gone."""
         others = set(range(self.galaxy_size)) - {self.galaxy_rank}
-        return others <= self.departed_clusters()
+        return others <= self.membership().departed
 
     def lonely_report(self, metadata: dict[str, Any], start: float) -> RoundReport:
         return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},

@@ -220,6 +220,12 @@ def read_records(dht: DHT, key: str, timeout: float) -> list[dict[str, Any]]:
     return sorted(records, key=lambda record: record["galaxy_rank"])
 
 
+def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
+    """The highest outer step a live cluster's record shows (-1: none)."""
+    live = [r for r in records if r.get("state") == "training" and r["last_seen_seconds"] <= expiry]
+    return max((int(r.get("outer_step", -1)) for r in live), default=-1)
+
+
 def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
     """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
     than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""

@@ -50,6 +50,13 @@ class RoundInFlight:
     start_error: str | None = None
     diverged: bool = False
     """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
+    lead: int = -1
+    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
+    this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+
+    @property
+    def sits_out(self) -> bool:
+        return self.pending is None and self.start_error is None
 
 
 class DiLoCo:
@@ -139,18 +146,20 @@ class DiLoCo:
     def step(self) -> dict[str, Any]:
         """One blocking outer step: start the round and finish it (or sit it out, see :meth:`sit_out`)."""
         flight = self.start_round()
-        return self.sit_out(flight) if flight.diverged else self.finish_round(flight)
+        return self.sit_out(flight) if flight.sits_out else self.finish_round(flight)
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
         """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it."""
         own_hash = self.state.hash()
-        alive = self._alive_clusters()
+        alive, lead = self._membership()
+        if lead > self.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
+            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead)
         try:
             with self.averager.buffer() as pseudo_grad:
                 local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
             if not self.cluster.all_true(math.isfinite(local_sq)):  # never sent: it would poison every cluster
-                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True)
+                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
@@ -161,13 +170,16 @@ class DiLoCo:
             return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err))
         return RoundInFlight(pending, own_hash, local_sq, alive, attempts)
 
-    def _alive_clusters(self) -> int:
-        """The galaxy less the clusters whose membership record says they are gone (never this one), the same
-        on every rank of this cluster: the largest count any rank saw, so that a rank that could not read the
-        DHT in time makes the round wait rather than skip a cluster that is there."""
-        gone = {rank for rank in self.averager.departed_clusters() if rank != self.galaxy_rank}
-        alive = self.hv.galaxy_size - len({rank for rank in gone if 0 <= rank < self.hv.galaxy_size})
-        return -self.cluster.min_int(-alive)
+    def _membership(self) -> tuple[int, int]:
+        """(clusters alive, the galaxy's lead outer step), the same on every rank of this cluster.
+
+        Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
+        any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
+        cluster that is there. Lead: the highest outer step any rank saw in a live cluster's record."""
+        view = self.averager.membership()
+        gone = {rank for rank in view.departed if rank != self.galaxy_rank and 0 <= rank < self.hv.galaxy_size}
+        alive = -self.cluster.min_int(-(self.hv.galaxy_size - len(gone)))
+        return alive, -self.cluster.min_int(-view.lead)
 
     @torch.no_grad()
     def finish_round(self, flight: RoundInFlight) -> dict[str, Any]:
@@ -264,23 +276,35 @@ class DiLoCo:
 
     @torch.no_grad()
     def sit_out(self, flight: RoundInFlight) -> dict[str, Any]:
-        """This cluster's Δ is not finite (its inner training diverged): it sends nothing, so the galaxy's round
-        goes on without it, and it heals by adopting the galaxy's θ_outer once that round is applied; alone, or
-        when no peer serves it in time, it drops its local progress and goes back to its own θ_outer. After
-        ``--hv.max-bad-rounds`` such rounds in a row it stops: the divergence is its own, not a passing spike."""
+        """Send nothing this round, then adopt the galaxy's θ_outer once the round is applied, when:
+
+        - the galaxy is ahead (``flight.lead``): this cluster's Δ was taken from an older θ_outer than the
+          round's (a late joiner whose download is already old, a side of a healed partition), and averaging it
+          would drag every cluster back;
+        - this cluster's Δ is not finite (its inner training diverged). Alone, or when no peer serves the state
+          in time, it drops its local progress and goes back to its own θ_outer. After ``--hv.max-bad-rounds``
+          such rounds in a row it stops: the divergence is its own, not a passing spike."""
         round_no = self.outer_step + 1
-        self.diverged_rounds += 1
-        if self.diverged_rounds > self.hv.max_bad_rounds:
-            raise GalaxyError(
-                f"outer step {round_no}: this cluster's pseudo-gradient was not finite in "
-                f"{self.diverged_rounds} rounds in a row (its training diverges): stopping; lower --lr or "
-                "--max-grad-norm, or resume from an earlier checkpoint"
+        if flight.diverged:
+            self.diverged_rounds += 1
+            if self.diverged_rounds > self.hv.max_bad_rounds:
+                raise GalaxyError(
+                    f"outer step {round_no}: this cluster's pseudo-gradient was not finite in "
+                    f"{self.diverged_rounds} rounds in a row (its training diverges): stopping; lower --lr or "
+                    "--max-grad-norm, or resume from an earlier checkpoint"
+                )
+            self.warn(
+                f"outer step {round_no}: this cluster's pseudo-gradient is not finite (its training diverged): it "
+                f"sends nothing and adopts the galaxy's θ_outer ({self.diverged_rounds}/{self.hv.max_bad_rounds})"
             )
-        self.warn(
-            f"outer step {round_no}: this cluster's pseudo-gradient is not finite (its training diverged): it "
-            f"sends nothing and adopts the galaxy's θ_outer ({self.diverged_rounds}/{self.hv.max_bad_rounds})"
-        )
-        adopted = self.hv.galaxy_size > 1 and self._resync(round_no, "this cluster diverged")
+            why, wanted = "this cluster diverged", max(round_no, flight.lead)
+        else:
+            self.warn(
+                f"outer step {round_no}: the galaxy is at outer step {flight.lead}: this cluster's pseudo-gradient "
+                "comes from an older θ_outer, so it sends nothing and adopts the galaxy's state"
+            )
+            why, wanted = "the galaxy was ahead", flight.lead
+        adopted = self.hv.galaxy_size > 1 and self._resync(wanted, why)
         self.state.scatter_into_model()
         return {
             "outer_step": self.outer_step,
@@ -293,7 +317,7 @@ class DiLoCo:
             "retries": 0,
             "in_sync": False,
             "resynced": adopted,
-            "pseudo_grad_finite": False,
+            "pseudo_grad_finite": not flight.diverged,
             "pseudo_grad_norm": None,  # not finite (JSON has no NaN)
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),

@@ -31,6 +31,17 @@ class RoundReport:
     """Galaxy ranks whose parts this shard's reducer left out of the average as not finite."""
 
 
+@dataclass(frozen=True)
+class Membership:
+    """The galaxy as its clusters' membership records describe it when a round starts."""
+
+    departed: frozenset[int] = frozenset()
+    """Galaxy ranks that left (end of run, a stop) or have not refreshed their record for --hv.member-expiry."""
+    lead: int = -1
+    """The highest outer step a live cluster has applied (-1: unknown). A cluster below it would send a Δ taken
+    from an older θ_outer than the round's."""
+
+
 class AloneRound:
     """The round of a cluster that knows it is the only one alive: its own Δ is the average, at once (no
     matchmaking that could only wait for the timeout)."""
@@ -68,10 +79,9 @@ class Averager(Protocol):
         """Begin averaging the buffer's current contents; ``fingerprint`` travels to every peer."""
         ...
 
-    def departed_clusters(self) -> set[int]:
-        """Galaxy ranks whose membership record says they are gone: they left (end of run, a stop) or have not
-        refreshed it for --hv.member-expiry. Empty when nothing is known (no record read in time): a round then
-        waits for the whole galaxy, as without membership."""
+    def membership(self) -> Membership:
+        """What the clusters' membership records say now (see :class:`Membership`); the empty default when
+        nothing is known (no record read in time): a round then waits for the whole galaxy, as without them."""
         ...
 
     def serve_state(self, get_state: Any) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from open_diloco.outer.codecs import wire_codec
-from open_diloco.outer.protocols import RoundReport
+from open_diloco.outer.protocols import Membership, RoundReport
 
 
 class InProcessGalaxy:
@@ -32,6 +32,8 @@ class InProcessGalaxy:
     ):
         self.size = size
         self.departed = departed or set()
+        self.lead = -1
+        """The highest outer step the membership records show (-1: unknown)."""
         self.serve_state = serve_state
         """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
         self.averagers: dict[int, InProcessAverager] = {}
@@ -86,8 +88,8 @@ class InProcessAverager:
         self.calls += 1
         return InProcessRound(self, round_id, fingerprint)
 
-    def departed_clusters(self) -> set[int]:
-        return set(self.galaxy.departed)
+    def membership(self) -> Membership:
+        return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead)
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

@@ -11,7 +11,7 @@ import torch
 from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError, RoundFailed
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.state import outer_sgd_step_
+from open_diloco.outer.state import combine_hashes, outer_sgd_step_
 from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
 
 
@@ -185,6 +185,32 @@ def test_a_diverged_cluster_sends_nothing_and_adopts_the_galaxy_state():
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))  # healed: the galaxy's θ_outer
     assert record["param_hash"] == results[0][0]["param_hash"]
     assert "pseudo-gradient is not finite" in warnings[0] and "adopted a peer's state" in warnings[1]
+
+
+def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
+    # the membership records show a live cluster at outer step 3 while this one is at 0 (say, a late joiner whose
+    # download is already old): its Δ comes from an older θ_outer and must never enter the average
+    galaxy = InProcessGalaxy(1, serve_state=True)
+    hv = dict(galaxy_size=2, on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0, join_timeout=5.0)
+    ahead_model = _model([1.0])
+    ahead = DiLoCo(ahead_model, galaxy.averager(0, 1), _hv(world_rank=0, **hv), warn=lambda *_: None)
+    for local in (0.5, 0.25, 0.125):
+        with torch.no_grad():
+            ahead_model.weight.fill_(local)
+        ahead.after_inner_step(1)
+    galaxy.lead = 3
+    warnings: list[str] = []
+    model = _model([1.0])
+    behind = DiLoCo(model, galaxy.averager(1, 1), _hv(world_rank=1, **hv), warn=warnings.append)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    record = behind.after_inner_step(1)
+    assert galaxy.averagers[1].calls == 0  # nothing was sent
+    assert record["resynced"] and record["pseudo_grad_finite"] and record["outer_step"] == 3
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.125]]))
+    assert record["param_hash"] == combine_hashes([ahead.state.hash()])
+    assert "the galaxy is at outer step 3" in warnings[0]
+    assert behind.inner_step_of_galaxy() == 3  # the trainer catches up its data and schedule from here
 
 
 def test_a_cluster_that_keeps_diverging_stops_with_one_line():
