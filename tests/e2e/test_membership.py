@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from tests.conftest import kill_tree, read_metrics
@@ -50,3 +53,39 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
     assert "2 of 3 clusters alive (were 3)" in log and "1 of 3 clusters alive (were 2)" in log
     losses = [r["loss"] for r in read_metrics(metrics[0])]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy(galaxy, tmp_path):
+    common = ["--max-steps", "400", "--hv.local-steps", "5", "--hv.heartbeat-interval", "1",
+              "--hv.member-expiry", str(EXPIRY), "--hv.averaging-timeout", "30", "--ckpt.interval", "5"]
+    metrics = [galaxy.start_cluster(rank, 2, *common, "--ckpt.path", str(tmp_path / f"ckpt{rank}"), nproc=1)
+               for rank in (0, 1)]
+    galaxy.wait_for_step(metrics[1], 12, 240)
+    galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # Ctrl+C: torchrun forwards it to the rank
+    assert galaxy.wait("cluster1", 60) != 0
+    galaxy.track()
+    stopped_at = max(outer_records(metrics[1]))
+    galaxy.wait_for_step(metrics[0], 5 * (stopped_at + 3), 120)
+    alone = outer_records(metrics[0])
+    before = max(alone[r]["allreduce_seconds"] for r in range(1, stopped_at + 1))
+    for r in range(stopped_at + 1, stopped_at + 3):  # the very next rounds: no wait for the stopped cluster
+        assert (alone[r]["galaxy_alive"], alone[r]["retries"]) == (1, 0), alone[r]
+        assert alone[r]["allreduce_seconds"] <= before + 5.0, (alone[r], before)
+
+    # it comes back from its last checkpoint, behind the galaxy: it adopts the galaxy's state and averages again
+    del galaxy.procs["cluster1"]
+    resumed = galaxy.start_cluster(1, 2, *common, "--ckpt.path", str(tmp_path / "ckpt1"), "--ckpt.resume", "latest",
+                                   nproc=1, name="cluster1")
+    deadline = time.monotonic() + 180
+    together = None
+    while together is None and time.monotonic() < deadline:
+        time.sleep(1)
+        galaxy.track()
+        ours, theirs = outer_records(metrics[0]), outer_records(resumed)
+        shared = sorted(r for r in set(ours) & set(theirs) if r > stopped_at)  # (its metrics file holds both runs)
+        together = next((r for r in shared if ours[r]["galaxy_peers"] == theirs[r]["galaxy_peers"] == 2
+                         and ours[r]["param_hash"] == theirs[r]["param_hash"]), None)
+    assert together is not None, galaxy.log("cluster1")[-3000:]
+    back_rounds = sorted(r for r in outer_records(resumed) if r > stopped_at)
+    assert together <= back_rounds[0] + 2, (together, back_rounds)  # within 2 rounds of its return
+    assert "resumed from" in galaxy.log("cluster1")
