@@ -11,10 +11,13 @@ They start by calling :func:`become_galaxy_child`, which fixes three things meas
   trainer's to handle). The trainer's signal wakeup fd is dropped too, else the child's signals would look
   like the trainer's.
 - A SIGKILLed trainer tells nobody: a watchdog thread notices the re-parenting and exits the same way.
+
+It also keeps p2pd's report of its own socket closing at shutdown out of the log (not an error).
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -26,11 +29,20 @@ from open_diloco.processes import end_tree
 
 def become_galaxy_child(parent_pid: int) -> None:
     """Call first thing in the main thread of a forked hivemind process whose parent is ``parent_pid``."""
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_drop_listener_closed_at_shutdown)
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, lambda signum, frame: _exit_with_children(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
+
+
+def _drop_listener_closed_at_shutdown(record: logging.LogRecord) -> bool:
+    """p2pd reports its own control socket being closed as it shuts down ("error accepting connection: accept
+    unix ...: use of closed network connection"), and hivemind relays that as an ERROR: seen on a rank stopped
+    with SIGTERM while it waited in a round. Nothing failed; other p2pd errors pass."""
+    message = record.getMessage()
+    return not ("error accepting connection" in message and "use of closed network connection" in message)
 
 
 def end_child(process: multiprocessing.Process) -> None:

@@ -29,3 +29,17 @@ def test_hivemind_log_level(env, level):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == level
+
+
+def test_p2pd_closing_its_own_socket_at_shutdown_is_not_logged_as_an_error():
+    import logging
+
+    from open_diloco.galaxy.lifecycle import _drop_listener_closed_at_shutdown
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("hivemind.p2p.p2p_daemon", logging.ERROR, "daemon.go", 198, message, None, None)
+
+    closed = "error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network connection"
+    assert not _drop_listener_closed_at_shutdown(record(closed))
+    assert _drop_listener_closed_at_shutdown(record("error accepting connection: too many open files"))
+    assert _drop_listener_closed_at_shutdown(record("failed to dial peer"))
