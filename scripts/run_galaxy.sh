@@ -71,7 +71,8 @@ fi
 
 dht_host="$(address dht)"
 # shellcheck disable=SC2046  # place prints a command prefix to split
-$(place dht) "$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddrs "/ip4/$dht_host/tcp/0" >"$workdir/dht.log" 2>&1 &
+# its INFO line carries the address we read: INFO whatever HIVEMIND_LOGLEVEL the caller has
+HIVEMIND_LOGLEVEL=INFO $(place dht) "$dht_bin" --identity_path "$workdir/dht_identity.pem" --host_maddrs "/ip4/$dht_host/tcp/0" >"$workdir/dht.log" 2>&1 &
 pids+=($!)
 maddr=""
 for _ in $(seq 1 60); do

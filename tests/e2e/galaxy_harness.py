@@ -76,7 +76,9 @@ class Galaxy:
             ],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
-            env=trainer_env(),
+            # its INFO line carries the address; importing open_diloco.galaxy in this process (a unit test does)
+            # sets HIVEMIND_LOGLEVEL=WARNING for every child otherwise
+            env={**trainer_env(), "HIVEMIND_LOGLEVEL": "INFO"},
         )
         self.procs["dht"] = proc
         deadline = time.monotonic() + 60

@@ -43,7 +43,7 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
         assert cost <= max(before) + MATCHMAKING + EXPIRY, (r, a, before)
     whole = [r for r in range(killed_at_round + 2, 10) if rounds[0][r]["galaxy_alive"] == 2]
     assert len(whole) >= 3, [rounds[0][r] for r in range(killed_at_round + 1, 10)]
-    for r in whole:
+    for r in whole[1:]:  # (the first may have retried before the expiry passed, then seen 2 alive)
         assert rounds[0][r]["retries"] == 0 and rounds[0][r]["in_sync"] and rounds[1][r]["in_sync"], rounds[0][r]
     # once cluster 1 finished (it said so as it left), cluster 0's rounds wait for nobody
     for r in range(11, 16):
