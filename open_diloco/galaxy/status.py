@@ -220,17 +220,17 @@ def read_records(dht: DHT, key: str, timeout: float) -> list[dict[str, Any]]:
     return sorted(records, key=lambda record: record["galaxy_rank"])
 
 
+def is_live(record: dict[str, Any], expiry: float) -> bool:
+    """The record's cluster still trains and refreshed it within ``expiry`` seconds."""
+    return record.get("state") == "training" and record["last_seen_seconds"] <= expiry
+
+
 def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
     """The highest outer step a live cluster's record shows (-1: none)."""
-    live = [r for r in records if r.get("state") == "training" and r["last_seen_seconds"] <= expiry]
-    return max((int(r.get("outer_step", -1)) for r in live), default=-1)
+    return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)
 
 
 def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
     """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
     than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""
-    return {
-        record["galaxy_rank"]
-        for record in records
-        if record.get("state") != "training" or record["last_seen_seconds"] > expiry
-    }
+    return {record["galaxy_rank"] for record in records if not is_live(record, expiry)}
