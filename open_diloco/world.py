@@ -248,14 +248,35 @@ def default_master_addr(launcher: str, world: World, env: dict[str, str] | None 
     )
 
 
+TEARDOWN_SECONDS = 30.0  # how long a finished rank waits for the others to be done with gloo/nccl
+
+
 def leave_process_group(synchronize: bool = False) -> None:
-    """Tear the process group down (idempotent). ``synchronize`` (a clean finish): meet the other ranks
-    first, so no rank tears down its gloo/nccl connections while a peer still uses them (seen on gloo as
-    "terminate called without an active exception" in the slower rank)."""
-    if dist.is_initialized():
-        if synchronize and dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
+    """Tear the process group down (idempotent). ``synchronize`` (a clean finish): first make sure no rank
+    still uses a connection that this one is about to close.
+
+    A collective barrier alone is not enough: a rank returns from it once it has heard from everyone, while
+    its own last messages may still be on their way, and closing its pairs then kills the slower peer's gloo
+    thread ("terminate called without an active exception", SIGABRT, about once in a few hundred runs). So
+    each rank also checks in through the launcher's key-value store, which is not one of those connections,
+    and destroys the group only when every rank has finished the barrier."""
+    if not dist.is_initialized():
+        return
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+        _store_barrier("open_diloco/teardown", dist.get_world_size())
+    dist.destroy_process_group()
+
+
+def _store_barrier(key: str, world_size: int) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/done", "1")
+    store.set_timeout(timedelta(seconds=TEARDOWN_SECONDS))
+    try:
+        store.wait([f"{key}/done"])
+    except dist.DistStoreError:  # a peer died after the barrier: nothing left to protect, tear down anyway
+        pass
 
 
 def env_flag(name: str) -> str | None:
