@@ -108,8 +108,17 @@ class HvConfig(BaseModel):
     proceed), `proceed` with the clusters present, or `fail` (stop the run)."""
 
     max_bad_rounds: Annotated[int, Field(ge=1)] = 3
-    """Rounds in a row this cluster may sit out with a non-finite pseudo-gradient (its training diverged: it
-    adopts the galaxy's θ_outer instead of sending) before it stops with one line saying why."""
+    """Rounds in a row this cluster may sit out with a bad pseudo-gradient (not finite, or out of bound: its
+    training diverged; it adopts the galaxy's θ_outer instead of sending) before it stops with one line saying
+    why."""
+
+    delta_norm_bound: Annotated[float, Field(ge=0)] = 10.0
+    """A pseudo-gradient whose norm exceeds this many times the reference is out of bound: this cluster does not
+    send its own when it exceeds the galaxy's recent median, and its reducers leave out a sender that exceeds
+    their own. 0: off (claims are still checked). README "Galaxy guard"."""
+
+    robust_mean: bool = False
+    """Clip every cluster's pseudo-gradient to the round's median norm before averaging (off: the plain mean)."""
 
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""

@@ -106,8 +106,8 @@ def train(config: Config) -> None:
                 "memory_gib": _memory_gib(world.device),
             }
             record.update(outer.after_inner_step(step))
-            if record.get("pseudo_grad_finite") is False:  # diverged: the weights came back from the galaxy,
-                optimizer.state.clear()  # and AdamW's moments, likely NaN too, start afresh
+            if False in (record.get("pseudo_grad_finite"), record.get("pseudo_grad_in_bound")):
+                optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
             galaxy_step = outer.inner_step_of_galaxy()
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
@@ -176,6 +176,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             compression=hv.compression,
             member_expiry=hv.member_expiry,
             schema=schema,
+            delta_norm_bound=hv.delta_norm_bound,
+            robust_mean=hv.robust_mean,
         )
 
     schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression}

@@ -21,8 +21,11 @@ codec's grid, so this is lossless); the reducer decodes each sender's part, aver
 trips through the codec too, like everyone's), and encodes the average once; every peer, the reducer too, decodes
 those bytes and copies them. Part sizes are powers of two times the codec's block, so no block straddles parts.
 
-A reducer checks every part it receives: a sender whose part is not finite (or whose weight is not) is left out
-of that span's average from there on, like a sender that failed, and named in the round's report (``rejected``).
+A reducer judges every sender (``open_diloco.outer.guard``): one whose claimed ‖Δ‖ is missing or out of bound is
+left out of its span before its first part; one whose part is not finite, whose weight is not 1, or whose parts add
+up to more than it claimed is left out from there on, like a sender that failed. Either way it is named in the
+round's report (``rejected``). With ``--hv.robust-mean`` every sender's parts are scaled to the round's median
+claim.
 
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
@@ -31,7 +34,6 @@ Every codec must go through this copy-the-decoded-average path, or the hash chec
 from __future__ import annotations
 
 import asyncio
-import math
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -47,6 +49,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from open_diloco.outer.codecs import Codec
+from open_diloco.outer.guard import ClaimCheck
 
 
 class CodecCompression(CompressionBase):
@@ -76,8 +79,10 @@ def encoded_message(blob: torch.Tensor) -> runtime_pb2.Tensor:
 class CanonicalAllReduce(AllReduceRunner):
     """Butterfly all-reduce whose result is bitwise identical on every peer (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, claims: ClaimCheck | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.claims = claims
+        """The senders' claimed ‖Δ‖ and the bound they are held to; ``None``: only finiteness is checked."""
         self.tensor_part_container = InPlaceParts.like(self.tensor_part_container)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
             self.ordered_peer_ids.index(self.peer_id)
@@ -88,7 +93,7 @@ class CanonicalAllReduce(AllReduceRunner):
         self.tensor_part_container.codec = self.codec
         self.bytes_sent = self.bytes_received = 0
         self.rejected_senders: set = set()
-        """Senders whose parts were not finite: left out of the spans we reduce (and named in the report)."""
+        """Senders left out of the spans we reduce (and named in the report): see the module docstring."""
         self._serving, self._served = 0, asyncio.Event()
 
     def _serialize_result(self, averaged_part: torch.Tensor):
@@ -112,9 +117,11 @@ class CanonicalAllReduce(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        scale = self.claims.scale(peer_id) if self.claims is not None else 1.0
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            own = self._as_sent(tensor_part)
             averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, self._as_sent(tensor_part), weight=self.weight
+                sender_index, part_index, own if scale == 1.0 else own * scale, weight=self.weight
             )
             if self.codec is not None:
                 canonical = self.codec.decode(self.codec.encode(averaged))  # what the others decode
@@ -128,20 +135,28 @@ class CanonicalAllReduce(AllReduceRunner):
         # Copy of AllReduceRunner._accumulate_parts_streaming, sending compress(avg) instead of
         # compress(avg - part), compressed with our codec rather than the sender's.
         part_index = 0
+        sender = self.sender_peer_ids[sender_index]
+        claims = self.claims
         try:
+            if claims is not None and not claims.admits(sender):
+                self.rejected_senders.add(sender)  # no valid claim, or a Δ far larger than ours: not even read
+                return
+            scale = claims.scale(sender) if claims is not None else 1.0
             loop = asyncio.get_event_loop()
             async for tensor_part, weight in amap_in_executor(
                 lambda msg: (self._deserialize_part(msg.tensor_part), msg.weight),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
-                if not bool(torch.isfinite(tensor_part).all()) or not math.isfinite(weight):
-                    # garbage from this sender (diverged, broken or hostile): averaged without it from here on
-                    self.rejected_senders.add(self.sender_peer_ids[sender_index])
+                # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer of
+                # ours sends weight 1; another weight would give one sender the say of many.
+                honest = bool(torch.isfinite(tensor_part).all()) and weight == 1.0
+                if not honest or (claims is not None and not claims.within_claim(sender, tensor_part)):
+                    self.rejected_senders.add(sender)
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
+                        sender_index, part_index, tensor_part if scale == 1.0 else tensor_part * scale, weight=weight
                     )
                     part_index += 1
                 except BannedException:

@@ -28,6 +28,7 @@ from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 from open_diloco.galaxy.status import departed, lead_outer_step, read_records, schema_conflict, status_key
 from open_diloco.outer.codecs import wire_codec
+from open_diloco.outer.guard import ClaimCheck, valid_claim, wire_norm
 from open_diloco.outer.protocols import Membership, RoundReport
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
@@ -54,6 +55,10 @@ class CanonicalAverager(DecentralizedAverager):
 
     get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]] | None = None
     _round_stats: dict[bytes, dict[str, int]]
+    delta_norm_bound: float = 0.0
+    """``--hv.delta-norm-bound`` for our reducers (``open_diloco.outer.guard``); 0: claims are held to, not bounded."""
+    robust_mean: bool = False
+    """``--hv.robust-mean``: our reducers clip every sender to the round's median claim."""
 
     # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
     # the default start method inside processes started with spawn (and wherever a program chose it).
@@ -68,6 +73,7 @@ class CanonicalAverager(DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            claims=self._claims(group_info),
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
@@ -78,6 +84,18 @@ class CanonicalAverager(DecentralizedAverager):
         if not hasattr(self, "_round_stats"):
             self._round_stats = {}
         self._round_stats[group_id] = runner.stats()
+
+    def _claims(self, group_info) -> ClaimCheck:
+        """Every peer's claimed ‖Δ‖ (``delta_norm`` in the metadata gathered in matchmaking, the same table on
+        every peer of the group)."""
+        claims = {}
+        for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            try:
+                user_blob = self.serializer.loads(blob)[2]
+                claims[peer] = valid_claim(self.serializer.loads(user_blob).get("delta_norm"))
+            except Exception:  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
+                claims[peer] = None
+        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean)
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -240,6 +258,7 @@ class HivemindAverager:
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
         with self.buffer() as shared:
             shared.copy_(values.view(-1))
+        fingerprint = {"delta_norm": wire_norm(values), **fingerprint}
         report = self.start_round(round_id, fingerprint).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
@@ -305,6 +324,8 @@ def start_shard_averager(
     compression: str,
     member_expiry: float,
     schema: dict[str, Any] | None = None,
+    delta_norm_bound: float = 10.0,
+    robust_mean: bool = False,
 ) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
 
@@ -312,6 +333,7 @@ def start_shard_averager(
     ``schema``: what the cluster must share with the others (``galaxy.status.SCHEMA_KEYS``), checked against the
     other clusters' records at every round (default: the shard's size and the codec, for peers that are not
     a trainer's).
+    ``delta_norm_bound``, ``robust_mean``: how this peer's reducers judge senders (``open_diloco.outer.guard``).
     ``initial_peers`` empty: this peer starts its own DHT. Every wait is bounded by ``join_timeout``; bad
     addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
     """
@@ -338,6 +360,7 @@ def start_shard_averager(
         allow_state_sharing=False,
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
+    averager.delta_norm_bound, averager.robust_mean = delta_norm_bound, robust_mean  # before the fork
     try:
         _start_keeping_signal_handlers(averager, join_timeout)
     except BaseException:

@@ -19,6 +19,7 @@ import torch
 from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
+from open_diloco.outer.guard import NormHistory, wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
 from open_diloco.outer.protocols import (
     AloneRound,
@@ -50,6 +51,11 @@ class RoundInFlight:
     start_error: str | None = None
     diverged: bool = False
     """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
+    bound: float | None = None
+    """The largest ‖Δ‖ this shard could send this round (``--hv.delta-norm-bound`` × the galaxy's recent median);
+    ``None``: no history yet, or the check is off."""
+    out_of_bound: bool = False
+    """Δ is finite but out of bound on some rank of this cluster: nothing was sent (it sits the round out)."""
     lead: int = -1
     """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
     this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
@@ -77,8 +83,9 @@ class DiLoCo:
         self.averager = averager
         self.status = status or NullStatusBoard()
         self._alive_before = hv.galaxy_size
-        self.diverged_rounds = 0
-        """Rounds in a row this cluster sat out with a non-finite pseudo-gradient."""
+        self.bad_rounds = 0
+        """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
+        self.norm_history = NormHistory(hv.delta_norm_bound)
         self.hv = hv
         self.galaxy_rank = hv.world_rank
         self.policy = RoundPolicy(hv.on_partial_round, hv.max_retries)
@@ -158,9 +165,16 @@ class DiLoCo:
         try:
             with self.averager.buffer() as pseudo_grad:
                 local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
-            if not self.cluster.all_true(math.isfinite(local_sq)):  # never sent: it would poison every cluster
+                finite = math.isfinite(local_sq)
+                # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
+                claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
+            if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
                 return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead)
-            fingerprint = {"param_hash": own_hash, "numel": self.state.numel}
+            bound = self.norm_history.bound()
+            if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
+                return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
+                                     lead=lead)
+            fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
@@ -168,7 +182,7 @@ class DiLoCo:
                 pending = self.averager.start_round(self.outer_step, fingerprint)
         except RoundFailed as err:
             return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err))
-        return RoundInFlight(pending, own_hash, local_sq, alive, attempts)
+        return RoundInFlight(pending, own_hash, local_sq, alive, attempts, bound=bound)
 
     def _membership(self) -> tuple[int, int]:
         """(clusters alive, the galaxy's lead outer step), the same on every rank of this cluster.
@@ -186,7 +200,7 @@ class DiLoCo:
         """Wait for the round, decide with the policy (retrying as it says), apply the outer step, copy θ_outer
         into the model, and return the round's metrics."""
         round_no = self.outer_step + 1
-        self.diverged_rounds = 0
+        self.bad_rounds = 0
         while True:
             report, failed = self._wait(flight, round_no)
             self._check_peers(report)
@@ -222,8 +236,10 @@ class DiLoCo:
         if rejected:
             self.warn(
                 f"outer step {round_no}: left cluster(s) {rejected} out of the average: their pseudo-gradient "
-                "was not finite"
+                f"was not finite, larger than they claimed, or above --hv.delta-norm-bound={self.hv.delta_norm_bound}"
+                " times ours"
             )
+        self.norm_history.record(meta.get("delta_norm") for rank, meta in report.peers.items() if rank not in rejected)
         if flight.alive != self._alive_before:
             self.warn(
                 f"outer step {round_no}: {flight.alive} of {size} clusters alive (were {self._alive_before}): "
@@ -267,9 +283,11 @@ class DiLoCo:
             "in_sync": in_sync and clusters >= outcome.alive,
             "resynced": resynced,
             "pseudo_grad_finite": True,
+            "pseudo_grad_in_bound": True,
+            "pseudo_grad_bound": self._cluster_bound(flight.bound),
             "average_finite": finite,
             "rejected_peers": rejected,
-            "pseudo_grad_norm": self.cluster.sum_float(flight.local_sq) ** 0.5,
+            "pseudo_grad_norm": self._cluster_norm(flight.local_sq),
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
@@ -285,17 +303,19 @@ class DiLoCo:
           in time, it drops its local progress and goes back to its own θ_outer. After ``--hv.max-bad-rounds``
           such rounds in a row it stops: the divergence is its own, not a passing spike."""
         round_no = self.outer_step + 1
-        if flight.diverged:
-            self.diverged_rounds += 1
-            if self.diverged_rounds > self.hv.max_bad_rounds:
+        if flight.diverged or flight.out_of_bound:
+            self.bad_rounds += 1
+            what = "not finite" if flight.diverged else "out of bound"
+            if self.bad_rounds > self.hv.max_bad_rounds:
                 raise GalaxyError(
-                    f"outer step {round_no}: this cluster's pseudo-gradient was not finite in "
-                    f"{self.diverged_rounds} rounds in a row (its training diverges): stopping; lower --lr or "
-                    "--max-grad-norm, or resume from an earlier checkpoint"
+                    f"outer step {round_no}: this cluster's pseudo-gradient was {what} in {self.bad_rounds} rounds "
+                    "in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or resume from an "
+                    "earlier checkpoint"
                 )
+            detail = "" if flight.diverged else " (above --hv.delta-norm-bound × the galaxy's recent median)"
             self.warn(
-                f"outer step {round_no}: this cluster's pseudo-gradient is not finite (its training diverged): it "
-                f"sends nothing and adopts the galaxy's θ_outer ({self.diverged_rounds}/{self.hv.max_bad_rounds})"
+                f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training diverged; it "
+                f"sends nothing and adopts the galaxy's θ_outer ({self.bad_rounds}/{self.hv.max_bad_rounds})"
             )
             why, wanted = "this cluster diverged", max(round_no, flight.lead)
         else:
@@ -318,10 +338,22 @@ class DiLoCo:
             "in_sync": False,
             "resynced": adopted,
             "pseudo_grad_finite": not flight.diverged,
-            "pseudo_grad_norm": None,  # not finite (JSON has no NaN)
+            "pseudo_grad_in_bound": not flight.out_of_bound,
+            "pseudo_grad_bound": self._cluster_bound(flight.bound),
+            "pseudo_grad_norm": self._cluster_norm(flight.local_sq),  # None when not finite (JSON has no NaN)
             "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
+
+    def _cluster_norm(self, local_sq: float) -> float | None:
+        """‖Δ‖ of the whole cluster (every shard); ``None`` when not finite (or never computed)."""
+        total = self.cluster.sum_float(local_sq)
+        return total**0.5 if math.isfinite(total) else None
+
+    def _cluster_bound(self, bound: float | None) -> float | None:
+        """The sender-side bound for the whole cluster's ‖Δ‖ (each shard's bound, combined like norms)."""
+        total = self.cluster.sum_float(bound**2 if bound is not None else float("nan"))
+        return total**0.5 if math.isfinite(total) else None
 
     def _rejected_by_any_rank(self, report: RoundReport) -> list[int]:
         """Galaxy ranks some shard's reducer left out as not finite, the same list on every rank."""

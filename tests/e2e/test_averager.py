@@ -57,9 +57,9 @@ def _crash_when_reducing() -> None:
     CanonicalAllReduce._serialize_result = crash
 
 
-def _send_garbage() -> None:
-    """Fault injection: every part this peer sends to another reducer is NaN (a broken or hostile sender); the
-    span it reduces itself stays honest."""
+def _send_garbage(fault: str) -> None:
+    """Fault injection: every part this peer sends to another reducer is NaN (``nan``: a broken sender) or 1000x
+    what it claimed (``liar``: a hostile one); the span it reduces itself stays as it is."""
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
     from open_diloco.galaxy.allreduce import CanonicalAllReduce
@@ -69,21 +69,22 @@ def _send_garbage() -> None:
     async def garbage(self, peer_index):
         async for msg in honest(self, peer_index):
             part = deserialize_torch_tensor(msg.tensor_part)
-            msg.tensor_part.CopyFrom(serialize_torch_tensor(torch.full_like(part, float("nan"))))
+            bad = torch.full_like(part, float("nan")) if fault == "nan" else part * 1000
+            msg.tensor_part.CopyFrom(serialize_torch_tensor(bad))
             yield msg
 
     CanonicalAllReduce._generate_input_for_peer = garbage
 
 
 def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
-          garbage=False):
+          fault=None):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
     from open_diloco.galaxy.averager import start_shard_averager
 
     if crash:
         _crash_when_reducing()
-    if garbage:
-        _send_garbage()
+    if fault in ("nan", "liar"):
+        _send_garbage(fault)
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -109,7 +110,7 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
         for round_id in range(rounds):
             barrier.wait(60)
             inputs = [_buffer(round_id, r, numel) for r in range(n)]
-            mine = inputs[rank].clone()
+            mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
             start = time.monotonic()
             try:
                 report = av.all_reduce(mine, round_id, {"fingerprint": f"rank{rank}"})
@@ -168,7 +169,7 @@ class Galaxy:
     def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
         if barrier is not None and barrier not in self.barriers:
             self.barriers.append(barrier)
-        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "garbage") if k in kwargs}
+        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "fault") if k in kwargs}
         args = (rank, {**BASE, "galaxy_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
         worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
         worker.start()
@@ -272,15 +273,18 @@ def test_rounds_are_bitwise_identical(galaxy, n, compression):
 CODEC_NUMEL = 1_100_003  # int8 and int4 parts hold 2^19 and 2^20 values: several parts, several reducers
 
 
-def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy):
-    # peer 2 sends NaN parts to the other reducers: they leave it out of their spans and name it; the others end
-    # the round with identical, finite bytes, the mean of the honest peers' buffers on the spans they reduced
-    # (CODEC_NUMEL: parts enough for every peer to reduce a span)
+@pytest.mark.parametrize("fault", ["nan", "huge", "liar"])
+def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
+    # peer 2 sends NaN parts (nan), a finite Δ 1000x the others' (huge) or parts 1000x the norm it claimed (liar):
+    # the other reducers leave it out of their spans and name it; the others end the round with identical, finite
+    # bytes, the mean of the honest peers' buffers on the spans they reduced (the span peer 2 reduces itself is
+    # its own to spoil: README "Galaxy guard"). CODEC_NUMEL: parts enough for every peer to reduce a span.
     n, barrier = 3, CTX.Barrier(4)
     galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
     for rank in (1, 2):
-        galaxy.start(rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, garbage=rank == 2)
+        extra = {"fault": fault} if rank == 2 else {}
+        galaxy.start(rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, **extra)
     galaxy.wait_for("ready", n)
     barrier.wait(60)
     results = {m[1]: m for m in galaxy.wait_for("round", n)}
@@ -290,6 +294,7 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy):
         assert result["finite"], result
         assert result["honest_share"] > 0.5, result  # the two honest reducers' spans: about 2/3 of the buffer
     assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
+
 
 MIN_RATIO = {"bf16": 1.99, "int8": 3.9, "int4": 7.4, "int2": 14.8, "sparse": 14.8}
 MAX_ERROR = {"bf16": 0.01, "int8": 0.03, "int4": 0.3, "int2": 1.0, "sparse": 1.0}
