@@ -131,6 +131,16 @@ class HvConfig(BaseModel):
     """Seconds without a refresh after which a cluster no longer counts as alive: rounds stop waiting for it
     (and `open-diloco status` flags it silent). A cluster that leaves cleanly stops counting at once."""
 
+    identity_path: Path | None = None
+    """Directory of this cluster's libp2p key files, one per local rank (`rank0.key`, ...; made on first start):
+    its PeerIDs stay the same across restarts, so other clusters' --hv.allowlist can name them. `open-diloco
+    identity DIR --ranks N` makes them and prints the PeerIDs. Unset: new PeerIDs at every start."""
+
+    allowlist: Path | None = None
+    """File of the PeerIDs allowed to average with this cluster and to download its state, one per line (`#`
+    comments); every peer not on it is refused, both ways. Unset: anyone who reaches the DHT and knows the run id.
+    README "Galaxy guard"."""
+
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 

@@ -158,7 +158,18 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
     """
     if hv is None:
         return NullOuterLoop()
+    from open_diloco.galaxy.allowlist import Allowlist, ensure_identity, rank_key_file
     from open_diloco.galaxy.averager import start_shard_averager  # hivemind, loaded only when needed
+
+    allowlist = Allowlist.load(hv.allowlist) if hv.allowlist is not None else None
+    identity_path = None
+    if hv.identity_path is not None:  # the shard index names the key: one PeerID per shard, stable across runs
+        peer_id = ensure_identity(hv.identity_path, world.rank)
+        identity_path = str(rank_key_file(hv.identity_path, world.rank))
+        log.info("rank %d: PeerID %s (%s)", world.rank, peer_id, identity_path)
+        if allowlist is not None and not allowlist.admits(peer_id):
+            log.warning("this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name it",
+                        peer_id, hv.allowlist)
 
     def start(initial_peers: list[str]):
         return start_shard_averager(
@@ -178,6 +189,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             schema=schema,
             delta_norm_bound=hv.delta_norm_bound,
             robust_mean=hv.robust_mean,
+            identity_path=identity_path,
+            allowlist=allowlist,
         )
 
     schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression}

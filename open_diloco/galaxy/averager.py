@@ -13,6 +13,7 @@ import multiprocessing as mp
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,9 +21,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
+from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
@@ -59,6 +64,10 @@ class CanonicalAverager(DecentralizedAverager):
     """``--hv.delta-norm-bound`` for our reducers (``open_diloco.outer.guard``); 0: claims are held to, not bounded."""
     robust_mean: bool = False
     """``--hv.robust-mean``: our reducers clip every sender to the round's median claim."""
+    allowlist: Allowlist | None = None
+    """``--hv.allowlist``: the only peers this averager deals with (``galaxy/allowlist.py``); ``None``: anyone."""
+    _process_allowlist: Allowlist | None = None
+    """The allowlist of the one averager in this (averager) process, for :meth:`get_stub`, a classmethod."""
 
     # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
     # the default start method inside processes started with spawn (and wherever a program chose it).
@@ -77,6 +86,9 @@ class CanonicalAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
+        strangers = [peer for peer in group_info.peer_ids if not self._admits(peer, "a group")]
+        if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
+            raise AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
         assert runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX
         async for _ in runner:  # the runner writes the canonical result into ``tensors`` as parts arrive
             pass
@@ -104,7 +116,50 @@ class CanonicalAverager(DecentralizedAverager):
 
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
+        CanonicalAverager._process_allowlist = self.allowlist
         super().run()
+
+    # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
+    def _admits(self, peer, what: str) -> bool:
+        if self.allowlist is None or peer == self.peer_id or self.allowlist.admits(peer):
+            return True
+        self.allowlist.refuse(peer, what)
+        return False
+
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace=None):
+        """Every outgoing averager RPC (join a leader, send a part, download state) gets its stub here."""
+        allowlist = cls._process_allowlist
+        if allowlist is not None and peer != p2p.peer_id and not allowlist.admits(peer):
+            allowlist.refuse(peer, "to contact it")
+            return RefusedStub()
+        return super().get_stub(p2p, peer, namespace=namespace)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's AsyncIterator here
+        if not self._admits(context.remote_id, "its join request"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        if not self._admits(context.remote_id, "its part"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        if not self._admits(context.remote_id, "its state download"):
+            return  # an empty answer: hivemind's "this peer does not share state"
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``."""
@@ -192,12 +247,15 @@ class HivemindAverager:
     """
 
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
-                 averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any]):
+                 averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
+                 allowlist: Allowlist | None = None, compression: str = "none"):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout = averaging_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
         self.schema = schema
+        self.allowlist = allowlist
+        self.compression = compression
         """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
@@ -236,6 +294,8 @@ class HivemindAverager:
         if self.galaxy_size == 1:
             return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
+        if self.allowlist is not None:  # a stranger's record (say, a mismatched schema) must not stop or stall us
+            records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)
@@ -258,7 +318,9 @@ class HivemindAverager:
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
         with self.buffer() as shared:
             shared.copy_(values.view(-1))
-        fingerprint = {"delta_norm": wire_norm(values), **fingerprint}
+        codec = wire_codec(self.compression)
+        on_wire = values.reshape(-1) if codec is None else codec.decode(codec.encode(values.reshape(-1), on_grid=True))
+        fingerprint = {"delta_norm": wire_norm(on_wire), **fingerprint}  # the claim: what the parts will carry
         report = self.start_round(round_id, fingerprint).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
@@ -326,6 +388,8 @@ def start_shard_averager(
     schema: dict[str, Any] | None = None,
     delta_norm_bound: float = 10.0,
     robust_mean: bool = False,
+    identity_path: str | None = None,
+    allowlist: Allowlist | None = None,
 ) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
 
@@ -334,6 +398,8 @@ def start_shard_averager(
     other clusters' records at every round (default: the shard's size and the codec, for peers that are not
     a trainer's).
     ``delta_norm_bound``, ``robust_mean``: how this peer's reducers judge senders (``open_diloco.outer.guard``).
+    ``identity_path``: this peer's libp2p key file (its PeerID survives restarts); ``allowlist``: the only peers it
+    averages with, serves state to and downloads state from (``galaxy/allowlist.py``).
     ``initial_peers`` empty: this peer starts its own DHT. Every wait is bounded by ``join_timeout``; bad
     addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
     """
@@ -343,7 +409,7 @@ def start_shard_averager(
         raise ConfigError(
             f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time ({matchmaking_time}s)"
         )
-    dht = start_dht(initial_peers, host_maddrs, announce_maddrs, join_timeout)
+    dht = start_dht(initial_peers, host_maddrs, announce_maddrs, join_timeout, identity_path=identity_path)
     averager = CanonicalAverager(
         [torch.zeros(numel, dtype=torch.float32)],
         dht,
@@ -361,6 +427,7 @@ def start_shard_averager(
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
     averager.delta_norm_bound, averager.robust_mean = delta_norm_bound, robust_mean  # before the fork
+    averager.allowlist = allowlist
     try:
         _start_keeping_signal_handlers(averager, join_timeout)
     except BaseException:
@@ -376,6 +443,8 @@ def start_shard_averager(
         run_id=run_id,
         member_expiry=member_expiry,
         schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression},
+        allowlist=allowlist,
+        compression=compression,
     )
 
 

@@ -47,9 +47,11 @@ def start_dht(
     announce_maddrs: Sequence[str],
     join_timeout: float,
     client_mode: bool = False,
+    identity_path: str | None = None,
 ) -> GalaxyDHT:
     """Start a DHT node that joins ``initial_peers`` (none: a new DHT), waiting at most ``join_timeout``.
     ``client_mode``: a node that only asks (``open-diloco status``); it stores nothing and serves no one.
+    ``identity_path``: a libp2p private key file (made if missing): the node's PeerID, the same at every start.
 
     Bad addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix."""
     for maddr in initial_peers:
@@ -68,6 +70,7 @@ def start_dht(
         auto_nat=False,
         wait_timeout=min(join_timeout, 3.0),
         shutdown_timeout=SHUTDOWN_SECONDS,
+        **({"identity_path": identity_path} if identity_path else {}),
     )
     try:
         dht.wait_until_ready(timeout=join_timeout)
@@ -80,6 +83,11 @@ def start_dht(
     except Exception as e:
         shutdown_dht(dht)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "already taken" in reason:
+            raise ConfigError(
+                f"the identity in {identity_path!r} is already online in this DHT: another process (or a previous "
+                "run not yet gone) uses it; give every cluster its own --hv.identity-path, or wait for the old run to end"
+            ) from None
         if "bootstrap" in reason:
             raise ConfigError(
                 f"no DHT peer answered at --hv.initial-peers {list(initial_peers)}; start hivemind-dht "

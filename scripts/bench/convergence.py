@@ -20,6 +20,7 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             reset (1: reset AdamW state each round)
             codec (--hv.compression: int8, int4, int2, sparse, ...) ef (--hv.error-feedback, 0/1)
             density (--hv.sparse-density) rule (--hv.sparse-rule: cyclic, random)
+            robust (--hv.robust-mean, 0/1)
 
     python scripts/bench/convergence.py --quick --threads 1            # <= 10 min on 2 CPU cores, 2M model
     python scripts/bench/convergence.py --threads 1                    # <= 40 min: seq 256, B 32, 300 steps
@@ -176,6 +177,7 @@ def hv_of(spec: dict, rank: int) -> HvConfig:
             ("ef", "error_feedback"),
             ("density", "sparse_density"),
             ("rule", "sparse_rule"),
+            ("robust", "robust_mean"),
         )
         if spec.get(key) is not None
     }
@@ -204,7 +206,7 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     if galaxy:
         hashes = {fingerprint_bytes(flat(c.model)) for c in clusters}
         assert len(hashes) == 1, "clusters start from different weights"
-        averagers = InProcessGalaxy(size, compression=hvs_compression(spec))
+        averagers = InProcessGalaxy(size, compression=hvs_compression(spec), robust_mean=bool(spec.get("robust")))
         hvs = [hv_of(spec, m) for m in range(size)]
         record["outer"] = {
             "outer_lr": hvs[0].outer_lr,
@@ -237,7 +239,7 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
             reference.step(locals_)
             theta = outers[0].state.params
             err = float((theta.double() - reference.theta).abs().max())
-            if spec.get("codec") in (None, "none"):  # a codec's rounding is the point of its arm
+            if spec.get("codec") in (None, "none") and not spec.get("robust"):  # their rounding/clipping is the point
                 assert err < 1e-4, f"round {round_index}: DiLoCo's θ_outer differs from the reference by {err}"
             for c, outer in zip(clusters, outers, strict=True):
                 assert torch.equal(flat(c.model), outer.state.params), "θ_local ← θ_outer did not land"
@@ -302,6 +304,7 @@ KEY_TYPES: dict = {
     "ef": int,
     "density": float,
     "rule": str,
+    "robust": int,
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from open_diloco.outer.codecs import wire_codec
+from open_diloco.outer.guard import ClaimCheck
 from open_diloco.outer.protocols import Membership, RoundReport
 
 
@@ -29,12 +30,15 @@ class InProcessGalaxy:
         compression: str = "none",
         departed: set[int] | None = None,
         serve_state: bool = False,
+        robust_mean: bool = False,
     ):
         self.size = size
         self.departed = departed or set()
         self.lead = -1
         """The highest outer step the membership records show (-1: unknown)."""
         self.serve_state = serve_state
+        self.robust_mean = robust_mean
+        """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do (``--hv.robust-mean``)."""
         """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
         self.averagers: dict[int, InProcessAverager] = {}
         self.codec = wire_codec(compression)
@@ -61,7 +65,8 @@ class InProcessRound:
             present = [av.rank]
         else:
             present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
-        average = torch.stack([galaxy.buffers[r] for r in present]).mean(0)
+        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0, galaxy.robust_mean)
+        average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in present]).mean(0)
         sent = av.values.numel() * 4
         if galaxy.codec is not None:
             sent = galaxy.codec.encode(av.values, on_grid=True).numel()  # a peer of two sends about one encoding

@@ -1,0 +1,49 @@
+"""A stranger to a galaxy, for the allowlist test: a real averager that knows the DHT address, the run id and
+the shard's size (so hivemind's matchmaking would group it with the members), but is on nobody's allowlist.
+
+It tries to download the state once, then to average ``--rounds`` rounds, and prints one JSON line per
+attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. It ends its averager, DHT and p2pd
+itself (the test checks by PID that nothing is left).
+
+    python -m tests.support.stranger --initial-peers MADDR --run-id ID --numel N --model-fingerprint F [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from open_diloco.galaxy.averager import start_shard_averager
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--initial-peers", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--numel", type=int, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-fingerprint", required=True, help="the members' (else the schema check tells)")
+    args = parser.parse_args()
+    averager = start_shard_averager(
+        initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
+        run_id=args.run_id, shard_index=0, numel=args.numel, galaxy_rank=7, galaxy_size=2,
+        matchmaking_time=1.0, averaging_timeout=8.0, join_timeout=10.0, compression="none", member_expiry=15.0,
+        schema={"model_fingerprint": args.model_fingerprint, "ranks": 1, "codec": "none"},
+    )
+    try:
+        print(json.dumps({"peer_id": averager.peer_id, "download": averager.download_state(5.0) is not None}),
+              flush=True)
+        for round_id in range(args.rounds):
+            try:
+                report = averager.all_reduce(torch.randn(args.numel), round_id, {"param_hash": "stranger"})
+                print(json.dumps({"round": round_id, "group_size": report.group_size}), flush=True)
+            except Exception as err:  # a round that failed outright
+                print(json.dumps({"round": round_id, "group_size": 0, "error": str(err)[:200]}), flush=True)
+    finally:
+        averager.shutdown()
+
+
+if __name__ == "__main__":
+    main()
