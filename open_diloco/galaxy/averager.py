@@ -29,9 +29,16 @@ from hivemind.proto import averaging_pb2
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
-from open_diloco.galaxy.dht import GalaxyDHT, shutdown_dht, start_dht
+from open_diloco.galaxy.dht import REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
-from open_diloco.galaxy.status import departed, lead_outer_step, read_records, schema_conflict, status_key
+from open_diloco.galaxy.status import (
+    DHT_PIPE_LOCK,
+    departed,
+    lead_outer_step,
+    read_records,
+    schema_conflict,
+    status_key,
+)
 from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.guard import ClaimCheck, valid_claim, wire_norm
 from open_diloco.outer.protocols import Membership, RoundReport
@@ -100,14 +107,16 @@ class CanonicalAverager(DecentralizedAverager):
     def _claims(self, group_info) -> ClaimCheck:
         """Every peer's claimed ‖Δ‖ (``delta_norm`` in the metadata gathered in matchmaking, the same table on
         every peer of the group)."""
-        claims = {}
+        claims, own_theta = {}, None
         for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:
-                user_blob = self.serializer.loads(blob)[2]
-                claims[peer] = valid_claim(self.serializer.loads(user_blob).get("delta_norm"))
+                metadata = self.serializer.loads(self.serializer.loads(blob)[2])
+                claims[peer] = valid_claim(metadata.get("delta_norm"))
+                if peer == self.peer_id:
+                    own_theta = valid_claim(metadata.get("theta_norm"))
             except Exception:  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
                 claims[peer] = None
-        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean)
+        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta)
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -248,7 +257,8 @@ class HivemindAverager:
 
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
                  averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
-                 allowlist: Allowlist | None = None, compression: str = "none"):
+                 allowlist: Allowlist | None = None, compression: str = "none",
+                 initial_peers: Sequence[str] = ()):
         self.dht, self.averager = dht, averager
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout = averaging_timeout
@@ -256,6 +266,8 @@ class HivemindAverager:
         self.schema = schema
         self.allowlist = allowlist
         self.compression = compression
+        self.initial_peers = list(initial_peers)
+        self._rebootstrapped = time.monotonic()
         """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
@@ -293,6 +305,10 @@ class HivemindAverager:
         average with this one (matchmaking would silently never group the two)."""
         if self.galaxy_size == 1:
             return Membership()
+        if time.monotonic() - self._rebootstrapped > REBOOTSTRAP_SECONDS:  # a healed partition is found again
+            self._rebootstrapped = time.monotonic()
+            with DHT_PIPE_LOCK:
+                rebootstrap(self.dht, self.initial_peers)
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
         if self.allowlist is not None:  # a stranger's record (say, a mismatched schema) must not stop or stall us
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
@@ -445,6 +461,7 @@ def start_shard_averager(
         schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression},
         allowlist=allowlist,
         compression=compression,
+        initial_peers=initial_peers,
     )
 
 

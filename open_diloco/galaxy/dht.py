@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
 from collections.abc import Sequence
 
 from hivemind import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
@@ -31,6 +35,33 @@ class GalaxyDHT(DHT):
             # The same dead caller, when unpickling its request fails with EOFError: hivemind catches only
             # OSError/RuntimeError there, so it escapes its loop. The DHT cannot serve on; exit without a traceback.
             os._exit(1)
+
+
+REBOOTSTRAP_SECONDS = 10.0
+"""How often a node asks its initial peers again (see :func:`rebootstrap`)."""
+_REBOOTSTRAP_STEP_SECONDS = 3.0
+
+
+def rebootstrap(dht: DHT, initial_peers: Sequence[str]) -> None:
+    """Ping the initial peers again and look up this node's neighbours, in the DHT's process; returns at once.
+
+    Why: hivemind drops a peer from its routing table when it stops answering and asks the initial peers only
+    once, at start. Across a partition each side's nodes drop every node of the other side and the bootstrap
+    peer: when the link came back, neither side could find the other's records, and the two halves trained
+    apart for good (measured on the WAN lab). Pinging the initial peers puts them back in the routing table, and
+    through them the other side. A dead or unreachable initial peer costs a failed ping, in the background."""
+    peer_ids = [Multiaddr(maddr)["p2p"] for maddr in initial_peers]
+    if peer_ids:
+        dht.run_coroutine(functools.partial(_ping_and_refresh, peer_ids), return_future=True)
+
+
+async def _ping_and_refresh(peer_ids: list[str], _dht: DHT, node) -> None:
+    try:
+        pings = [node.protocol.call_ping(PeerID.from_base58(peer), validate=False, strict=False) for peer in peer_ids]
+        await asyncio.wait_for(asyncio.gather(*pings, return_exceptions=True), _REBOOTSTRAP_STEP_SECONDS)
+        await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), _REBOOTSTRAP_STEP_SECONDS)
+    except Exception as err:  # unreachable for now: the next call tries again
+        logging.getLogger(__name__).debug("re-bootstrap failed: %r", err)
 
 
 def _drop_requests_of_dead_callers(record: logging.LogRecord) -> bool:

@@ -29,7 +29,7 @@ from open_diloco.galaxy.dht import shutdown_dht, start_dht
 
 log = logging.getLogger(__name__)
 
-_PIPE = threading.Lock()
+DHT_PIPE_LOCK = threading.Lock()
 """hivemind's DHT takes requests through one pipe and no lock; the publisher thread and the round's membership
 read share this one, so their messages never interleave."""
 
@@ -125,7 +125,7 @@ class StatusPublisher:
         with self._lock:
             record = {**self._record, "published_at": get_dht_time()}
         try:
-            with _PIPE:
+            with DHT_PIPE_LOCK:
                 stored = self.dht.store(
                     self.key,
                     record,
@@ -201,7 +201,7 @@ def read_records(dht: DHT, key: str, timeout: float) -> list[dict[str, Any]]:
     Each gains ``last_seen_seconds``: how long ago its cluster last refreshed it (by the clocks of the two
     machines, which the DHT's own expiry also assumes are roughly in step)."""
     try:
-        with _PIPE:
+        with DHT_PIPE_LOCK:
             found = dht.get(key, latest=True, return_future=True)
         found = found.result(timeout=timeout)
     except Exception as err:  # slow, unreachable or shutting down: nothing known

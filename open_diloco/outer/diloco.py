@@ -29,7 +29,7 @@ from open_diloco.outer.protocols import (
     RoundReport,
     StatusBoard,
 )
-from open_diloco.outer.state import OuterState, combine_hashes, sum_of_squares
+from open_diloco.outer.state import OuterState, combine_hashes
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
@@ -170,11 +170,13 @@ class DiLoCo:
                 claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
             if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
                 return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead)
-            bound = self.norm_history.bound()
+            theta_norm = math.sqrt(self.state.sq_norm())
+            bound = self.norm_history.bound(theta_norm)
             if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
                 return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
                                      lead=lead)
-            fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim}
+            fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim,
+                           "theta_norm": theta_norm}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
@@ -288,7 +290,7 @@ class DiLoCo:
             "average_finite": finite,
             "rejected_peers": rejected,
             "pseudo_grad_norm": self._cluster_norm(flight.local_sq),
-            "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
+            "param_checksum": self.cluster.sum_float(self.state.sq_norm()),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
 
@@ -312,7 +314,7 @@ class DiLoCo:
                     "in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or resume from an "
                     "earlier checkpoint"
                 )
-            detail = "" if flight.diverged else " (above --hv.delta-norm-bound × the galaxy's recent median)"
+            detail = "" if flight.diverged else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
             self.warn(
                 f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training diverged; it "
                 f"sends nothing and adopts the galaxy's θ_outer ({self.bad_rounds}/{self.hv.max_bad_rounds})"
@@ -341,7 +343,7 @@ class DiLoCo:
             "pseudo_grad_in_bound": not flight.out_of_bound,
             "pseudo_grad_bound": self._cluster_bound(flight.bound),
             "pseudo_grad_norm": self._cluster_norm(flight.local_sq),  # None when not finite (JSON has no NaN)
-            "param_checksum": self.cluster.sum_float(sum_of_squares(self.state.params)),
+            "param_checksum": self.cluster.sum_float(self.state.sq_norm()),
             "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
         }
 

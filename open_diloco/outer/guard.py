@@ -4,13 +4,15 @@ Every cluster claims its shard's ‖Δ‖ (of exactly what it sends) in the meta
 matchmaking, so each peer of a round holds the same table of claims before any part moves. Two checks use it:
 
 - **sender side** (:class:`NormHistory`): a cluster whose own Δ is more than ``--hv.delta-norm-bound`` times
-  the galaxy's recent median (the median of the accepted claims of each of its last rounds) does not send it;
-  it sits the round out and adopts the galaxy's θ_outer, like a cluster whose Δ is not finite. A fresh or
-  resumed cluster has no history yet: its first round is judged by the reducers alone.
+  the galaxy's recent median (the median of the accepted claims of each of its last rounds), or more than
+  :data:`THETA_FACTOR` times the norm of the θ_outer it was taken from, does not send it; it sits the round out
+  and adopts the galaxy's θ_outer, like a cluster whose Δ is not finite. A fresh or resumed cluster has no
+  history yet: in its first round only the θ bound holds.
 - **reducer side** (:class:`ClaimCheck`): a reducer leaves a sender out of its span when the sender's claim is
   missing, not finite, or more than ``--hv.delta-norm-bound`` times the reducer's *own* claim, and stops
-  accepting a sender whose parts add up to more than it claimed (a liar). The reference is the reducer's own
-  Δ because it is the one norm another peer cannot move: with two clusters a median of the round is half the
+  accepting a sender whose parts add up to more than it claimed (a liar); :data:`THETA_FACTOR` × the reducer's
+  own ‖θ_outer‖ bounds every claim too. The reference is the reducer's own Δ because it is the one norm another
+  peer cannot move: with two clusters a median of the round is half the
   attacker's. Honest clusters train the same model with the same optimizer, so their Δ norms stay within a
   small factor of each other (AdamW bounds each step by the lr); the default bound of 10 leaves room for that.
   Reducers may differ at the edge (a claim 10.5× one reducer's Δ and 9.5× another's): each span still has one
@@ -32,6 +34,12 @@ import torch
 
 HISTORY_ROUNDS = 5
 """Rounds whose median claims make up the galaxy's recent median (the sender-side reference)."""
+THETA_FACTOR = 100.0
+"""No round of training moves the weights by 100x their own norm: AdamW moves each value by about the lr per step,
+so even H = 500 steps at lr 3e-4 move a value by 0.15 at most, against weights of ~0.02 at init (7.5x, and honest
+updates mostly cancel: ‖Δ‖ ÷ ‖θ_outer‖ measured 0.4 in round 1 of the tests' lr 1e-2 runs, 0.03 later). A Δ above
+it has diverged. θ_outer is the same in every cluster of a round, so this bound needs no history: it covers a
+cluster's first round, before the galaxy's median exists."""
 CLAIM_SLACK = 1.01
 """How far a sender's parts may exceed its claimed ‖Δ‖² at a reducer: fp16 on the wire moves each value by up to
 2^-11, and the reducer sums in fp32 in another order than the sender did."""
@@ -57,11 +65,15 @@ class NormHistory:
         self.factor = factor
         self._medians: deque[float] = deque(maxlen=rounds)
 
-    def bound(self) -> float | None:
-        """The largest ‖Δ‖ this cluster may send; ``None`` while there is no history or the check is off."""
-        if self.factor <= 0 or not self._medians:
+    def bound(self, theta_norm: float | None = None) -> float | None:
+        """The largest ‖Δ‖ this cluster may send, given the norm of the θ_outer its Δ was taken from; ``None``
+        when the check is off, or there is neither a history nor a θ norm."""
+        if self.factor <= 0:
             return None
-        return self.factor * statistics.median(self._medians)
+        bounds = [self.factor * statistics.median(self._medians)] if self._medians else []
+        if theta_norm:
+            bounds.append(THETA_FACTOR * theta_norm)
+        return min(bounds, default=None)
 
     def record(self, claims: Iterable[object]) -> None:
         """Add one round: the claims of the clusters whose Δ entered the average."""
@@ -82,14 +94,19 @@ class ClaimCheck:
     """``--hv.delta-norm-bound``; 0 turns the bound off (claims are still held to)."""
     robust: bool = False
     """``--hv.robust-mean``: clip every sender to the round's median claim."""
+    own_theta: float | None = None
+    """This reducer's ‖θ_outer‖ (``None``: unknown, no θ bound)."""
     _energy: dict[Hashable, float] = field(default_factory=dict)
 
     @property
     def bound(self) -> float | None:
-        reference = self.claims.get(self.own)
-        if self.factor <= 0 or not reference:  # no claim of our own (or an all-zero Δ): nothing to compare to
+        if self.factor <= 0:
             return None
-        return self.factor * reference
+        reference = self.claims.get(self.own)  # none of our own, or an all-zero Δ: nothing to compare to
+        bounds = [self.factor * reference] if reference else []
+        if self.own_theta:
+            bounds.append(THETA_FACTOR * self.own_theta)
+        return min(bounds, default=None)
 
     def admits(self, sender: Hashable) -> bool:
         """Whether ``sender`` may enter this reducer's span at all (decided before its first part)."""

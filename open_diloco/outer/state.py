@@ -135,6 +135,7 @@ class OuterState:
         self.outer_step = 0
         self.lock = threading.Lock()
         self._hash: str | None = None
+        self._sq_norm: float | None = None
         """:meth:`hash` of ``params``, kept until they change (a round ends with the hash the next one starts
         with). Everything that writes ``params`` goes through this class and clears it."""
         self.error: torch.Tensor | None = (
@@ -206,7 +207,7 @@ class OuterState:
                 nesterov=self.nesterov,
             )
             self.outer_step += 1
-            self._hash = None
+            self._hash = self._sq_norm = None
 
     def hparams(self, round_no: int) -> tuple[float, float]:
         """(outer lr, outer momentum) of outer step ``round_no`` (1-based), warm-up included."""
@@ -216,6 +217,13 @@ class OuterState:
         """θ_local ← θ_outer, in the model's dtype."""
         for piece, shard in zip(self.params.split(self.numels), self._shards, strict=True):
             shard.copy_(piece.view_as(shard), non_blocking=True)
+
+    def sq_norm(self) -> float:
+        """‖θ_outer‖² of this shard (fp64), kept until θ_outer changes: the rounds' metrics and the guard's θ bound
+        read it, one pass over the shard per change."""
+        if self._sq_norm is None:
+            self._sq_norm = sum_of_squares(self.params)
+        return self._sq_norm
 
     def hash(self) -> str:
         """:func:`fingerprint_bytes` of θ_outer."""
@@ -243,7 +251,7 @@ class OuterState:
             )
         with torch.no_grad(), self.lock:
             self.params.copy_(tensors[0])
-            self._hash = None
+            self._hash = self._sq_norm = None
             self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
             self.outer_step = int(metadata["outer_step"])
             if self.error is not None:
@@ -277,7 +285,7 @@ class OuterState:
         is re-read from it; the momentum comes back from its reshardable pieces."""
         with torch.no_grad(), self.lock:
             self.gather_local_into(self.params)
-            self._hash = None
+            self._hash = self._sq_norm = None
             if momentum_pieces is not None:
                 self.momentum_buffer = torch.cat([piece.reshape(-1).float() for piece in momentum_pieces])
             self.outer_step = outer_step

@@ -104,3 +104,23 @@ def test_no_bound_without_history_or_when_off():
     model, outer, _ = _lone_cluster(delta_norm_bound=0.0)
     _round(model, outer, 0.01)
     assert _round(model, outer, 10.0)["pseudo_grad_bound"] is None
+
+
+def test_a_delta_a_hundred_times_the_weights_is_out_of_bound_from_the_first_round():
+    # no history yet, but no round of training moves weights by 100x their norm: a diverged first round
+    history = NormHistory(10.0)
+    assert history.bound(theta_norm=2.0) == pytest.approx(200.0)
+    history.record([1.0])
+    assert history.bound(theta_norm=2.0) == pytest.approx(10.0)  # the tighter of the two
+    assert NormHistory(0.0).bound(theta_norm=2.0) is None
+    model, outer, warnings = _lone_cluster()  # θ_outer = [1, 1, 1, 1]: ‖θ‖ = 2
+    record = _round(model, outer, 150.0)  # ‖Δ‖ = 300 > 100 × 2
+    assert record["pseudo_grad_in_bound"] is False and record["pseudo_grad_bound"] == pytest.approx(200.0)
+    assert "out of bound" in warnings[-1]
+
+
+def test_a_reducer_bounds_every_claim_by_its_own_weights_too():
+    claims = {"me": 5.0, "peer": 40.0}
+    assert ClaimCheck(claims, "me", factor=10.0, own_theta=0.3).bound == pytest.approx(30.0)
+    assert not ClaimCheck(claims, "me", factor=10.0, own_theta=0.3).admits("peer")
+    assert ClaimCheck(claims, "me", factor=10.0, own_theta=None).admits("peer")
