@@ -76,11 +76,11 @@ def test_two_clusters_over_intercontinental(tmp_path):
         assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.slow  # healed in 17 s in two runs, not within 60 s in a third under the suite's load (README)
 @needs_root
 def test_a_partition_heals_into_one_galaxy(tmp_path):
     # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the link
     # is back the two average together again with equal hashes, the one behind re-synced to the other
+    # (7-8 s after the link's return in 4 runs with the DHT re-bootstrap; without it, 1 of 2 runs never healed)
     steps = ["--max-steps", "5000", "--hv.local-steps", "10", "--hv.averaging-timeout", "10",
              "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4", "--hv.on-partial-round", "proceed"]
     with Lab(2, "region") as lab:
@@ -116,7 +116,7 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     assert healed is not None, [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)]
     print(f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
           f"back (round {healed})")
-    assert healed_after < 30
+    assert healed_after < 20
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
 
