@@ -82,6 +82,12 @@ class CanonicalAverager(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        strangers = [peer for peer in group_info.peer_ids if not self._admits(peer, "a group")]
+        if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
+            refused = AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
+            self._running_groups[group_id].set_exception(refused)  # peers waiting for this group fail at once
+            self._running_groups[group_id].exception()  # (retrieved: no "never retrieved" warning without them)
+            raise refused
         runner = CanonicalAllReduce(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -93,9 +99,6 @@ class CanonicalAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        strangers = [peer for peer in group_info.peer_ids if not self._admits(peer, "a group")]
-        if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
-            raise AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
         assert runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX
         async for _ in runner:  # the runner writes the canonical result into ``tensors`` as parts arrive
             pass
@@ -264,11 +267,12 @@ class HivemindAverager:
         self.averaging_timeout = averaging_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
         self.schema = schema
+        """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.allowlist = allowlist
         self.compression = compression
         self.initial_peers = list(initial_peers)
+        """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = time.monotonic()
-        """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False

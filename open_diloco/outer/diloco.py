@@ -52,8 +52,8 @@ class RoundInFlight:
     diverged: bool = False
     """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
     bound: float | None = None
-    """The largest ‖Δ‖ this shard could send this round (``--hv.delta-norm-bound`` × the galaxy's recent median);
-    ``None``: no history yet, or the check is off."""
+    """The largest ‖Δ‖ this shard could send this round: the tighter of ``--hv.delta-norm-bound`` × the galaxy's
+    recent median and ``guard.THETA_FACTOR`` × ‖θ_outer‖ (``guard.NormHistory``); ``None``: the check is off."""
     out_of_bound: bool = False
     """Δ is finite but out of bound on some rank of this cluster: nothing was sent (it sits the round out)."""
     lead: int = -1
