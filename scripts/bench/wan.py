@@ -5,16 +5,18 @@ hivemind all-reduce of the same bytes over the same lab in the same run (issue 1
     python scripts/bench/wan.py --profiles intercontinental --models 2m 100m --clusters 2 4
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
-namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 1 rounds of
-``--local-steps`` inner steps, then runs the raw baseline in the same namespaces. Printed per case:
+namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
+``--local-steps`` inner steps (the first warms up; the last may lose its tail when a cluster exits right after
+it, README "WAN lab"), then runs the raw baseline in the same namespaces. Printed per case:
 
-- ``allreduce s``: the median over the steady rounds (all but the first) of the round's ``allreduce_seconds``
+- ``allreduce s``: the median over the steady rounds (all but the first and the last) of ``allreduce_seconds``
   (matchmaking included), and the raw hivemind round of the same number of fp32 values;
 - ``wire bound s``: what the link allows for the bytes the round measured: the busier direction of this peer's
   ``bytes_sent``/``bytes_received`` ÷ the profile's rate, plus 3 round trips (join request and accept, the
   group's start message, the first part out and its average back: the all-reduce streams its parts, so the
   rest overlaps). ``--hv.matchmaking-time`` is a wait on top, shown apart;
-- ``÷ bound``: allreduce s ÷ wire bound;
+- ``÷ bound``: allreduce s ÷ wire bound, and ``− mm``: the same without the matchmaking wait
+  (``--matchmaking-time``, 1 s by default; 4 clusters sharing 2 cores need more to meet);
 - ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics line
   appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner steps of
   the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
@@ -41,7 +43,6 @@ from tests.e2e.galaxy_harness import Galaxy  # noqa: E402
 MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh",
           "100m": REPO / "configs/models/llama-100m-fresh"}
 ROUND_TRIPS = 3
-MATCHMAKING = 1.0
 
 
 def model_numel(path: Path) -> int:
@@ -61,20 +62,24 @@ def watch(galaxy: Galaxy, metrics: list[Path], names: list[str], timeout: float)
         for records, path in zip(seen, metrics, strict=True):
             if path.exists():
                 for line in path.read_text().splitlines():
-                    record = json.loads(line)
-                    records.setdefault(record["step"], {**record, "seen": time.monotonic()})
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # a line still being written
+                        continue
+                    if "step" in record:  # (an evaluation record has none)
+                        records.setdefault(record["step"], {**record, "seen": time.monotonic()})
         time.sleep(0.05)
     for name in names:
         assert galaxy.procs[name].returncode == 0, galaxy.log(name)[-3000:]
     return seen
 
 
-def raw_baseline(lab: Lab, dht_maddr: str, numel: int, clusters: int, rounds: int) -> list[float]:
+def raw_baseline(lab: Lab, dht_maddr: str, numel: int, clusters: int, rounds: int, matchmaking: float) -> list[float]:
     """Seconds of each raw hivemind round (rank 0's), the same fp32 values, one peer per cluster namespace."""
     procs = [subprocess.Popen(
         [*lab.exec_prefix(f"cluster{rank}"), sys.executable, "-m", "scripts.bench.wan", "raw",
          "--initial-peers", dht_maddr, "--host", lab.address(f"cluster{rank}"), "--numel", str(numel),
-         "--peers", str(clusters), "--rounds", str(rounds)],
+         "--peers", str(clusters), "--rounds", str(rounds), "--matchmaking-time", str(matchmaking)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in range(clusters)]
     try:
         outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
@@ -93,7 +98,8 @@ def raw_peer(args: argparse.Namespace) -> None:
     dht = DHT(initial_peers=[args.initial_peers], host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
     averager = DecentralizedAverager([torch.randn(args.numel)], dht, prefix="rawbench", start=True,
                                      target_group_size=args.peers, min_group_size=args.peers,
-                                     min_matchmaking_time=MATCHMAKING, request_timeout=MATCHMAKING / 2,
+                                     min_matchmaking_time=args.matchmaking_time,
+                                     request_timeout=args.matchmaking_time / 2,
                                      allreduce_timeout=600)
     try:
         for _ in range(args.rounds):
@@ -105,26 +111,27 @@ def raw_peer(args: argparse.Namespace) -> None:
         dht.shutdown()
 
 
-def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, workdir: Path) -> dict:
+def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, matchmaking: float,
+             workdir: Path) -> dict:
     numel = model_numel(MODELS[model])
-    steps = local_steps * (rounds + 1)
+    steps = local_steps * (rounds + 2)
     flags = ["--path-model", str(MODELS[model]), "--max-steps", str(steps), "--hv.local-steps", str(local_steps),
-             "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(MATCHMAKING),
-             "--seq-length", "64", "--per-device-train-batch-size", "2"]
+             "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(matchmaking),
+             "--seq-length", "64"]
     with Lab(clusters, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
             names = [f"cluster{rank}" for rank in range(clusters)]
-            metrics = [galaxy.start_cluster(rank, clusters, *flags, "--total-batch-size", "2", nproc=1)
+            metrics = [galaxy.start_cluster(rank, clusters, *flags, nproc=1)
                        for rank in range(clusters)]
             seen = watch(galaxy, metrics, names, timeout=3600)
-            raw = raw_baseline(lab, galaxy.maddr, numel, clusters, rounds)
+            raw = raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking)
         finally:
             galaxy.close()
         link = lab.profile
     records = seen[0]
     outer = {r["outer_step"]: r for r in records.values() if "outer_step" in r}
-    steady = [outer[k] for k in sorted(outer) if k >= 2]
+    steady = [outer[k] for k in range(2, rounds + 2)]
     assert all(r["galaxy_peers"] == clusters for r in steady), "a steady round was partial"
     assert len({r["param_hash"] for s in seen for r in s.values() if r.get("outer_step") == rounds + 1}) == 1
     first_step, last_step = steady[0]["step"] - local_steps, steady[-1]["step"]
@@ -138,6 +145,7 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
         "profile": profile, "model": model, "numel": numel, "clusters": clusters, "rounds": len(steady),
         "allreduce_s": statistics.median(allreduce), "raw_s": statistics.median(raw[1:] or raw),
         "wire_bound_s": statistics.median(wire), "ratio": statistics.median(a / w for a, w in zip(allreduce, wire, strict=True)),
+        "ratio_net": statistics.median((a - matchmaking) / w for a, w in zip(allreduce, wire, strict=True)),
         "mb_per_round": statistics.median(r["bytes_sent"] + r["bytes_received"] for r in steady) / 1e6,
         "utilization": compute / wall, "wall_s": wall,
     }
@@ -152,26 +160,29 @@ def main() -> None:
     raw.add_argument("--numel", type=int, required=True)
     raw.add_argument("--peers", type=int, required=True)
     raw.add_argument("--rounds", type=int, required=True)
+    raw.add_argument("--matchmaking-time", type=float, required=True)
     parser.add_argument("--profiles", nargs="+", default=["continent", "intercontinental"])
     parser.add_argument("--models", nargs="+", default=["2m"], choices=sorted(MODELS))
     parser.add_argument("--clusters", nargs="+", type=int, default=[2])
-    parser.add_argument("--rounds", type=int, default=3, help="steady rounds measured (one more runs first)")
+    parser.add_argument("--rounds", type=int, default=3, help="steady rounds measured (one more runs before, one after)")
     parser.add_argument("--local-steps", type=int, default=5)
+    parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
         return raw_peer(args)
     rows = []
     print(f"{'profile':<17} {'model':>5} {'M':>2} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
-          f"{'wire bound s':>12} {'÷ bound':>8} {'utilization':>11}", flush=True)
+          f"{'wire bound s':>12} {'÷ bound':>8} {'− mm':>6} {'utilization':>11}", flush=True)
     for profile in args.profiles:
         for model in args.models:
             for clusters in args.clusters:
                 with tempfile.TemporaryDirectory(prefix="wanbench-") as workdir:
-                    row = run_case(profile, model, clusters, args.rounds, args.local_steps, Path(workdir))
+                    row = run_case(profile, model, clusters, args.rounds, args.local_steps, args.matchmaking_time,
+                                   Path(workdir))
                 rows.append(row)
                 print(f"{profile:<17} {model:>5} {clusters:>2} {row['mb_per_round']:>9.1f} {row['allreduce_s']:>11.2f} "
-                      f"{row['raw_s']:>7.2f} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
+                      f"{row['raw_s']:>7.2f} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} {row['ratio_net']:>6.2f} "
                       f"{row['utilization']:>11.0%}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
