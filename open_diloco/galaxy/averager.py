@@ -272,7 +272,7 @@ class HivemindAverager:
         self.compression = compression
         self.initial_peers = list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
-        self._rebootstrapped = time.monotonic()
+        self._rebootstrapped = float("-inf")
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
@@ -309,20 +309,26 @@ class HivemindAverager:
         average with this one (matchmaking would silently never group the two)."""
         if self.galaxy_size == 1:
             return Membership()
-        if time.monotonic() - self._rebootstrapped > REBOOTSTRAP_SECONDS:  # a healed partition is found again
-            self._rebootstrapped = time.monotonic()
-            with DHT_PIPE_LOCK:
-                rebootstrap(self.dht, self.initial_peers)
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
         if self.allowlist is not None:  # a stranger's record (say, a mismatched schema) must not stop or stall us
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)
-        return Membership(
-            departed=frozenset(departed(records, self.member_expiry)),
-            lead=lead_outer_step(records, self.member_expiry),
-        )
+        gone = frozenset(departed(records, self.member_expiry))
+        if gone - {self.galaxy_rank}:
+            self._find_the_others_again()
+        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry))
+
+    def _find_the_others_again(self) -> None:
+        """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``
+        (``galaxy.dht.rebootstrap``): it may sit behind a link that just came back, and after a partition
+        neither side's DHT would find the other by itself. Rounds read the membership at every start and every
+        2 s while they look for a group, so this needs no thread of its own; a whole galaxy costs nothing."""
+        if time.monotonic() - self._rebootstrapped > REBOOTSTRAP_SECONDS:
+            self._rebootstrapped = time.monotonic()
+            with DHT_PIPE_LOCK:
+                rebootstrap(self.dht, self.initial_peers)
 
     def alone_in_galaxy(self) -> bool:
         """Every other cluster of the galaxy is known to be gone."""

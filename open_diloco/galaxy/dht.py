@@ -37,8 +37,8 @@ class GalaxyDHT(DHT):
             os._exit(1)
 
 
-REBOOTSTRAP_SECONDS = 10.0
-"""How often a node asks its initial peers again (see :func:`rebootstrap`)."""
+REBOOTSTRAP_SECONDS = 5.0
+"""How often a node asks its initial peers again while some cluster looks gone (see :func:`rebootstrap`)."""
 _REBOOTSTRAP_STEP_SECONDS = 3.0
 
 

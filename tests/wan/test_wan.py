@@ -80,7 +80,7 @@ def test_two_clusters_over_intercontinental(tmp_path):
 def test_a_partition_heals_into_one_galaxy(tmp_path):
     # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the link
     # is back the two average together again with equal hashes, the one behind re-synced to the other
-    # (7-8 s after the link's return in 4 runs with the DHT re-bootstrap; without it, 1 of 2 runs never healed)
+    # (7-8 s after the link's return in 6 runs with the DHT re-bootstrap; without it, 1 of 2 runs never healed)
     steps = ["--max-steps", "5000", "--hv.local-steps", "10", "--hv.averaging-timeout", "10",
              "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4", "--hv.on-partial-round", "proceed"]
     with Lab(2, "region") as lab:
