@@ -132,6 +132,8 @@ class CanonicalAverager(DecentralizedAverager):
         super().run()
 
     # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
+    # Parts need no check of their own: hivemind's runner takes parts only from its group's senders, and a group
+    # with a stranger is refused before its runner exists (``_run_allreduce_inplace_``).
     def _admits(self, peer, what: str) -> bool:
         if self.allowlist is None or peer == self.peer_id or self.allowlist.admits(peer):
             return True
@@ -155,15 +157,6 @@ class CanonicalAverager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
-
-    async def rpc_aggregate_part(
-        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        if not self._admits(context.remote_id, "its part"):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
