@@ -5,7 +5,11 @@ What a checkpoint holds, and why that is enough for an exact resume:
 - the outer momentum and, with a lossy ``--hv.compression``, the error feedback, re-shaped like the parameters
   so DCP reshards them too (a run with error feedback resumed from a checkpoint without it starts from zero).
   θ_outer itself is not stored:
-  saves land right after an outer step, where θ_local ← θ_outer, so the model weights *are* θ_outer;
+  saves land right after an outer step, where θ_local ← θ_outer, so the model weights *are* θ_outer. Streaming
+  (``--hv.fragments`` > 1 or ``--hv.sync-delay`` > 0) breaks that: the other fragments, or the τ steps of the
+  fragment in flight, hold local progress. Then θ_outer is stored too (``outer_params``), and a round in flight
+  is recorded, not waited for (``sync_start``: the fragment's θ_local when the round started), so the save costs
+  training nothing and a resume sends the same round again and lands it where the straight run did;
 - step counters, each rank's RNG states, and the config and model config it was made with.
 The data position and the learning-rate schedule are pure functions of the step, so they are derived on
 resume rather than stored (the same derivation serves late joiners).
@@ -162,6 +166,7 @@ def _app_state(
     with_momentum: bool,
     to_load: bool = False,
     with_error_feedback: bool = True,
+    streaming_keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
@@ -171,7 +176,22 @@ def _app_state(
     error_feedback = _shaped_like_params(model, outer.error_feedback_pieces()) if with_error_feedback else {}
     if error_feedback:
         state["error_feedback"] = error_feedback
+    streaming = outer.streaming_pieces() if not to_load else {key: _zeros_like_shards(model) for key in streaming_keys}
+    for key, pieces in streaming.items():
+        state[key] = _shaped_like_params(model, pieces)
     return state
+
+
+STREAMING_KEYS = ("outer_params", "sync_start")
+"""What a streaming run's checkpoint adds (``OuterLoop.streaming_pieces``)."""
+
+
+def _zeros_like_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Placeholders for DCP to load a per-value outer buffer into, one per parameter shard, fp32."""
+    return [
+        torch.zeros_like(p.data.to_local() if hasattr(p.data, "to_local") else p.data, dtype=torch.float32)
+        for p in model.parameters()
+    ]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -230,6 +250,8 @@ class CheckpointSaver:
             "outer_step": outer.outer_step,
             "has_outer_momentum": "outer_momentum" in state,
             "has_error_feedback": "error_feedback" in state,
+            "streaming": [key for key in STREAMING_KEYS if key in state],
+            "fragments": outer.fragments,
             "world_size": dist.get_world_size(),
             "model_config": self._model_config,
             "config": self._config,
@@ -362,6 +384,7 @@ def load(
         with_momentum=with_momentum,
         to_load=True,
         with_error_feedback=bool(metadata.get("has_error_feedback")),
+        streaming_keys=tuple(metadata.get("streaming", ())),
     )
     try:
         dcp.load(state, checkpoint_id=path)
@@ -383,6 +406,9 @@ def load(
     outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
     if state.get("error_feedback"):
         outer.restore_error_feedback(_local_pieces(model, state["error_feedback"]))
+    streaming = {key: _local_pieces(model, state[key]) for key in metadata.get("streaming", ())}
+    if streaming:
+        outer.restore_streaming(streaming, int(metadata.get("fragments", 1)))
     return int(metadata["step"])
 
 

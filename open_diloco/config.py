@@ -47,6 +47,16 @@ class HvConfig(BaseModel):
     local_steps: Annotated[int, Field(ge=1)] = 500
     """H: inner steps between two outer steps."""
 
+    fragments: Annotated[int, Field(ge=1)] = 1
+    """P: streaming DiLoCo. Each shard's θ_outer is cut into P equal slices that sync in turn, one every H/P inner
+    steps (fragment f at steps f·H/P + H, 2H, ...), so each all-reduce carries 1/P of the model. 1: the whole model
+    every H steps. Must divide --hv.local-steps; every cluster must use the same. README "Overlap"."""
+
+    sync_delay: Annotated[int, Field(ge=0)] = 0
+    """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer update
+    lands; the inner steps made meanwhile are kept on top of the new θ_outer. 0: training waits for the round.
+    Must be below H/P."""
+
     outer_lr: Annotated[float, Field(gt=0)] = 1.0
     """Learning rate of the outer optimizer (SGD, optionally with (Nesterov) momentum). The default, lr 1 with
     momentum 0, is plain averaging (θ_outer ← mean θ_local), the best outer setting measured with
@@ -164,6 +174,16 @@ class HvConfig(BaseModel):
                 f"--hv.member-expiry {self.member_expiry} is not above --hv.heartbeat-interval "
                 f"{self.heartbeat_interval}: every live cluster would look gone between two heartbeats; raise the "
                 "expiry (3 intervals is a good choice)"
+            )
+        if self.local_steps % self.fragments:
+            raise ConfigError(
+                f"--hv.fragments {self.fragments} does not divide --hv.local-steps {self.local_steps}: fragments sync "
+                "every local-steps/fragments inner steps; choose a divisor"
+            )
+        if self.sync_delay and self.sync_delay >= self.local_steps // self.fragments:
+            raise ConfigError(
+                f"--hv.sync-delay {self.sync_delay} is not below --hv.local-steps/--hv.fragments = "
+                f"{self.local_steps // self.fragments}: a sync must land before the next one starts; lower the delay"
             )
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(

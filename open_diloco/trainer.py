@@ -24,6 +24,7 @@ from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
+from open_diloco.outer.streaming import fragment_length
 from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
@@ -105,7 +106,7 @@ def train(config: Config) -> None:
                 "step_seconds": seconds,
                 "memory_gib": _memory_gib(world.device),
             }
-            record.update(outer.after_inner_step(step))
+            record.update(outer.after_inner_step(step, last=step == config.max_steps))
             if False in (record.get("pseudo_grad_finite"), record.get("pseudo_grad_in_bound")):
                 optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
             galaxy_step = outer.inner_step_of_galaxy()
@@ -178,7 +179,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             announce_maddrs=hv.announce_maddrs,
             run_id=hv.run_id,
             shard_index=world.rank,
-            numel=sum(shard.numel() for shard in local_shards(model)),
+            numel=fragment_length(sum(shard.numel() for shard in local_shards(model)), hv.fragments),
             galaxy_rank=hv.world_rank,
             galaxy_size=hv.galaxy_size,
             matchmaking_time=hv.matchmaking_time,
@@ -193,7 +194,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             allowlist=allowlist,
         )
 
-    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression}
+    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression,
+              "fragments": hv.fragments}
     cluster = ClusterComm(world.device)
     if hv.initial_peers or world.world_size == 1:
         averager = start(hv.initial_peers)

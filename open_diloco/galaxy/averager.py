@@ -461,7 +461,7 @@ def start_shard_averager(
         averaging_timeout=averaging_timeout,
         run_id=run_id,
         member_expiry=member_expiry,
-        schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression},
+        schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression, "fragments": 1},
         allowlist=allowlist,
         compression=compression,
         initial_peers=initial_peers,

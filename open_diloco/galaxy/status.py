@@ -141,7 +141,7 @@ class StatusPublisher:
             log.debug("status record not stored (no DHT peer took it)")
 
 
-SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec")
+SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments")
 """What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
 tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs (codec)."""
 
@@ -172,7 +172,7 @@ def schema_conflict(
                 return (
                     f"cluster {record['galaxy_rank']} (host {record.get('host', '?')}) cannot average with this one: "
                     f"its {key} is {record[key]!r}, here {schema[key]!r}; every cluster of a galaxy must train the "
-                    "same model with the same number of ranks and --hv.compression"
+                    "same model with the same number of ranks, --hv.compression and --hv.fragments"
                 )
     return None
 

@@ -1,7 +1,8 @@
 """DiLoCo's outer loop for one shard of one cluster, as two halves: :meth:`DiLoCo.start_round` computes the
 pseudo-gradient and launches the galaxy average; :meth:`DiLoCo.finish_round` waits for it, lets the round
-policy decide, and applies the outer step. Today the trainer calls them back to back (:meth:`DiLoCo.step`);
-an overlapped schedule can run inner steps in between.
+policy decide, and applies the outer step. :meth:`DiLoCo.after_inner_step` drives them on the schedule of
+``outer/streaming.py``: back to back every H inner steps by default, or one fragment of the model every H/P steps
+with the round in flight for ``--hv.sync-delay`` inner steps while training goes on.
 
 Cluster-level decisions (retry a partial round, re-sync after a mismatch) are agreed by all local ranks
 through :class:`ClusterComm`, so every shard of a cluster follows the same path.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
+from open_diloco.errors import ConfigError, GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.guard import NormHistory, wire_norm
@@ -30,6 +31,7 @@ from open_diloco.outer.protocols import (
     StatusBoard,
 )
 from open_diloco.outer.state import OuterState, combine_hashes
+from open_diloco.outer.streaming import SyncSchedule
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
@@ -59,6 +61,8 @@ class RoundInFlight:
     lead: int = -1
     """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
     this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+    lands_at: int = 0
+    """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
 
     @property
     def sits_out(self) -> bool:
@@ -91,6 +95,12 @@ class DiLoCo:
         self.policy = RoundPolicy(hv.on_partial_round, hv.max_retries)
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
+        self.schedule = SyncSchedule(hv.local_steps, hv.fragments, hv.sync_delay)
+        self.in_flight: RoundInFlight | None = None
+        """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
+        self._window_start: float | None = None
+        self._held = 0.0
+        """Seconds the trainer spent in the outer loop since the last round's metrics (for compute utilization)."""
         self.state = OuterState(
             model,
             lr=hv.outer_lr,
@@ -99,12 +109,17 @@ class DiLoCo:
             warmup_rounds=hv.outer_warmup_rounds,
             compressor=build_compressor(hv.compression, hv.sparse_density, hv.sparse_rule),
             error_feedback=hv.error_feedback,
+            fragments=hv.fragments,
         )
         self.averager.serve_state(self._served_state)
 
     @property
     def outer_step(self) -> int:
         return self.state.outer_step
+
+    @property
+    def fragments(self) -> int:
+        return self.hv.fragments
 
     def _served_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         metadata, tensors = self.state.snapshot()
@@ -125,10 +140,24 @@ class DiLoCo:
                 f"the galaxy is at outer step {self.outer_step} (this cluster was at {previous}): "
                 "downloaded θ_outer and the outer momentum from a peer"
             )
+        elif self.state.local_at_start is not None:  # a checkpoint taken with a round in flight: send it again
+            self._resume_round_in_flight()
         return self.inner_step_of_galaxy()
 
+    def _resume_round_in_flight(self) -> None:
+        """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step does
+        the same, so the round meets and lands where it would have)."""
+        started_at = self.schedule.inner_step_of(self.outer_step + 1)
+        self.warn(f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again")
+        flight = self.start_round()
+        flight.lands_at = started_at + self.schedule.sync_delay
+        if flight.sits_out:
+            self.sit_out(flight)
+        else:
+            self.in_flight = flight
+
     def inner_step_of_galaxy(self) -> int:
-        return self.outer_step * self.hv.local_steps
+        return self.schedule.inner_step_of(self.outer_step)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
@@ -140,18 +169,67 @@ class DiLoCo:
     def error_feedback_pieces(self) -> list[torch.Tensor] | None:
         return self.state.error_feedback_pieces()
 
+    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
+        if not self.schedule.streaming:
+            return {}
+        pieces = {"outer_params": self.state.outer_params_pieces()}
+        sync_start = self.state.sync_start_pieces()
+        if sync_start is not None:
+            pieces["sync_start"] = sync_start
+        return pieces
+
+    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
+        if "sync_start" in pieces and saved_fragments != self.hv.fragments:
+            raise ConfigError(
+                f"the checkpoint holds a round of one of {saved_fragments} fragments in flight, this run has "
+                f"--hv.fragments {self.hv.fragments}: resume with --hv.fragments {saved_fragments}"
+            )
+        fragment = self.schedule.fragment_of(self.outer_step)  # the round in flight is sync outer_step + 1
+        self.state.restore_streaming(pieces["outer_params"], pieces.get("sync_start"), fragment)
+
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
         self.state.restore_error_feedback(pieces)
 
     # -- the outer step -------------------------------------------------------------------------------------
-    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
-        """Run an outer step when ``inner_step`` ends a round (see :class:`OuterLoop`)."""
-        if inner_step % self.hv.local_steps:
-            return {}
-        return self.step()
+    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
+        """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the schedule
+        (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns the metrics of
+        the round that landed (or was sat out), else ``{}``."""
+        began = time.perf_counter()
+        if self._window_start is None:
+            self._window_start = began
+        record: dict[str, Any] = {}
+        if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
+            flight, self.in_flight = self.in_flight, None
+            record = self.finish_round(flight)
+        if self.schedule.starts_sync(inner_step):
+            record = self._start_sync(inner_step, last) or record
+        self._held += time.perf_counter() - began
+        if record:
+            window = time.perf_counter() - self._window_start
+            # the share of the wall time since the last round's metrics that the trainer was not held by the
+            # outer loop (Δ, matchmaking and all-reduce waits, the outer step): 1.0 when the network is hidden
+            record["compute_utilization"] = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
+            self._window_start, self._held = time.perf_counter(), 0.0
+        return record
+
+    def _start_sync(self, inner_step: int, last: bool) -> dict[str, Any]:
+        """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""
+        delay = 0 if last else self.schedule.sync_delay
+        self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=delay > 0)
+        flight = self.start_round()
+        flight.lands_at = inner_step + delay
+        if flight.sits_out:
+            return self.sit_out(flight)
+        if delay == 0:
+            return self.finish_round(flight)
+        self.in_flight = flight
+        return {}
 
     def step(self) -> dict[str, Any]:
-        """One blocking outer step: start the round and finish it (or sit it out, see :meth:`sit_out`)."""
+        """One blocking outer step of the next fragment: start the round and finish it (or sit it out, see
+        :meth:`sit_out`)."""
+        self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=False)
         flight = self.start_round()
         return self.sit_out(flight) if flight.sits_out else self.finish_round(flight)
 
@@ -203,8 +281,11 @@ class DiLoCo:
         into the model, and return the round's metrics."""
         round_no = self.outer_step + 1
         self.bad_rounds = 0
+        network_wait = 0.0
         while True:
+            waited = time.perf_counter()
             report, failed = self._wait(flight, round_no)
+            network_wait += time.perf_counter() - waited
             self._check_peers(report)
             rejected = self._rejected_by_any_rank(report)
             clusters = self.cluster.min_int(report.group_size - len(rejected) if report.complete else 1)
@@ -269,11 +350,16 @@ class DiLoCo:
                 f"outer step {round_no}: {err} past --hv.averaging-timeout; stopping (resume from the last "
                 "checkpoint)"
             ) from None
+        fragment = self.state.fragment
         resynced = self._resync(wanted_step) if decision is Decision.RESYNC else False
-        self.state.scatter_into_model()
+        if not resynced:  # a re-sync already put the adopted θ_outer into the whole model
+            self.state.land()
 
         return {
             "outer_step": self.outer_step,
+            "fragment": fragment,
+            "fragment_hash": combine_hashes(self.cluster.gather_strings(self.state.fragment_hash(fragment))),
+            "network_wait_seconds": network_wait,
             "galaxy_peers": report.group_size,
             "galaxy_alive": flight.alive,
             "galaxy_complete": bool(report.complete),
@@ -328,8 +414,11 @@ class DiLoCo:
             why, wanted = "the galaxy was ahead", flight.lead
         adopted = self.hv.galaxy_size > 1 and self._resync(wanted, why)
         self.state.scatter_into_model()
+        self.state.local_at_start = None  # the whole model is θ_outer again: nothing of the fragment's to keep
         return {
             "outer_step": self.outer_step,
+            "fragment": self.state.fragment,
+            "network_wait_seconds": 0.0,
             "galaxy_peers": 0,
             "galaxy_alive": flight.alive,
             "galaxy_complete": False,

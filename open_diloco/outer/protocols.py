@@ -103,12 +103,16 @@ class OuterLoop(Protocol):
     outer_step: int
     """Outer steps applied so far (the galaxy's round counter)."""
 
+    fragments: int
+    """``--hv.fragments``: the slices of θ_outer that sync in turn (1: the whole model at once)."""
+
     def join_galaxy(self) -> int:
         """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
         ...
 
-    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
-        """Run an outer step if ``inner_step`` (1-based) ends a round; return its metrics, else ``{}``."""
+    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
+        """Start a sync if ``inner_step`` (1-based) is on the schedule, land the one in flight when its delay is
+        over (or, with ``last``, at once); return the metrics of a round that landed, else ``{}``."""
         ...
 
     def inner_step_of_galaxy(self) -> int:
@@ -131,6 +135,17 @@ class OuterLoop(Protocol):
 
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
         """Take the error feedback a checkpoint held."""
+        ...
+
+    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
+        """What a checkpoint must add when the model is not θ_outer at a save (fragments or a sync delay), shaped
+        like this rank's parameter shards: ``outer_params`` (θ_outer) and, with a round in flight, ``sync_start``
+        (θ_outer with the fragment's θ_local at the round's start). ``{}``: the model is θ_outer."""
+        ...
+
+    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
+        """Take what :meth:`streaming_pieces` saved (after :meth:`restore_after_checkpoint`) by a run with
+        ``saved_fragments`` fragments; a round in flight is sent again by :meth:`join_galaxy`."""
         ...
 
     def report(self, record: dict[str, Any]) -> None:
@@ -170,6 +185,7 @@ class NullOuterLoop:
     """No galaxy: plain data-parallel training inside the cluster."""
 
     outer_step = 0
+    fragments = 1
 
     def join_galaxy(self) -> int:
         return 0
@@ -177,8 +193,14 @@ class NullOuterLoop:
     def inner_step_of_galaxy(self) -> int:
         return 0
 
-    def after_inner_step(self, inner_step: int) -> dict[str, Any]:
+    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
         return {}
+
+    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
+        return {}
+
+    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
+        pass
 
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
         return None

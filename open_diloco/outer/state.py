@@ -13,6 +13,12 @@ like the momentum), a late joiner or a re-synced cluster starts from zero (it ha
 state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
 and the old ``e``, all unchanged since the round started: no copy of what was sent is kept, and a retried round
 sends the very same Q(Δ + e) again.
+
+Streaming (``--hv.fragments`` P, ``--hv.sync-delay`` τ, ``outer/streaming.py``): a round averages one fragment, a
+slice of ``params``; its Δ, error feedback and outer step touch that slice only. With τ > 0 the model moves on
+while the round is in flight, so θ_local of the fragment is kept as it was when the round started
+(``local_at_start``, 4 bytes per value of one fragment): a retried round and the error feedback read it instead
+of the model, and the landing keeps what the inner steps did since.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 
 from open_diloco.outer.codecs import PseudoGradCompressor
+from open_diloco.outer.streaming import fragment_length
 
 
 def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -123,8 +130,10 @@ class OuterState:
         warmup_rounds: int = 0,
         compressor: PseudoGradCompressor | None = None,
         error_feedback: bool = True,
+        fragments: int = 1,
     ):
         self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
+        self.fragments = fragments
         self.compressor = compressor
         self._shards = local_shards(model)
         self.numels = [shard.numel() for shard in self._shards]
@@ -142,11 +151,83 @@ class OuterState:
             torch.zeros_like(self.params) if compressor is not None and error_feedback else None
         )
         """Error feedback: what the encodings dropped so far, added to the next Δ (``None``: off)."""
+        self.fragment = 0
+        """The fragment the current (or next) round averages."""
+        self.local_at_start: torch.Tensor | None = None
+        """θ_local of ``fragment`` when its round started, fp32, while that round is in flight with a sync delay
+        (``None``: the model still holds it)."""
         self.gather_local_into(self.params)
 
     @property
     def numel(self) -> int:
         return self.params.numel()
+
+    @property
+    def wire_numel(self) -> int:
+        """Values one round carries: a fragment's length (the whole shard when P = 1)."""
+        return fragment_length(self.numel, self.fragments)
+
+    def region(self, fragment: int | None = None) -> slice:
+        """Where ``fragment`` (default: the current one) lies in the flat shard."""
+        fragment = self.fragment if fragment is None else fragment
+        length = self.wire_numel
+        return slice(fragment * length, min((fragment + 1) * length, self.numel))
+
+    def codec_round(self) -> int:
+        """The round id a codec derives its choices from (the sparse selection): the fragment's own round count,
+        so that every fragment walks through every selection."""
+        return self.outer_step // self.fragments
+
+    def _local_pieces(self, region: slice):
+        """(model piece, start, stop) for every parameter shard overlapping ``region``; offsets into the region."""
+        offset = 0
+        for shard, numel in zip(self._shards, self.numels, strict=True):
+            lo, hi = max(region.start, offset), min(region.stop, offset + numel)
+            if lo < hi:
+                yield shard.reshape(-1)[lo - offset : hi - offset], lo - region.start, hi - region.start
+            offset += numel
+
+    def _local_region_into(self, flat: torch.Tensor, region: slice) -> None:
+        """θ_local of ``region`` into ``flat``, fp32: what the round started from."""
+        if self.local_at_start is not None:
+            flat.copy_(self.local_at_start)
+            return
+        if region.start == 0 and region.stop == self.numel:
+            self.gather_local_into(flat)
+            return
+        for piece, lo, hi in self._local_pieces(region):
+            flat[lo:hi].copy_(piece, non_blocking=True)
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+    def begin_round(self, fragment: int, keep_local: bool) -> None:
+        """The round of ``fragment`` starts; with ``keep_local`` (a sync delay), θ_local of the fragment is kept
+        as it is now, since the inner steps go on while the round is in flight."""
+        with self.lock:
+            self.fragment = fragment
+            self.local_at_start = None
+            if keep_local:
+                region = self.region()
+                kept = torch.empty(region.stop - region.start, dtype=torch.float32)
+                self._local_region_into(kept, region)
+                self.local_at_start = kept
+
+    def land(self) -> None:
+        """The current fragment's update reaches the model: θ_local ← θ_outer on the fragment, plus, with a sync
+        delay, what the inner steps did to it since the round started (``outer/streaming.py`` says why)."""
+        region = self.region()
+        if self.local_at_start is None and region.start == 0 and region.stop == self.numel:
+            self.scatter_into_model()
+            return
+        kept = self.local_at_start
+        for piece, lo, hi in self._local_pieces(region):
+            theta = self.params[region][lo:hi]
+            if kept is None:
+                piece.copy_(theta, non_blocking=True)
+            else:
+                moved = piece.to("cpu", torch.float32).sub_(kept[lo:hi])
+                piece.copy_(moved.add_(theta), non_blocking=True)
+        self.local_at_start = None
 
     def gather_local_into(self, flat: torch.Tensor) -> None:
         """Copy θ_local (the model's shards) into ``flat``, in fp32."""
@@ -157,12 +238,15 @@ class OuterState:
 
     @torch.no_grad()
     def pseudo_grad_into(self, flat: torch.Tensor, chunk: int = 1 << 18) -> float:
-        """Δ = θ_outer − θ_local, computed in ``flat`` (the averager's wire buffer); returns ‖Δ‖², summed a
-        chunk at a time while the chunk is in cache (the same number :func:`sum_of_squares` gives, one pass over
-        the shard fewer)."""
-        self.gather_local_into(flat)
+        """Δ = θ_outer − θ_local of the current fragment, computed in ``flat`` (the averager's wire buffer, padded
+        with zeros past a short last fragment); returns ‖Δ‖², summed a chunk at a time while the chunk is in cache
+        (the same number :func:`sum_of_squares` gives, one pass over the shard fewer)."""
+        region = self.region()
+        delta_flat = flat[: region.stop - region.start]
+        flat[delta_flat.numel() :].zero_()
+        self._local_region_into(delta_flat, region)
         total = 0.0
-        for theta, delta in zip(self.params.split(chunk), flat.split(chunk), strict=True):
+        for theta, delta in zip(self.params[region].split(chunk), delta_flat.split(chunk), strict=True):
             torch.sub(theta, delta, out=delta)
             total += _squares(delta)
         return total
@@ -172,40 +256,53 @@ class OuterState:
         ‖Δ‖² (before the error feedback)."""
         total = self.pseudo_grad_into(flat)
         if self.compressor is not None and math.isfinite(total):  # a non-finite Δ is never encoded nor sent
-            self.compressor.to_wire_(flat, self.error, self.outer_step)
+            region = self.region()
+            self.compressor.to_wire_(flat[: region.stop - region.start], self._error(region), self.codec_round())
         return total
+
+    def _error(self, region: slice) -> torch.Tensor | None:
+        return None if self.error is None else self.error[region]
 
     @torch.no_grad()
     def _commit_error_feedback(self, chunk: int = 1 << 18) -> None:
-        """e ← Δ_fb − Q(Δ_fb) with Δ_fb = Δ + e, Δ recomputed as :meth:`pseudo_grad_into` does (same operations,
-        same bits) a chunk at a time, without a full-size temporary."""
-        offset = 0
-        for shard, numel in zip(self._shards, self.numels, strict=True):
-            local_flat = shard.reshape(-1)
-            for start in range(0, numel, chunk):
-                local = local_flat[start : start + chunk].to("cpu", torch.float32)
-                piece = slice(offset + start, offset + start + local.numel())
-                self.error[piece].add_(torch.sub(self.params[piece], local))
-            offset += numel
-        self.compressor.residual_(self.error, self.outer_step)
+        """e ← Δ_fb − Q(Δ_fb) with Δ_fb = Δ + e on the current fragment, Δ recomputed as :meth:`pseudo_grad_into`
+        does (same operations, same bits) a chunk at a time, without a full-size temporary."""
+        region = self.region()
+        error, theta = self.error[region], self.params[region]
+        if self.local_at_start is not None:
+            error.add_(torch.sub(theta, self.local_at_start))
+        else:
+            for piece, lo, hi in self._local_pieces(region):
+                for start in range(lo, hi, chunk):
+                    local = piece[start - lo : start - lo + chunk].to("cpu", torch.float32)
+                    span = slice(start, start + local.numel())
+                    error[span].add_(torch.sub(theta[span], local))
+        self.compressor.residual_(error, self.codec_round())
 
     def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
-        """The outer step with the galaxy's average Δ (consumed; with a codec, in its wire layout), then count the
-        round."""
+        """The outer step of the current fragment with the galaxy's average Δ (consumed; with a codec, in its wire
+        layout), then count the round. The model is not touched: :meth:`land` (or :meth:`scatter_into_model`)."""
         with self.lock:
+            region = self.region()
+            averaged = averaged_pseudo_grad[: region.stop - region.start]
             if self.compressor is not None:
                 if self.error is not None:
                     self._commit_error_feedback()
-                self.compressor.from_wire_(averaged_pseudo_grad, self.outer_step)
-            lr, momentum = self.hparams(self.outer_step + 1)
-            self.momentum_buffer = outer_sgd_step_(
-                self.params,
-                averaged_pseudo_grad,
-                self.momentum_buffer,
+                self.compressor.from_wire_(averaged, self.codec_round())
+            lr, momentum = self.hparams(self.outer_step // self.fragments + 1)
+            if self.momentum_buffer is None and momentum and self.fragments > 1:
+                # fragments start their momentum at different rounds: one zeroed buffer, each slice fed from 0
+                self.momentum_buffer = torch.zeros_like(self.params)
+            momentum_buffer = outer_sgd_step_(
+                self.params[region],
+                averaged,
+                None if self.momentum_buffer is None else self.momentum_buffer[region],
                 lr=lr,
                 momentum=momentum,
                 nesterov=self.nesterov,
             )
+            if self.momentum_buffer is None:
+                self.momentum_buffer = momentum_buffer  # one fragment: the buffer SGD made (None without momentum)
             self.outer_step += 1
             self._hash = self._sq_norm = None
 
@@ -224,6 +321,10 @@ class OuterState:
         if self._sq_norm is None:
             self._sq_norm = sum_of_squares(self.params)
         return self._sq_norm
+
+    def fragment_hash(self, fragment: int) -> str:
+        """:func:`fingerprint_bytes` of one fragment of θ_outer (the ``fragment_hash`` metric)."""
+        return fingerprint_bytes(self.params[self.region(fragment)])
 
     def hash(self) -> str:
         """:func:`fingerprint_bytes` of θ_outer."""
@@ -254,6 +355,7 @@ class OuterState:
             self._hash = self._sq_norm = None
             self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
             self.outer_step = int(metadata["outer_step"])
+            self.local_at_start = None  # a round in flight, if any, belonged to the trajectory we just left
             if self.error is not None:
                 self.error.zero_()  # what we dropped belonged to the trajectory we just left
         self.scatter_into_model()
@@ -279,6 +381,34 @@ class OuterState:
             piece.view_as(shard)
             for piece, shard in zip(self.momentum_buffer.split(self.numels), self._shards, strict=True)
         ]
+
+    def _shaped_pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)]
+
+    def outer_params_pieces(self) -> list[torch.Tensor]:
+        """θ_outer split and shaped like this rank's parameter shards (views): what a checkpoint stores when the
+        model is not θ_outer at a save (streaming)."""
+        return self._shaped_pieces(self.params)
+
+    def sync_start_pieces(self) -> list[torch.Tensor] | None:
+        """With a round in flight under a sync delay: θ_outer with the fragment's slice replaced by θ_local at the
+        round's start (a copy shaped like the parameter shards, so DCP reshards it); ``None``: nothing in flight."""
+        if self.local_at_start is None:
+            return None
+        flat = self.params.clone()
+        flat[self.region()] = self.local_at_start
+        return self._shaped_pieces(flat)
+
+    def restore_streaming(self, outer_params: list[torch.Tensor], sync_start: list[torch.Tensor] | None,
+                          fragment: int) -> None:
+        """Take θ_outer from a checkpoint's pieces (the model holds θ_local), and the round in flight, if any."""
+        with torch.no_grad(), self.lock:
+            self.params.copy_(torch.cat([piece.reshape(-1).float() for piece in outer_params]))
+            self._hash = self._sq_norm = None
+            self.fragment, self.local_at_start = fragment, None
+            if sync_start is not None:
+                flat = torch.cat([piece.reshape(-1).float() for piece in sync_start])
+                self.local_at_start = flat[self.region()].clone()
 
     def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
         """After a checkpoint load: the model holds θ_outer (saves land on outer-step boundaries), so θ_outer

@@ -30,7 +30,7 @@ def main() -> None:
         initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
         run_id=args.run_id, shard_index=0, numel=args.numel, galaxy_rank=7, galaxy_size=2,
         matchmaking_time=1.0, averaging_timeout=8.0, join_timeout=10.0, compression="none", member_expiry=15.0,
-        schema={"model_fingerprint": args.model_fingerprint, "ranks": 1, "codec": "none"},
+        schema={"model_fingerprint": args.model_fingerprint, "ranks": 1, "codec": "none", "fragments": 1},
     )
     try:
         print(json.dumps({"peer_id": averager.peer_id, "download": averager.download_state(5.0) is not None}),
