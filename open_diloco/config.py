@@ -54,8 +54,12 @@ class HvConfig(BaseModel):
 
     sync_delay: Annotated[int, Field(ge=0)] = 0
     """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer update
-    lands; the inner steps made meanwhile are kept on top of the new θ_outer. 0: training waits for the round.
-    Must be below H/P."""
+    lands, mixed with the inner steps made meanwhile (--hv.sync-alpha). 0: training waits for the round. Must be
+    below H/P."""
+
+    sync_alpha: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    """α: with --hv.sync-delay, a landing fragment becomes α·θ_local + (1 − α)·θ_outer (θ_local: the model, τ inner
+    steps on); 0 drops those steps. 0.5 measured best (README "Overlap")."""
 
     outer_lr: Annotated[float, Field(gt=0)] = 1.0
     """Learning rate of the outer optimizer (SGD, optionally with (Nesterov) momentum). The default, lr 1 with

@@ -118,10 +118,14 @@ class CanonicalAllReduce(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         scale = self.claims.scale(peer_id) if self.claims is not None else 1.0
+        weight = self.weight
+        if self.claims is not None and peer_id in self.claims.stale:  # we started elsewhere: the cohort's average
+            weight = 0.0
+            self.rejected_senders.add(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             own = self._as_sent(tensor_part)
             averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, own if scale == 1.0 else own * scale, weight=self.weight
+                sender_index, part_index, own if scale == 1.0 else own * scale, weight=weight
             )
             if self.codec is not None:
                 canonical = self.codec.decode(self.codec.encode(averaged))  # what the others decode

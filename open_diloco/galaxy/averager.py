@@ -41,6 +41,7 @@ from open_diloco.galaxy.status import (
 )
 from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.guard import ClaimCheck, valid_claim, wire_norm
+from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
@@ -110,16 +111,17 @@ class CanonicalAverager(DecentralizedAverager):
     def _claims(self, group_info) -> ClaimCheck:
         """Every peer's claimed ‖Δ‖ (``delta_norm`` in the metadata gathered in matchmaking, the same table on
         every peer of the group)."""
-        claims, own_theta = {}, None
+        claims, own_theta, metadata = {}, None, {}
         for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:
-                metadata = self.serializer.loads(self.serializer.loads(blob)[2])
-                claims[peer] = valid_claim(metadata.get("delta_norm"))
+                metadata[peer] = self.serializer.loads(self.serializer.loads(blob)[2])
+                claims[peer] = valid_claim(metadata[peer].get("delta_norm"))
                 if peer == self.peer_id:
-                    own_theta = valid_claim(metadata.get("theta_norm"))
+                    own_theta = valid_claim(metadata[peer].get("theta_norm"))
             except Exception:  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
                 claims[peer] = None
-        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta)
+        stale = frozenset(out_of_cohort(metadata))
+        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta, stale)
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -207,8 +209,10 @@ class HivemindRound:
                 )
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
+        stale_peers = out_of_cohort(result["gathered"])
+        stale = sorted(result["gathered"][peer].get("galaxy_rank", -1) for peer in stale_peers)
         rejected = sorted({result["gathered"][peer].get("galaxy_rank", -1) for peer in result["rejected"]
-                           if peer in result["gathered"]})
+                           if peer in result["gathered"] and peer not in stale_peers})
         return RoundReport(
             group_size=len(result["gathered"]),
             complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
@@ -217,6 +221,7 @@ class HivemindRound:
             bytes_sent=result["bytes_sent"],
             bytes_received=result["bytes_received"],
             rejected=rejected,
+            stale=stale,
         )
 
 

@@ -110,6 +110,7 @@ class DiLoCo:
             compressor=build_compressor(hv.compression, hv.sparse_density, hv.sparse_rule),
             error_feedback=hv.error_feedback,
             fragments=hv.fragments,
+            sync_alpha=hv.sync_alpha,
         )
         self.averager.serve_state(self._served_state)
 
@@ -287,16 +288,20 @@ class DiLoCo:
             report, failed = self._wait(flight, round_no)
             network_wait += time.perf_counter() - waited
             self._check_peers(report)
-            rejected = self._rejected_by_any_rank(report)
-            clusters = self.cluster.min_int(report.group_size - len(rejected) if report.complete else 1)
-            in_sync = self.cluster.all_true(
-                all(meta.get("param_hash") == flight.own_hash for meta in report.peers.values())
+            rejected = self._ranks_by_any_rank(report.rejected)
+            # peers that started from another round or θ_outer: left out by every reducer, they re-sync
+            stale = self._ranks_by_any_rank(report.stale)
+            left_out = self.galaxy_rank in stale
+            clusters = self.cluster.min_int(report.group_size - len(rejected) - len(stale) if report.complete else 1)
+            in_sync = self.cluster.all_true(  # within the cohort: those left out cannot spoil the average
+                all(meta.get("param_hash") == flight.own_hash for rank, meta in report.peers.items()
+                    if rank not in stale or rank == self.galaxy_rank)
             )
             reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
             behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
             outcome = RoundOutcome(  # a rejected cluster's Δ is garbage: waiting or retrying for it is no use
                 clusters=clusters,
-                alive=flight.alive - len(rejected),
+                alive=flight.alive - len(rejected) - len(stale),
                 in_sync=in_sync,
                 behind=behind,
                 attempts=flight.attempts,
@@ -309,6 +314,8 @@ class DiLoCo:
                 f"retry {flight.attempts + 1}/{self.hv.max_retries}"
             )
             flight = self.start_round(flight.attempts + 1)
+            if flight.sits_out:  # the galaxy moved on meanwhile: adopt its state rather than meet its next round
+                return self.sit_out(flight)
 
         size = self.hv.galaxy_size
         if decision is Decision.STOP:
@@ -322,7 +329,18 @@ class DiLoCo:
                 f"was not finite, larger than they claimed, or above --hv.delta-norm-bound={self.hv.delta_norm_bound}"
                 " times ours"
             )
-        self.norm_history.record(meta.get("delta_norm") for rank, meta in report.peers.items() if rank not in rejected)
+        if stale and not left_out:
+            self.warn(
+                f"outer step {round_no}: left cluster(s) {stale} out of the average: they started this round from "
+                "another round or θ_outer; they re-sync"
+            )
+        if left_out:
+            self.warn(f"outer step {round_no}: this cluster started the round from another round or θ_outer than "
+                      "the galaxy's most advanced cluster: its Δ was left out, it re-syncs")
+            failed = True  # the buffer holds the cohort's average, taken from another θ_outer: never applied here
+        self.norm_history.record(
+            meta.get("delta_norm") for rank, meta in report.peers.items() if rank not in rejected and rank not in stale
+        )
         if flight.alive != self._alive_before:
             self.warn(
                 f"outer step {round_no}: {flight.alive} of {size} clusters alive (were {self._alive_before}): "
@@ -368,7 +386,7 @@ class DiLoCo:
             "bytes_received": report.bytes_received,
             "retries": flight.attempts,
             # every live cluster took part and all started from this θ_outer: with one missing, nobody can tell
-            "in_sync": in_sync and clusters >= outcome.alive,
+            "in_sync": in_sync and not stale and clusters >= outcome.alive,
             "resynced": resynced,
             "pseudo_grad_finite": True,
             "pseudo_grad_in_bound": True,
@@ -446,9 +464,10 @@ class DiLoCo:
         total = self.cluster.sum_float(bound**2 if bound is not None else float("nan"))
         return total**0.5 if math.isfinite(total) else None
 
-    def _rejected_by_any_rank(self, report: RoundReport) -> list[int]:
-        """Galaxy ranks some shard's reducer left out as not finite, the same list on every rank."""
-        gathered = self.cluster.gather_strings(",".join(map(str, report.rejected)))
+    def _ranks_by_any_rank(self, ranks: list[int]) -> list[int]:
+        """Galaxy ranks some shard's report names (left out as garbage, or out of the cohort), the same list on
+        every rank of the cluster."""
+        gathered = self.cluster.gather_strings(",".join(map(str, ranks)))
         return sorted({int(rank) for ranks in gathered for rank in ranks.split(",") if rank})
 
     def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:

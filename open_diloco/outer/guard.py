@@ -96,6 +96,8 @@ class ClaimCheck:
     """``--hv.robust-mean``: clip every sender to the round's median claim."""
     own_theta: float | None = None
     """This reducer's ‖θ_outer‖ (``None``: unknown, no θ bound)."""
+    stale: frozenset = frozenset()
+    """Peers outside the round's cohort (``policy.out_of_cohort``): never averaged, this reducer included."""
     _energy: dict[Hashable, float] = field(default_factory=dict)
 
     @property
@@ -111,7 +113,7 @@ class ClaimCheck:
     def admits(self, sender: Hashable) -> bool:
         """Whether ``sender`` may enter this reducer's span at all (decided before its first part)."""
         claim = self.claims.get(sender)
-        if claim is None:
+        if claim is None or sender in self.stale:
             return False
         bound = self.bound
         return bound is None or claim <= bound
@@ -120,7 +122,7 @@ class ClaimCheck:
         """What ``sender``'s parts are multiplied by: 1, or with the robust mean, median claim ÷ its claim when
         larger. The median is over every valid claim, the same on every reducer."""
         claim = self.claims.get(sender)
-        valid = [value for value in self.claims.values() if value is not None]
+        valid = [value for peer, value in self.claims.items() if value is not None and peer not in self.stale]
         if not self.robust or not claim or not valid:
             return 1.0
         return min(1.0, statistics.median(valid) / claim)

@@ -56,6 +56,22 @@ class RoundPolicy:
         return Decision.PROCEED if partial else Decision.APPLY
 
 
+def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
+    """The peers of a round that did not start it where its most advanced peer did: another round id (a retry
+    that met the next round, a cluster that fell behind) or another θ_outer (hash). The most advanced peer is the
+    one :func:`most_advanced` names (latest round, then lowest galaxy rank); the others of its round and hash form
+    the round's cohort. Every peer of a group holds the same gathered metadata, so every reducer leaves out the
+    same peers, and the cohort's average stays bitwise identical and free of Δs taken from another θ_outer (or,
+    with fragments, of another fragment). A peer without the keys is left to the claim checks."""
+    valid = {key: meta for key, meta in metadata.items()
+             if isinstance(meta, dict) and "round_id" in meta and "param_hash" in meta}
+    if not valid:
+        return set()
+    reference = max(valid.values(), key=lambda meta: (int(meta["round_id"]), -int(meta.get("galaxy_rank", 0))))
+    cohort = (reference["round_id"], reference["param_hash"])
+    return {key for key, meta in valid.items() if (meta["round_id"], meta["param_hash"]) != cohort}
+
+
 def most_advanced(peers: dict[int, dict[str, Any]], outer_step: int, galaxy_rank: int) -> tuple[int, int]:
     """``(round_id, -galaxy_rank)`` of the most advanced participant of a round: the latest round, then the
     lowest galaxy rank. After a hash mismatch every other cluster adopts that one's state."""

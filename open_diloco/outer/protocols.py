@@ -29,6 +29,9 @@ class RoundReport:
     bytes_received: int = 0
     rejected: list[int] = field(default_factory=list)
     """Galaxy ranks whose parts this shard's reducer left out of the average as not finite."""
+    stale: list[int] = field(default_factory=list)
+    """Galaxy ranks outside the round's cohort (``policy.out_of_cohort``: they started from another round or
+    θ_outer), left out by every reducer; they re-sync."""
 
 
 @dataclass(frozen=True)

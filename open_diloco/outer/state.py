@@ -18,7 +18,7 @@ Streaming (``--hv.fragments`` P, ``--hv.sync-delay`` τ, ``outer/streaming.py``)
 slice of ``params``; its Δ, error feedback and outer step touch that slice only. With τ > 0 the model moves on
 while the round is in flight, so θ_local of the fragment is kept as it was when the round started
 (``local_at_start``, 4 bytes per value of one fragment): a retried round and the error feedback read it instead
-of the model, and the landing keeps what the inner steps did since.
+of the model, and the landing mixes what the inner steps did since with the new θ_outer.
 """
 
 from __future__ import annotations
@@ -131,9 +131,10 @@ class OuterState:
         compressor: PseudoGradCompressor | None = None,
         error_feedback: bool = True,
         fragments: int = 1,
+        sync_alpha: float = 0.5,
     ):
         self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
-        self.fragments = fragments
+        self.fragments, self.sync_alpha = fragments, sync_alpha
         self.compressor = compressor
         self._shards = local_shards(model)
         self.numels = [shard.numel() for shard in self._shards]
@@ -213,8 +214,8 @@ class OuterState:
                 self.local_at_start = kept
 
     def land(self) -> None:
-        """The current fragment's update reaches the model: θ_local ← θ_outer on the fragment, plus, with a sync
-        delay, what the inner steps did to it since the round started (``outer/streaming.py`` says why)."""
+        """The current fragment's update reaches the model: θ_local ← θ_outer on the fragment, or with a sync
+        delay α·θ_local + (1 − α)·θ_outer, α = ``--hv.sync-alpha`` (``outer/streaming.py`` says why)."""
         region = self.region()
         if self.local_at_start is None and region.start == 0 and region.stop == self.numel:
             self.scatter_into_model()
@@ -225,8 +226,8 @@ class OuterState:
             if kept is None:
                 piece.copy_(theta, non_blocking=True)
             else:
-                moved = piece.to("cpu", torch.float32).sub_(kept[lo:hi])
-                piece.copy_(moved.add_(theta), non_blocking=True)
+                mixed = piece.to("cpu", torch.float32).mul_(self.sync_alpha).add_(theta, alpha=1 - self.sync_alpha)
+                piece.copy_(mixed, non_blocking=True)
         self.local_at_start = None
 
     def gather_local_into(self, flat: torch.Tensor) -> None:

@@ -21,6 +21,9 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             codec (--hv.compression: int8, int4, int2, sparse, ...) ef (--hv.error-feedback, 0/1)
             density (--hv.sparse-density) rule (--hv.sparse-rule: cyclic, random)
             robust (--hv.robust-mean, 0/1)
+            P (--hv.fragments) tau (--hv.sync-delay) alpha (--hv.sync-alpha): streaming arms; their outer loop runs after every inner
+            step (a fragment lands τ steps after its sync starts), checked for identical θ_outer, not against
+            the whole-model reference
 
     python scripts/bench/convergence.py --quick --threads 1            # <= 10 min on 2 CPU cores, 2M model
     python scripts/bench/convergence.py --threads 1                    # <= 40 min: seq 256, B 32, 300 steps
@@ -56,6 +59,7 @@ from open_diloco.model import build_model, load_model_config  # noqa: E402
 from open_diloco.optim import build_inner_optimizer, build_scheduler  # noqa: E402
 from open_diloco.outer.diloco import DiLoCo  # noqa: E402
 from open_diloco.outer.state import fingerprint_bytes, local_shards  # noqa: E402
+from open_diloco.outer.streaming import SyncSchedule, fragment_length  # noqa: E402
 from open_diloco.trainer import evaluate, inner_step, position_at  # noqa: E402
 from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
 
@@ -178,6 +182,9 @@ def hv_of(spec: dict, rank: int) -> HvConfig:
             ("density", "sparse_density"),
             ("rule", "sparse_rule"),
             ("robust", "robust_mean"),
+            ("P", "fragments"),
+            ("tau", "sync_delay"),
+            ("alpha", "sync_alpha"),
         )
         if spec.get(key) is not None
     }
@@ -214,8 +221,10 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
             "outer_nesterov": hvs[0].outer_nesterov,
             "outer_warmup_rounds": hvs[0].outer_warmup_rounds,
         }
+        streaming = SyncSchedule(local_steps, hvs[0].fragments, hvs[0].sync_delay).streaming
         outers = [
-            DiLoCo(c.model, averagers.averager(m, flat(c.model).numel()), hvs[m], warn=print)
+            DiLoCo(c.model, averagers.averager(m, fragment_length(flat(c.model).numel(), hvs[m].fragments)), hvs[m],
+                   warn=print)
             for m, c in enumerate(clusters)
         ]
         reference = ReferenceOuter(outers[0].state.params, hvs[0])
@@ -223,7 +232,9 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     for step in range(1, args.steps + 1):
         losses = [c.step() for c in clusters]
         record["loss"].append(sum(losses) / len(losses))
-        if galaxy and step % local_steps == 0:
+        if galaxy and streaming:
+            streaming_step(outers, step, step == args.steps, record)
+        elif galaxy and step % local_steps == 0:
             round_index = step // local_steps
             locals_ = [flat(c.model) for c in clusters]
             results: list = [None] * size
@@ -277,6 +288,32 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     return record
 
 
+def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) -> None:
+    """Every cluster's outer loop after inner step ``step`` (in threads, so a landing round meets); a landed sync
+    must leave every cluster with the same θ_outer."""
+    results: list = [None] * len(outers)
+
+    def outer_step(m: int) -> None:
+        results[m] = outers[m].after_inner_step(step, last)
+
+    threads = [threading.Thread(target=outer_step, args=(m,)) for m in range(len(outers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if results[0]:
+        assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"
+        record["rounds"].append(
+            {
+                "step": step,
+                "fragment": results[0]["fragment"],
+                "pseudo_grad_norm": results[0]["pseudo_grad_norm"],
+                "bytes_sent": results[0]["bytes_sent"],
+                "fp32_bytes": 4 * outers[0].state.numel,
+            }
+        )
+
+
 def hvs_compression(spec: dict) -> str:
     return spec.get("codec") or "none"
 
@@ -305,6 +342,9 @@ KEY_TYPES: dict = {
     "density": float,
     "rule": str,
     "robust": int,
+    "P": int,
+    "tau": int,
+    "alpha": float,
 }
 
 

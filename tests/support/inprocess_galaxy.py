@@ -1,7 +1,8 @@
 """A galaxy of threads: implements the outer loop's ``Averager`` protocol in one process, no hivemind.
 
 Each thread is a cluster; a barrier makes every round meet. The result is the exact mean of the buffers of
-the clusters present, copied to each, so it is bitwise identical by construction: what the unit tests check
+the clusters present (less those outside the round's cohort, as the galaxy's reducers leave them out), copied to
+each, so it is bitwise identical by construction: what the unit tests check
 is the outer loop's math and decisions around it. With one of our codecs (``compression``) the mean is rounded
 the way the galaxy's reducer does (decode(encode(mean)); the senders' buffers are already on the codec's grid,
 which the wire carries exactly), so benches measure the codec's effect on training."""
@@ -16,6 +17,7 @@ import torch
 
 from open_diloco.outer.codecs import wire_codec
 from open_diloco.outer.guard import ClaimCheck
+from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
 
 
@@ -65,8 +67,11 @@ class InProcessRound:
             present = [av.rank]
         else:
             present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
-        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0, galaxy.robust_mean)
-        average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in present]).mean(0)
+        stale = out_of_cohort({r: galaxy.meta[r] for r in present})  # as every reducer of the galaxy leaves them out
+        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0, galaxy.robust_mean,
+                            stale=frozenset(stale))
+        cohort = [r for r in present if r not in stale]
+        average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort]).mean(0)
         sent = av.values.numel() * 4
         if galaxy.codec is not None:
             sent = galaxy.codec.encode(av.values, on_grid=True).numel()  # a peer of two sends about one encoding
@@ -75,7 +80,7 @@ class InProcessRound:
         peers = {r: galaxy.meta[r] for r in present}
         galaxy.barrier.wait()
         av.values.copy_(average)
-        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent)
+        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent, stale=sorted(stale))
 
 
 class InProcessAverager:

@@ -11,6 +11,7 @@ import torch
 from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError, RoundFailed
 from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.state import combine_hashes, outer_sgd_step_
 from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
 
@@ -303,6 +304,43 @@ def test_out_of_sync_is_reported():
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
     assert results[0]["in_sync"] is False and results[1]["in_sync"] is False
+
+
+def test_out_of_cohort_names_who_started_elsewhere():
+    same = {"param_hash": "aa", "round_id": 4}
+    # a retry of round 4 that met the next round: the peer still at round 3 is out
+    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"param_hash": "bb", "round_id": 3, "galaxy_rank": 1}}) == {1}
+    # same round, other θ_outer: the lowest galaxy rank is the reference (as for the re-sync)
+    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {**same, "param_hash": "cc", "galaxy_rank": 1}}) == {1}
+    assert out_of_cohort({k: {**same, "galaxy_rank": k} for k in range(3)}) == set()
+    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"galaxy_rank": 1}}) == set()  # no claim: the guard's
+
+
+def test_a_cluster_that_started_elsewhere_is_left_out_and_the_cohort_averages_exactly():
+    """Three clusters; cluster 2 starts the round from another θ_outer. Every reducer leaves it out: clusters 0 and
+    1 apply the exact mean of their own Δs (nothing of cluster 2's), and cluster 2 adopts their state."""
+    galaxy = InProcessGalaxy(3, serve_state=True)
+    results = {}
+    locals_ = {0: [0.5, 2.5], 1: [0.9, 1.5], 2: [9.0, 9.0]}
+
+    def cluster(rank):
+        model = _model([1.0, 2.0] if rank < 2 else [5.0, 5.0])
+        hv = _hv(world_rank=rank, galaxy_size=3, join_timeout=5.0, outer_lr=1.0, outer_momentum=0.0)
+        outer = DiLoCo(model, galaxy.averager(rank, 2), hv, warn=lambda *_: None)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([locals_[rank]]))
+        results[rank] = (outer.after_inner_step(1), outer.state.params.clone())
+
+    threads = [threading.Thread(target=cluster, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    expected = torch.tensor([0.7, 2.0])  # plain averaging of clusters 0 and 1: θ_outer ← mean θ_local
+    for rank in (0, 1):
+        record, params = results[rank]
+        assert torch.allclose(params, expected) and record["galaxy_alive"] == 3
+        assert not record["resynced"]
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[2][1], results[0][1])
+    assert results[2][0]["resynced"] is True
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
