@@ -150,12 +150,7 @@ class DiLoCo:
         the same, so the round meets and lands where it would have)."""
         started_at = self.schedule.inner_step_of(self.outer_step + 1)
         self.warn(f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again")
-        flight = self.start_round()
-        flight.lands_at = started_at + self.schedule.sync_delay
-        if flight.sits_out:
-            self.sit_out(flight)
-        else:
-            self.in_flight = flight
+        self._hold(self.start_round(), started_at + self.schedule.sync_delay)
 
     def inner_step_of_galaxy(self) -> int:
         return self.schedule.inner_step_of(self.outer_step)
@@ -219,12 +214,15 @@ class DiLoCo:
         delay = 0 if last else self.schedule.sync_delay
         self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=delay > 0)
         flight = self.start_round()
-        flight.lands_at = inner_step + delay
+        if delay == 0 and not flight.sits_out:
+            return self.finish_round(flight)
+        return self._hold(flight, inner_step + delay)
+
+    def _hold(self, flight: RoundInFlight, lands_at: int) -> dict[str, Any]:
+        """Keep a started round in flight until inner step ``lands_at``, or sit it out at once (its metrics)."""
         if flight.sits_out:
             return self.sit_out(flight)
-        if delay == 0:
-            return self.finish_round(flight)
-        self.in_flight = flight
+        flight.lands_at, self.in_flight = lands_at, flight
         return {}
 
     def step(self) -> dict[str, Any]:

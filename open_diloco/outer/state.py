@@ -67,6 +67,11 @@ def _squares(piece: torch.Tensor) -> float:
     return float(piece.double().square().sum())
 
 
+def _flat_fp32(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Pieces shaped like the parameter shards (a checkpoint's) back into one flat fp32 buffer (a copy)."""
+    return torch.cat([piece.reshape(-1).float() for piece in pieces])
+
+
 def round_hparams(round_no: int, *, lr: float, momentum: float, warmup_rounds: int) -> tuple[float, float]:
     """(outer lr, outer momentum) of outer step ``round_no`` (1-based): a pure function of the round number and
     the config, so every cluster applies the same step, and a resumed or late cluster continues the schedule.
@@ -365,25 +370,23 @@ class OuterState:
         """The error feedback split and shaped like this rank's parameter shards (views, no copy); ``None``: off."""
         if self.error is None:
             return None
-        return [piece.view_as(shard) for piece, shard in zip(self.error.split(self.numels), self._shards, strict=True)]
+        return self._shaped_pieces(self.error)
 
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
         """Take the error feedback a checkpoint held (a no-op when this run keeps none)."""
         if self.error is None:
             return
         with torch.no_grad(), self.lock:
-            self.error.copy_(torch.cat([piece.reshape(-1).float() for piece in pieces]))
+            self.error.copy_(_flat_fp32(pieces))
 
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
         """The momentum split and shaped like this rank's parameter shards (views, no copy)."""
         if self.momentum_buffer is None:
             return [torch.zeros_like(shard) for shard in self._shards] if for_load else None
-        return [
-            piece.view_as(shard)
-            for piece, shard in zip(self.momentum_buffer.split(self.numels), self._shards, strict=True)
-        ]
+        return self._shaped_pieces(self.momentum_buffer)
 
     def _shaped_pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` split and shaped like this rank's parameter shards (views, no copy): what checkpoints store."""
         return [piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)]
 
     def outer_params_pieces(self) -> list[torch.Tensor]:
@@ -404,12 +407,11 @@ class OuterState:
                           fragment: int) -> None:
         """Take θ_outer from a checkpoint's pieces (the model holds θ_local), and the round in flight, if any."""
         with torch.no_grad(), self.lock:
-            self.params.copy_(torch.cat([piece.reshape(-1).float() for piece in outer_params]))
+            self.params.copy_(_flat_fp32(outer_params))
             self._hash = self._sq_norm = None
             self.fragment, self.local_at_start = fragment, None
             if sync_start is not None:
-                flat = torch.cat([piece.reshape(-1).float() for piece in sync_start])
-                self.local_at_start = flat[self.region()].clone()
+                self.local_at_start = _flat_fp32(sync_start)[self.region()].clone()
 
     def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
         """After a checkpoint load: the model holds θ_outer (saves land on outer-step boundaries), so θ_outer
@@ -418,5 +420,5 @@ class OuterState:
             self.gather_local_into(self.params)
             self._hash = self._sq_norm = None
             if momentum_pieces is not None:
-                self.momentum_buffer = torch.cat([piece.reshape(-1).float() for piece in momentum_pieces])
+                self.momentum_buffer = _flat_fp32(momentum_pieces)
             self.outer_step = outer_step

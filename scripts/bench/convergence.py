@@ -237,16 +237,7 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
         elif galaxy and step % local_steps == 0:
             round_index = step // local_steps
             locals_ = [flat(c.model) for c in clusters]
-            results: list = [None] * size
-
-            def outer_step(m: int, step: int = step, results: list = results) -> None:
-                results[m] = outers[m].after_inner_step(step)
-
-            threads = [threading.Thread(target=outer_step, args=(m,)) for m in range(size)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            results = outer_steps_in_threads(outers, step)
             reference.step(locals_)
             theta = outers[0].state.params
             err = float((theta.double() - reference.theta).abs().max())
@@ -288,9 +279,8 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     return record
 
 
-def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) -> None:
-    """Every cluster's outer loop after inner step ``step`` (in threads, so a landing round meets); a landed sync
-    must leave every cluster with the same θ_outer."""
+def outer_steps_in_threads(outers: list[DiLoCo], step: int, last: bool = False) -> list[dict]:
+    """Every cluster's outer loop after inner step ``step``, in threads, so that a round's clusters meet."""
     results: list = [None] * len(outers)
 
     def outer_step(m: int) -> None:
@@ -301,6 +291,13 @@ def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) ->
         thread.start()
     for thread in threads:
         thread.join()
+    return results
+
+
+def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) -> None:
+    """The outer loops of a streaming arm after inner step ``step``; a landed sync must leave every cluster with
+    the same θ_outer."""
+    results = outer_steps_in_threads(outers, step, last)
     if results[0]:
         assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"
         record["rounds"].append(
