@@ -102,8 +102,8 @@ class HvConfig(BaseModel):
     compression: Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sparse"] = "none"
     """Wire compression of the pseudo-gradient all-reduce (bytes per round vs fp32 `none`): `fp16`/`bf16` 2x;
     `int8`, `int4`, `int2` blockwise quantization, ~4x, ~7.5x, ~15x; `sparse` sends --hv.sparse-density of the
-    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default (experimental:
-    it does not train yet, README "Compression"). Every
+    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default; what a round
+    does not send stays in the model until its turn. Every
     cluster must use the same. Measured costs in the README ("Compression")."""
 
     error_feedback: bool = True
@@ -188,6 +188,11 @@ class HvConfig(BaseModel):
             raise ConfigError(
                 f"--hv.sync-delay {self.sync_delay} is not below --hv.local-steps/--hv.fragments = "
                 f"{self.local_steps // self.fragments}: a sync must land before the next one starts; lower the delay"
+            )
+        if self.compression == "sparse" and (self.fragments > 1 or self.sync_delay):
+            raise ConfigError(
+                "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a sparse round "
+                "keeps what it does not send in the model, as a fragment schedule does; use one or the other"
             )
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(

@@ -259,8 +259,9 @@ class PseudoGradCompressor:
 
     before: Δ_fb = Δ + e, and the buffer gets Q(Δ_fb) (sparse: Q of the selected values, packed at the front of
     the buffer, zeros behind them, so the wire carries only those);
-    after: e ← Δ_fb − Q(Δ_fb) (sparse: the values left out stay whole in e), and a sparse average is spread back
-    to its places. The round's result is the reducer's decode(encode(average)), identical in every cluster."""
+    after: e ← Δ_fb − Q(Δ_fb) (dense codecs; a sparse round keeps what it did not send in the model instead, see
+    ``OuterState.land``), and a sparse average is spread back to its places. The round's result is the reducer's
+    decode(encode(average)), identical in every cluster."""
 
     def __init__(self, codec: Codec, sparse: SparseSelection | None = None):
         self.codec, self.sparse = codec, sparse
@@ -278,18 +279,13 @@ class PseudoGradCompressor:
         flat.zero_()
         flat[: compact.numel()] = compact
 
-    def residual_(self, error: torch.Tensor, round_id: int) -> None:
-        """``error`` holds Δ_fb = Δ + e on entry; leaves Δ_fb − Q(Δ_fb), the same rounding :meth:`to_wire_` did."""
-        if self.sparse is None:
-            for piece in error.split(_CHUNK):
-                sent = piece.clone()
-                self.codec.round_trip_(sent)
-                piece.sub_(sent)
-            return
-        compact = self.sparse.gather(error, round_id)
-        sent = compact.clone()
-        self.codec.round_trip_(sent)
-        self.sparse.scatter_(error, compact.sub_(sent), round_id)
+    def residual_(self, error: torch.Tensor) -> None:
+        """``error`` holds Δ_fb = Δ + e on entry; leaves Δ_fb − Q(Δ_fb), the same rounding :meth:`to_wire_` did
+        (dense codecs: a sparse round keeps no error-feedback buffer)."""
+        for piece in error.split(_CHUNK):
+            sent = piece.clone()
+            self.codec.round_trip_(sent)
+            piece.sub_(sent)
 
     def from_wire_(self, flat: torch.Tensor, round_id: int) -> None:
         """The round's result in ``flat`` → a dense averaged Δ (sparse: the packed values back to their places)."""

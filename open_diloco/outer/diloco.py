@@ -166,7 +166,7 @@ class DiLoCo:
         return self.state.error_feedback_pieces()
 
     def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
-        if not self.schedule.streaming:
+        if not (self.schedule.streaming or self.state.keeps_unsent):  # the model is θ_outer at every save
             return {}
         pieces = {"outer_params": self.state.outer_params_pieces()}
         sync_start = self.state.sync_start_pieces()

@@ -6,9 +6,11 @@ lives in the averager's buffer (the one that goes on the wire) and the outer ste
 round holds three fp32 copies of the shard in all. θ_local needs no backup: it does not change until the round
 ends, so a retried round recomputes Δ from it.
 
-With a lossy ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes per value
-of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each round, and a
-sparse round carries most of Δ for many rounds). ``e`` is private to the cluster: a checkpoint stores it (resharded
+With a lossy dense ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes per
+value of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each round). A
+sparse round keeps no ``e``: what it does not send (and what its encoding dropped of what it sent) stays in the
+model, so the model differs from θ_outer between rounds and checkpoints store θ_outer besides it (as streaming
+does). ``e`` is private to the cluster: a checkpoint stores it (resharded
 like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the galaxy's
 state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
 and the old ``e``, all unchanged since the round started: no copy of what was sent is kept, and a retried round
@@ -153,10 +155,19 @@ class OuterState:
         self._sq_norm: float | None = None
         """:meth:`hash` of ``params``, kept until they change (a round ends with the hash the next one starts
         with). Everything that writes ``params`` goes through this class and clears it."""
+        self.keeps_unsent = compressor is not None and compressor.sparse is not None
+        """A sparse round sends a share of Δ: what it does not send stays in the model (see :meth:`land`), so the
+        model is not θ_outer between rounds, and no error-feedback buffer is needed."""
         self.error: torch.Tensor | None = (
-            torch.zeros_like(self.params) if compressor is not None and error_feedback else None
+            torch.zeros_like(self.params)
+            if compressor is not None and error_feedback and not self.keeps_unsent
+            else None
         )
         """Error feedback: what the encodings dropped so far, added to the next Δ (``None``: off)."""
+        self.error_feedback = error_feedback
+        self._sparse_landing: tuple[int, torch.Tensor | None] | None = None
+        """Between :meth:`apply` and :meth:`land` of a sparse round: its round id and, with error feedback, what
+        the encoding dropped of the values it sent (compact), which stays in the model."""
         self.fragment = 0
         """The fragment the current (or next) round averages."""
         self.local_at_start: torch.Tensor | None = None
@@ -220,7 +231,11 @@ class OuterState:
 
     def land(self) -> None:
         """The current fragment's update reaches the model: θ_local ← θ_outer on the fragment, or with a sync
-        delay α·θ_local + (1 − α)·θ_outer, α = ``--hv.sync-alpha`` (``outer/streaming.py`` says why)."""
+        delay α·θ_local + (1 − α)·θ_outer, α = ``--hv.sync-alpha`` (``outer/streaming.py`` says why); a sparse
+        round lands on the values it sent only (:meth:`_land_sparse`)."""
+        if self._sparse_landing is not None:
+            self._land_sparse()
+            return
         region = self.region()
         if self.local_at_start is None and region.start == 0 and region.stop == self.numel:
             self.scatter_into_model()
@@ -234,6 +249,35 @@ class OuterState:
                 mixed = piece.to("cpu", torch.float32).mul_(self.sync_alpha).add_(theta, alpha=1 - self.sync_alpha)
                 piece.copy_(mixed, non_blocking=True)
         self.local_at_start = None
+
+    def _sparse_residual(self, round_id: int) -> torch.Tensor:
+        """What the encoding drops of the values a sparse round sends, r = Δ_sel − Q(Δ_sel), compact: recomputed
+        from θ_outer and θ_local, unchanged since the round started (the very bits :meth:`pseudo_grad_into` and
+        the codec gave the wire)."""
+        sparse = self.compressor.sparse
+        local = torch.empty_like(self.params)
+        self.gather_local_into(local)
+        delta = sparse.gather(torch.sub(self.params, local, out=local), round_id)
+        sent = delta.clone()
+        self.compressor.codec.round_trip_(sent)
+        return delta.sub_(sent)
+
+    def _land_sparse(self) -> None:
+        """θ_local ← θ_outer on the values the round sent (less what their encoding dropped, with error
+        feedback: that stays in the model, which is what error feedback means here); every other value keeps
+        its local progress, to be sent in a later round. Resetting those too would make every cluster re-learn
+        them each round while an error-feedback buffer counted them again: measured, that made the selection's
+        period a stale step of that many rounds and diverged (README "Compression")."""
+        round_id, residual = self._sparse_landing
+        self._sparse_landing = None
+        local = torch.empty_like(self.params)
+        self.gather_local_into(local)
+        synced = self.compressor.sparse.gather(self.params, round_id)
+        if residual is not None:
+            synced.sub_(residual)
+        self.compressor.sparse.scatter_(local, synced, round_id)
+        for piece, shard in zip(local.split(self.numels), self._shards, strict=True):
+            shard.copy_(piece.view_as(shard), non_blocking=True)
 
     def gather_local_into(self, flat: torch.Tensor) -> None:
         """Copy θ_local (the model's shards) into ``flat``, in fp32."""
@@ -283,7 +327,7 @@ class OuterState:
                     local = piece[start - lo : start - lo + chunk].to("cpu", torch.float32)
                     span = slice(start, start + local.numel())
                     error[span].add_(torch.sub(theta[span], local))
-        self.compressor.residual_(error, self.codec_round())
+        self.compressor.residual_(error)
 
     def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
         """The outer step of the current fragment with the galaxy's average Δ (consumed; with a codec, in its wire
@@ -291,6 +335,10 @@ class OuterState:
         with self.lock:
             region = self.region()
             averaged = averaged_pseudo_grad[: region.stop - region.start]
+            if self.keeps_unsent:
+                round_id = self.codec_round()
+                residual = self._sparse_residual(round_id) if self.error_feedback else None
+                self._sparse_landing = (round_id, residual)
             if self.compressor is not None:
                 if self.error is not None:
                     self._commit_error_feedback()
@@ -317,7 +365,8 @@ class OuterState:
         return round_hparams(round_no, lr=self.lr, momentum=self.momentum, warmup_rounds=self.warmup_rounds)
 
     def scatter_into_model(self) -> None:
-        """θ_local ← θ_outer, in the model's dtype."""
+        """θ_local ← θ_outer, in the model's dtype (the whole model: a sparse round's unsent progress too)."""
+        self._sparse_landing = None
         for piece, shard in zip(self.params.split(self.numels), self._shards, strict=True):
             shard.copy_(piece.view_as(shard), non_blocking=True)
 

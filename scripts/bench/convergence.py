@@ -42,10 +42,13 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import mean, stdev
 from types import SimpleNamespace
 
 import torch
@@ -79,6 +82,8 @@ PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs
     4: "(not quoted)",
 }
 TARGET = {2: 1.02, 4: 1.04}
+# seeds per setting: one seed moves a val_loss by up to ±3 % at the quick size, so a verdict needs several
+SEEDS = {"quick": "0,1,2,3", "full": "0,1"}
 
 
 def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> Config:
@@ -244,7 +249,10 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
             if spec.get("codec") in (None, "none") and not spec.get("robust"):  # their rounding/clipping is the point
                 assert err < 1e-4, f"round {round_index}: DiLoCo's θ_outer differs from the reference by {err}"
             for c, outer in zip(clusters, outers, strict=True):
-                assert torch.equal(flat(c.model), outer.state.params), "θ_local ← θ_outer did not land"
+                # a sparse round leaves what it did not send in the model
+                assert outer.state.keeps_unsent or torch.equal(flat(c.model), outer.state.params), (
+                    "θ_local ← θ_outer did not land"
+                )
                 if spec["reset"]:
                     c.optimizer.state.clear()
             assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"
@@ -390,27 +398,47 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=None, help="default: --hv.outer-momentum's")
     parser.add_argument("--nesterov", type=int, default=None, help="default: --hv.outer-nesterov's")
     parser.add_argument("--outer-warmup-rounds", type=int, default=None, help="default: --hv's")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds (init and data order), each a run of every arm; default: the setting's "
+        "(SEEDS). Ratios are taken per seed, then averaged: one seed moves val_loss by several %% here",
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="seeds run at once (default: one per core)")
     parser.add_argument("--eval-steps", type=int, default=8)
     parser.add_argument("--eval-batch", type=int, default=16)
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None, help="JSON lines, one per arm")
+    parser.add_argument("--out", default=None, help="JSON lines, one per arm and seed")
     parser.add_argument(
-        "--ddp-val", type=float, default=None, help="DDP's final val_loss when no ddp arm runs"
+        "--ddp-val", type=float, default=None, help="DDP's final val_loss when no ddp arm runs (every seed)"
     )
     parser.add_argument("--half-val", type=float, default=None, help="a half arm's final val_loss, ditto")
     args = parser.parse_args()
-    seq, batch, steps, arms = SETTINGS[(args.model, "quick" if args.quick else "full")]
+    size = "quick" if args.quick else "full"
+    seq, batch, steps, arms = SETTINGS[(args.model, size)]
     for key, value in (("seq_length", seq), ("batch", batch), ("steps", steps), ("arms", arms)):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.arms = f"{args.arms} {args.extra_arms}".strip()
     args.path_model = args.path_model or str(MODELS[args.model])
+    seeds = [int(seed) for seed in (args.seeds or SEEDS[size]).split(",")]
+    arms = [parse_arm(text, args) for text in args.arms.split()]  # bad arms fail before any run starts
+    if len(seeds) == 1:
+        results = run_seed(args, arms, seeds[0])
+    else:
+        results = run_seeds_in_processes(seeds, args.jobs or min(len(seeds), os.cpu_count() or 1))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(result) + "\n" for result in results)
+    report(results, args.steps, args.ddp_val, args.half_val)
+
+
+def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int) -> list[dict]:
+    """Every arm with one seed, in this process."""
+    args.seed = seed
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    arms = [parse_arm(text, args) for text in args.arms.split()]
-
     eval_plan = plan_data(
         make_config(args, args.eval_batch, args.lr, args.weight_decay),
         load_model_config(args.path_model).vocab_size,
@@ -429,49 +457,96 @@ def main() -> None:
     print(
         f"{time.strftime('%Y-%m-%d')}: model {args.path_model}; corpus {eval_plan.corpus.num_tokens} tokens; "
         f"seq {args.seq_length}, DDP batch {args.batch}, {args.steps} steps, lr {args.lr}, "
-        f"wd {args.weight_decay}, warm-up {args.warmup_steps}, seed {args.seed}; shipped outer: lr "
+        f"wd {args.weight_decay}, warm-up {args.warmup_steps}, seed {seed}; shipped outer: lr "
         f"{defaults.outer_lr}, momentum {defaults.outer_momentum}, nesterov {defaults.outer_nesterov}, "
         f"warm-up rounds {defaults.outer_warmup_rounds}",
         flush=True,
     )
+    return [dict(run_arm(args, name, spec, eval_loader), seed=seed) for name, spec in arms]
 
-    results = []
-    for name, spec in arms:
-        result = run_arm(args, name, spec, eval_loader)
-        results.append(result)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
-    report(results, args.steps, args.ddp_val, args.half_val)
+
+def run_seeds_in_processes(seeds: list[int], jobs: int) -> list[dict]:
+    """One child process of this script per seed (``jobs`` at a time), each with this run's arguments; their
+    progress goes to a log per seed, whose tail is printed if a child fails."""
+    own = [a for a in sys.argv[1:] if not a.startswith(("--seeds=", "--jobs=", "--out="))]
+    for flag in ("--seeds", "--jobs", "--out"):  # drop "--flag value" pairs
+        while flag in own:
+            at = own.index(flag)
+            del own[at : at + 2]
+    workdir = Path(tempfile.mkdtemp(prefix="convergence-"))
+    print(f"{len(seeds)} seeds, {jobs} at a time; progress of each in {workdir}/seed*.log", flush=True)
+    pending, running, results = list(seeds), {}, []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                seed = pending.pop(0)
+                log = open(workdir / f"seed{seed}.log", "w")
+                command = [sys.executable, __file__, *own, "--seeds", str(seed), "--out", str(workdir / f"seed{seed}.jsonl")]
+                running[seed] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+            time.sleep(1)
+            for seed, (child, log) in list(running.items()):
+                if child.poll() is None:
+                    continue
+                log.close()
+                del running[seed]
+                if child.returncode:
+                    tail = (workdir / f"seed{seed}.log").read_text().splitlines()[-15:]
+                    raise SystemExit(f"seed {seed} failed (exit {child.returncode}):\n" + "\n".join(tail))
+                records = [json.loads(line) for line in open(workdir / f"seed{seed}.jsonl")]
+                results.extend(records)
+                print(f"seed {seed} done: " + ", ".join(f"{r['arm']} {final_val(r):.4f}" for r in records), flush=True)
+    finally:
+        for child, _ in running.values():
+            child.kill()
+            child.wait()
+    return results
+
+
+def final_val(record: dict) -> float:
+    """The arm's val_loss after its last step (JSON turns the step keys into strings)."""
+    return record["val"][max(record["val"], key=int)]
 
 
 def report(
     results: list[dict], steps: int, ddp_val: float | None = None, half_val: float | None = None
 ) -> None:
-    base = next((r["val"][steps] for r in results if r["arm"] == "ddp"), ddp_val)
-    halves = {r["spec"]["M"]: r["val"][steps] for r in results if r["arm"].startswith("half")}
-    print(
-        f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'target':>7} {'ok':>3} {'jump':>6} {'|Δ| r1':>7} "
-        f"{'|Δ| last':>8} {'fp32/wire':>9} {'paper':>14}  checks"
-    )
+    """One row per arm: its val_loss per seed, and its ratio to DDP's taken per seed (the same init and data
+    order), averaged over seeds, ± its standard error."""
+    ddp = {r["seed"]: final_val(r) for r in results if r["arm"] == "ddp"}
+    arms: dict[str, list[dict]] = {}
     for r in results:
-        val = r["val"][steps]
-        ratio = val / base if base else math.nan
-        m = r["spec"]["M"]
-        galaxy = r["arm"].startswith("diloco")
+        arms.setdefault(r["arm"], []).append(r)
+    for runs in arms.values():
+        runs.sort(key=lambda r: r["seed"])
+    halves = {runs[0]["spec"]["M"]: mean(final_val(r) for r in runs) for name, runs in arms.items() if name.startswith("half")}
+    print(
+        f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'±se':>6} {'target':>7} {'ok':>3} {'jump':>6} {'|Δ| r1':>7} "
+        f"{'|Δ| last':>8} {'fp32/wire':>9} {'paper':>14}  per seed; checks"
+    )
+    for name, runs in arms.items():
+        val = mean(final_val(r) for r in runs)
+        ratios = [final_val(r) / base for r in runs if (base := ddp.get(r["seed"], ddp_val))]
+        ratio = mean(ratios) if ratios else math.nan
+        spread = stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else math.nan
+        m = runs[0]["spec"]["M"]
+        galaxy = name.startswith("diloco")
         target, ok = "", ""
         if galaxy and m in TARGET:
             target = f"{TARGET[m]:.2f}"
             half = halves.get(m, half_val if m == 2 else None)
             ok = "yes" if ratio <= TARGET[m] and (half is None or val < half) else "no"
-        norms = [x["pseudo_grad_norm"] for x in r["rounds"]]
-        rounds = r["rounds"]
+        rounds = [x for r in runs for x in r["rounds"]]
+        norms = [r["rounds"] for r in runs if r["rounds"]]
+        first = mean(x[0]["pseudo_grad_norm"] for x in norms) if norms else math.nan
+        last = mean(x[-1]["pseudo_grad_norm"] for x in norms) if norms else math.nan
         ratio_bytes = sum(x["fp32_bytes"] for x in rounds) / sum(x["bytes_sent"] for x in rounds) if rounds else math.nan
-        checks = f"disjoint={r['disjoint']} repeats={r['repeats']} val-overlap={r['val_ids_overlap']}"
+        jump = mean(r.get("jump", math.nan) for r in runs)
+        per_seed = " ".join(f"s{r['seed']}={final_val(r):.4f}" for r in runs)
+        checks = all(r["disjoint"] and not r["repeats"] and not r["val_ids_overlap"] for r in runs)
         print(
-            f"{r['arm']:<40} {val:8.4f} {ratio:7.3f} {target:>7} {ok:>3} "
-            f"{r.get('jump', math.nan):6.3f} {norms[0] if norms else math.nan:7.2f} "
-            f"{norms[-1] if norms else math.nan:8.2f} {ratio_bytes:9.1f} {PAPER.get(m, '') if galaxy else '':>14}  {checks}"
+            f"{name:<40} {val:8.4f} {ratio:7.3f} {spread:6.3f} {target:>7} {ok:>3} {jump:6.3f} {first:7.2f} "
+            f"{last:8.2f} {ratio_bytes:9.1f} {PAPER.get(m, '') if galaxy else '':>14}  {per_seed}; "
+            f"{'disjoint, no repeats, val unseen' if checks else 'DATA CHECK FAILED'}"
         )
 
 

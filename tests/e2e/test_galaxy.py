@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 
 # bf16/int8/int4 share int2's path (and test_averager covers each on the wire, sparse too): int2 runs here;
-# sparse (experimental, README "Compression") with the slow tests
+# sparse with the slow tests (its rounds meet the same path as int2; the resume test runs it in the default suite)
 @pytest.mark.parametrize("compression", ["none", "fp16", "int2", pytest.param("sparse", marks=pytest.mark.slow)])
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]

@@ -23,7 +23,7 @@ def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     return [read_metrics(m) for m in metrics]
 
 
-@pytest.mark.parametrize("compression", ["none", "int2"])  # int2: the error feedback is checkpointed too
+@pytest.mark.parametrize("compression", ["none", "int2", "sparse"])  # int2: the error feedback; sparse: θ_outer
 def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     ckpt = str(tmp_path / "ckpt{rank}")
     galaxy = Galaxy(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -209,12 +211,11 @@ def test_a_retried_round_sends_the_same_bytes_again():
     assert torch.equal(first, again)
 
 
-@pytest.mark.parametrize("compression", ["int2", "sparse"])
-def test_error_feedback_keeps_what_the_wire_dropped_exactly(compression):
-    """Two clusters: after each round, e = Δ + e_old − sent, with sent read back from what was on the wire."""
-    galaxy = InProcessGalaxy(1, compression=compression)
+def test_error_feedback_keeps_what_the_wire_dropped_exactly():
+    """After each round, e = Δ + e_old − sent, with sent read back from what was on the wire."""
+    galaxy = InProcessGalaxy(1, compression="int2")
     model = torch.nn.Linear(9000, 1, bias=False)
-    state = OuterState(model, lr=1.0, momentum=0.0, compressor=build_compressor(compression, 1 / 16, "random"))
+    state = OuterState(model, lr=1.0, momentum=0.0, compressor=build_compressor("int2", 1 / 16, "random"))
     averager = galaxy.averager(0, 9000)
     for _round in range(3):
         with torch.no_grad():
@@ -259,3 +260,80 @@ def test_no_error_feedback_keeps_no_buffer():
 
 def test_compressor_without_sparse_is_dense():
     assert PseudoGradCompressor(CODECS["int8"]()).sparse is None
+
+
+# -- sparse rounds: what a round does not send stays in the model ------------------------------------------------
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_feedback):
+    """Two clusters, plain averaging, two rounds written out by hand: θ_outer moves by the mean of the clusters'
+    Q(Δ_sel) on the selected places only; on those places the model becomes θ_outer minus what the encoding
+    dropped (with error feedback) or θ_outer itself (without); every other value keeps its local progress, so
+    the next round's Δ there is everything since it was last sent. No error-feedback buffer is kept."""
+    torch.manual_seed(0)
+    numel, density = 3 * 4096 + 100, 1 / 16
+    galaxy = InProcessGalaxy(2, compression="sparse")
+    start = torch.randn(numel)
+    models, outers = [], []
+    for rank in range(2):
+        model = torch.nn.Linear(numel, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(start[None])
+        hv = HvConfig(galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse",
+                      sparse_density=density, error_feedback=error_feedback)
+        models.append(model)
+        outers.append(DiLoCo(model, galaxy.averager(rank, numel), hv, warn=lambda *_: None))
+    assert all(outer.state.error is None for outer in outers)
+    selection, codec = outers[0].state.compressor.sparse, CODECS["int2"]()
+    theta = start.clone()
+    for round_id in range(2):
+        locals_ = []
+        for model in models:
+            with torch.no_grad():
+                model.weight.add_(0.01 * torch.randn(1, numel))
+            locals_.append(model.weight.detach().reshape(-1).clone())
+        sent, dropped = [], []
+        for local in locals_:
+            delta = selection.gather(theta - local, round_id)
+            quantized = delta.clone()
+            codec.round_trip_(quantized)
+            sent.append(quantized)
+            dropped.append(delta - quantized)
+        wire = torch.zeros(numel)  # the reducer encodes the average once, in the wire's layout
+        wire[: sent[0].numel()] = (sent[0] + sent[1]) / 2
+        codec.round_trip_(wire)
+        mean = wire[: sent[0].numel()]
+        expected_theta = theta.clone()
+        selection.scatter_(expected_theta, selection.gather(theta, round_id) - mean, round_id)
+        threads = [threading.Thread(target=outer.after_inner_step, args=(1,)) for outer in outers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for outer, model, local, residual in zip(outers, models, locals_, dropped, strict=True):
+            assert torch.allclose(outer.state.params, expected_theta, rtol=0, atol=1e-6), round_id
+            expected_model = local.clone()
+            synced = selection.gather(expected_theta, round_id) - (residual if error_feedback else 0)
+            selection.scatter_(expected_model, synced, round_id)
+            assert torch.allclose(model.weight.detach().reshape(-1), expected_model, rtol=0, atol=1e-6), round_id
+        assert torch.equal(outers[0].state.params, outers[1].state.params)
+        theta = expected_theta
+    unsent = torch.ones(numel, dtype=torch.bool)
+    for round_id in range(2):
+        selection.scatter_(unsent, torch.zeros(selection.compact_numel(numel, round_id), dtype=torch.bool), round_id)
+    assert torch.equal(outers[0].state.params[unsent], start[unsent])  # never sent: θ_outer untouched there
+
+
+def test_a_sparse_run_checkpoints_theta_outer_beside_the_model():
+    """The model is not θ_outer after a sparse round, so a checkpoint stores θ_outer too, and a resync or a late
+    join puts θ_outer into the whole model (the unsent local progress belonged to the trajectory it leaves)."""
+    model = torch.nn.Linear(5000, 1, bias=False)
+    hv = HvConfig(local_steps=1, compression="sparse")
+    outer = DiLoCo(model, InProcessGalaxy(1, compression="sparse").averager(0, 5000), hv, warn=lambda *_: None)
+    with torch.no_grad():
+        model.weight.add_(0.1)
+    outer.after_inner_step(1)
+    assert not torch.equal(model.weight.detach().reshape(-1), outer.state.params)
+    pieces = outer.streaming_pieces()
+    assert torch.equal(pieces["outer_params"][0].reshape(-1), outer.state.params)
+    outer.state.adopt({"outer_step": 7}, [outer.state.params.clone()])
+    assert torch.equal(model.weight.detach().reshape(-1), outer.state.params)

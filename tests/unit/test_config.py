@@ -102,6 +102,14 @@ def test_config_file_with_flag_override(tmp_path):
             ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "2"],
             "--hv.sync-delay 2 is not below --hv.local-steps/--hv.fragments = 2",
         ),
+        (
+            ["--hv.local-steps", "8", "--hv.fragments", "2", "--hv.compression", "sparse"],
+            "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay",
+        ),
+        (
+            ["--hv.local-steps", "8", "--hv.sync-delay", "2", "--hv.compression", "sparse"],
+            "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay",
+        ),
     ],
 )
 def test_bad_flags_give_one_line(argv, message, capsys):
