@@ -25,13 +25,17 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             step (a fragment lands τ steps after its sync starts), checked for identical θ_outer, not against
             the whole-model reference
 
-    python scripts/bench/convergence.py --quick --threads 1            # <= 10 min on 2 CPU cores, 2M model
-    python scripts/bench/convergence.py --threads 1                    # <= 40 min: seq 256, B 32, 300 steps
+    python scripts/bench/convergence.py --quick                        # 2M model, 4 seeds: ~14 min on 2 cores
+    python scripts/bench/convergence.py --quick --seeds 0,1            # half of it: ~7 min, a coarser verdict
+    python scripts/bench/convergence.py                                # seq 256, B 32, 300 steps, 2 seeds: ~40 min
     python scripts/bench/convergence.py --model 25m --quick            # the ~25M config's quick setting
     python scripts/bench/convergence.py --arms "ddp diloco:M=2,H=20,olr=0.5,mom=0.8"
     python scripts/bench/convergence.py --quick --arms "ddp diloco:M=2,H=20 diloco:M=2,H=20,codec=int2"
 
-Prints final val_loss per arm and its ratio to DDP's, next to the paper's figure (arXiv 2503.09799).
+Every arm runs once per seed (``--seeds``; a seed sets the init and the data order, and each seed is a child
+process, ``--jobs`` at a time). Prints final val_loss per arm (mean over seeds, and each seed's) and its ratio to
+DDP's, taken per seed and averaged, ± its standard error, next to the paper's figure (arXiv 2503.09799). One
+seed moves a val_loss by up to ±3 % at the quick size: a single seed cannot tell 1-2 % apart.
 
 Latest figures and the outer-settings sweep: README, "Training quality".
 """
@@ -83,7 +87,7 @@ PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs
 }
 TARGET = {2: 1.02, 4: 1.04}
 # seeds per setting: one seed moves a val_loss by up to ±3 % at the quick size, so a verdict needs several
-SEEDS = {"quick": "0,1,2,3", "full": "0,1"}
+SEEDS = {("2m", "quick"): "0,1,2,3", ("2m", "full"): "0,1", ("25m", "quick"): "0,1", ("25m", "full"): "0"}
 
 
 def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> Config:
@@ -422,7 +426,7 @@ def main() -> None:
             setattr(args, key, value)
     args.arms = f"{args.arms} {args.extra_arms}".strip()
     args.path_model = args.path_model or str(MODELS[args.model])
-    seeds = [int(seed) for seed in (args.seeds or SEEDS[size]).split(",")]
+    seeds = [int(seed) for seed in (args.seeds or SEEDS[(args.model, size)]).split(",")]
     arms = [parse_arm(text, args) for text in args.arms.split()]  # bad arms fail before any run starts
     if len(seeds) == 1:
         results = run_seed(args, arms, seeds[0])
