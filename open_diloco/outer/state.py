@@ -9,7 +9,7 @@ ends, so a retried round recomputes Δ from it.
 With a lossy dense ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes per
 value of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each round). A
 sparse round keeps no ``e``: what it does not send (and what its encoding dropped of what it sent) stays in the
-model, so the model differs from θ_outer between rounds and checkpoints store θ_outer besides it (as streaming
+model, so the model differs from θ_outer between rounds and checkpoints store θ_outer beside it (as streaming
 does). ``e`` is private to the cluster: a checkpoint stores it (resharded
 like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the galaxy's
 state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
