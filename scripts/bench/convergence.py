@@ -429,17 +429,22 @@ def main() -> None:
     seeds = [int(seed) for seed in (args.seeds or SEEDS[(args.model, size)]).split(",")]
     arms = [parse_arm(text, args) for text in args.arms.split()]  # bad arms fail before any run starts
     if len(seeds) == 1:
-        results = run_seed(args, arms, seeds[0])
+        results = run_seed(args, arms, seeds[0], args.out)
     else:
         results = run_seeds_in_processes(seeds, args.jobs or min(len(seeds), os.cpu_count() or 1))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(result) + "\n" for result in results)
+        if args.out:
+            append_records(args.out, results)
     report(results, args.steps, args.ddp_val, args.half_val)
 
 
-def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int) -> list[dict]:
-    """Every arm with one seed, in this process."""
+def append_records(path: str, records: list[dict]) -> None:
+    with open(path, "a") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int, out: str | None) -> list[dict]:
+    """Every arm with one seed, in this process; each arm's record goes to ``out`` as soon as it is done, so a
+    long run that dies keeps the arms it finished."""
     args.seed = seed
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -466,7 +471,12 @@ def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int) 
         f"warm-up rounds {defaults.outer_warmup_rounds}",
         flush=True,
     )
-    return [dict(run_arm(args, name, spec, eval_loader), seed=seed) for name, spec in arms]
+    results = []
+    for name, spec in arms:
+        results.append(dict(run_arm(args, name, spec, eval_loader), seed=seed))
+        if out:
+            append_records(out, results[-1:])
+    return results
 
 
 def run_seeds_in_processes(seeds: list[int], jobs: int) -> list[dict]:
