@@ -34,6 +34,7 @@ Every codec must go through this copy-the-decoded-average path, or the hash chec
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -50,6 +51,8 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from open_diloco.outer.codecs import Codec
 from open_diloco.outer.guard import ClaimCheck
+
+log = logging.getLogger(__name__)
 
 
 class CodecCompression(CompressionBase):
@@ -114,7 +117,12 @@ class CanonicalAllReduce(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception as err:  # hivemind says why only at DEBUG; a partial round should say which peer, why
+                log.warning("all-reduce: the exchange with peer %s failed: %r (its span keeps our values)",
+                            peer_id, err)
+                raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         scale = self.claims.scale(peer_id) if self.claims is not None else 1.0

@@ -37,6 +37,7 @@ from open_diloco.galaxy.status import (
     lead_outer_step,
     read_records,
     schema_conflict,
+    silent,
     status_key,
 )
 from open_diloco.outer.codecs import wire_codec
@@ -316,7 +317,8 @@ class HivemindAverager:
         gone = frozenset(departed(records, self.member_expiry))
         if gone - {self.galaxy_rank}:
             self._find_the_others_again()
-        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry))
+        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry),
+                          silent=frozenset(silent(records, self.member_expiry)))
 
     def _find_the_others_again(self) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``

@@ -230,6 +230,12 @@ def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
     return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)
 
 
+def silent(records: list[dict[str, Any]], expiry: float) -> set[int]:
+    """Galaxy ranks gone by silence alone: their record still says training but is older than ``expiry``."""
+    return {record["galaxy_rank"] for record in records
+            if record.get("state") == "training" and not is_live(record, expiry)}
+
+
 def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
     """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
     than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""

@@ -61,6 +61,8 @@ class RoundInFlight:
     lead: int = -1
     """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
     this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+    silent: int = 0
+    """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
 
@@ -236,9 +238,9 @@ class DiLoCo:
     def start_round(self, attempts: int = 0) -> RoundInFlight:
         """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it."""
         own_hash = self.state.hash()
-        alive, lead = self._membership()
+        alive, lead, silent = self._membership()
         if lead > self.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
-            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead)
+            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead, silent=silent)
         try:
             with self.averager.buffer() as pseudo_grad:
                 local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
@@ -246,12 +248,13 @@ class DiLoCo:
                 # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
                 claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
             if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
-                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead)
+                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead,
+                                     silent=silent)
             theta_norm = math.sqrt(self.state.sq_norm())
             bound = self.norm_history.bound(theta_norm)
             if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
                 return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
-                                     lead=lead)
+                                     lead=lead, silent=silent)
             fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim,
                            "theta_norm": theta_norm}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
@@ -260,19 +263,23 @@ class DiLoCo:
             else:
                 pending = self.averager.start_round(self.outer_step, fingerprint)
         except RoundFailed as err:
-            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err))
-        return RoundInFlight(pending, own_hash, local_sq, alive, attempts, bound=bound)
+            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err), silent=silent)
+        return RoundInFlight(pending, own_hash, local_sq, alive, attempts, bound=bound, silent=silent)
 
-    def _membership(self) -> tuple[int, int]:
-        """(clusters alive, the galaxy's lead outer step), the same on every rank of this cluster.
+    def _membership(self) -> tuple[int, int, int]:
+        """(clusters alive, the galaxy's lead outer step, other clusters gone silent), the same on every rank of
+        this cluster.
 
         Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
         any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
-        cluster that is there. Lead: the highest outer step any rank saw in a live cluster's record."""
+        cluster that is there. Lead: the highest outer step any rank saw in a live cluster's record. Silent: the
+        most gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
         view = self.averager.membership()
-        gone = {rank for rank in view.departed if rank != self.galaxy_rank and 0 <= rank < self.hv.galaxy_size}
+        ours = range(self.hv.galaxy_size)
+        gone = {rank for rank in view.departed if rank != self.galaxy_rank and rank in ours}
+        silent = {rank for rank in view.silent if rank != self.galaxy_rank and rank in ours}
         alive = -self.cluster.min_int(-(self.hv.galaxy_size - len(gone)))
-        return alive, -self.cluster.min_int(-view.lead)
+        return alive, -self.cluster.min_int(-view.lead), -self.cluster.min_int(-len(silent))
 
     @torch.no_grad()
     def finish_round(self, flight: RoundInFlight) -> dict[str, Any]:
@@ -291,9 +298,11 @@ class DiLoCo:
             stale = self._ranks_by_any_rank(report.stale)
             left_out = self.galaxy_rank in stale
             clusters = self.cluster.min_int(report.group_size - len(rejected) - len(stale) if report.complete else 1)
-            in_sync = self.cluster.all_true(  # within the cohort: those left out cannot spoil the average
-                all(meta.get("param_hash") == flight.own_hash for rank, meta in report.peers.items()
-                    if rank not in stale or rank == self.galaxy_rank)
+            # within the cohort: those left out cannot spoil the average. A cluster left out itself is not in sync
+            # even when every other peer was left out too (by another shard's reducers): nothing was compared
+            in_sync = self.cluster.all_true(
+                not left_out and all(meta.get("param_hash") == flight.own_hash for rank, meta in report.peers.items()
+                                     if rank not in stale or rank == self.galaxy_rank)
             )
             reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
             behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
@@ -303,6 +312,7 @@ class DiLoCo:
                 in_sync=in_sync,
                 behind=behind,
                 attempts=flight.attempts,
+                left_out=left_out,
             )
             decision = self.policy.decide(outcome)
             if decision is not Decision.RETRY:
@@ -348,7 +358,11 @@ class DiLoCo:
         if clusters < flight.alive:
             retried = f" after {flight.attempts} retries" if flight.attempts else ""
             self.warn(f"outer step {round_no}: proceeding with {clusters} of {flight.alive} live clusters{retried}")
-        wanted_step = -self.cluster.min_int(-(reference[0] + 1))
+        reference_round = -self.cluster.min_int(-reference[0])
+        wanted_step = reference_round + 1
+        # a peer already in a later round may be stuck in it (waiting on us, say): its state at that round's start
+        # is the galaxy's too, and far better than keeping our own
+        fallback_step = reference_round if reference_round > round_no - 1 else None
 
         try:
             with self.averager.buffer() as averaged:
@@ -367,7 +381,7 @@ class DiLoCo:
                 "checkpoint)"
             ) from None
         fragment = self.state.fragment
-        resynced = self._resync(wanted_step) if decision is Decision.RESYNC else False
+        resynced = self._resync(wanted_step, fallback_step=fallback_step) if decision is Decision.RESYNC else False
         if not resynced:  # a re-sync already put the adopted θ_outer into the whole model
             self.state.land()
 
@@ -383,8 +397,9 @@ class DiLoCo:
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
             "retries": flight.attempts,
-            # every live cluster took part and all started from this θ_outer: with one missing, nobody can tell
-            "in_sync": in_sync and not stale and clusters >= outcome.alive,
+            # every live cluster took part and all started from this θ_outer: with one missing, nobody can tell.
+            # Alone while some cluster fell silent (crashed, or cut off and training on), nothing was compared
+            "in_sync": in_sync and not stale and clusters >= outcome.alive and not (clusters == 1 and flight.silent),
             "resynced": resynced,
             "pseudo_grad_finite": True,
             "pseudo_grad_in_bound": True,
@@ -487,21 +502,28 @@ class DiLoCo:
                     "every cluster must train the same model config with the same number of ranks"
                 )
 
-    def _resync(self, wanted_step: int, why: str = "θ_outer differed from the galaxy") -> bool:
+    def _resync(self, wanted_step: int, why: str = "θ_outer differed from the galaxy",
+                fallback_step: int | None = None) -> bool:
         """Adopt the outer state (θ_outer, momentum, round counter) of the galaxy's most advanced cluster after
         a hash mismatch, and say whether it worked.
 
         The peer may still be applying the round we want, so an older state is refused and asked for again,
-        for at most ``--hv.join-timeout`` in all. Every local rank takes part and all must end on the same
-        round, else the cluster keeps its own state on every shard (never a mix)."""
+        for at most ``--hv.join-timeout`` in all; then a state at ``fallback_step`` or later, if one came, is
+        taken instead (the cluster is a round behind and catches up at its next round, as a late joiner does).
+        Every local rank takes part and all must end on the same round, else the cluster keeps its own state on
+        every shard (never a mix)."""
         deadline = time.monotonic() + self.hv.join_timeout
-        downloaded = None
+        downloaded = fallback = None
         while (left := deadline - time.monotonic()) > 0:
             downloaded = self.averager.download_state(left)
-            if downloaded is not None and int(downloaded[0].get("outer_step", -1)) >= wanted_step:
+            step = int(downloaded[0].get("outer_step", -1)) if downloaded is not None else -1
+            if step >= wanted_step:
                 break
+            if fallback_step is not None and step >= fallback_step:
+                fallback = downloaded
             downloaded = None
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        downloaded = downloaded or fallback
         step = int(downloaded[0]["outer_step"]) if downloaded is not None else -1
         ok = step >= 0 and self.cluster.min_int(step) == step == -self.cluster.min_int(-step)
         if ok:

@@ -38,6 +38,9 @@ class RoundOutcome:
     """A peer is more advanced (later round, or same round and lower galaxy rank)."""
     attempts: int
     """Retries already spent on this round."""
+    left_out: bool = False
+    """Some reducer left this cluster out: it started the round from another round or θ_outer than the round's most
+    advanced peer. Retrying cannot help (the next Δ comes from the same θ_outer); it must adopt that peer's state."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class RoundPolicy:
     max_retries: int = 2
 
     def decide(self, outcome: RoundOutcome) -> Decision:
+        if outcome.left_out:
+            return Decision.RESYNC
         partial = outcome.clusters < outcome.alive
         if partial and self.on_partial_round == "fail":
             return Decision.STOP

@@ -43,6 +43,9 @@ class Membership:
     lead: int = -1
     """The highest outer step a live cluster has applied (-1: unknown). A cluster below it would send a Δ taken
     from an older θ_outer than the round's."""
+    silent: frozenset[int] = frozenset()
+    """The departed ranks that did not say they ended: crashed, or cut off and perhaps training on (a partition).
+    A cluster whose round met nobody cannot call itself in sync while any is silent."""
 
 
 class AloneRound:

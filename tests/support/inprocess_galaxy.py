@@ -23,7 +23,8 @@ from open_diloco.outer.protocols import Membership, RoundReport
 
 class InProcessGalaxy:
     """``size`` clusters averaging in threads. ``drop``: galaxy ranks missing from every round (they average
-    alone). ``departed``: galaxy ranks the membership records say are gone."""
+    alone). ``departed``: galaxy ranks the membership records say are gone; ``silent``: those of them that did not
+    say they ended (their record expired)."""
 
     def __init__(
         self,
@@ -31,11 +32,13 @@ class InProcessGalaxy:
         drop: set[int] | None = None,
         compression: str = "none",
         departed: set[int] | None = None,
+        silent: set[int] | None = None,
         serve_state: bool = False,
         robust_mean: bool = False,
     ):
         self.size = size
         self.departed = departed or set()
+        self.silent = silent or set()
         self.lead = -1
         """The highest outer step the membership records show (-1: unknown)."""
         self.serve_state = serve_state
@@ -99,7 +102,8 @@ class InProcessAverager:
         return InProcessRound(self, round_id, fingerprint)
 
     def membership(self) -> Membership:
-        return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead)
+        return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
+                          silent=frozenset(self.galaxy.silent))
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

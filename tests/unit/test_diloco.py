@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError, RoundFailed
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.policy import out_of_cohort
+from open_diloco.outer.protocols import RoundReport
 from open_diloco.outer.state import combine_hashes, outer_sgd_step_
 from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
 
@@ -139,6 +141,17 @@ def test_the_only_live_cluster_averages_alone_at_once():
     assert warnings == ["outer step 1: 1 of 2 clusters alive (were 2): rounds now wait for these"]
     outer.after_inner_step(1)
     assert len(warnings) == 1  # said once, when the live set changed
+
+
+@pytest.mark.parametrize("left", ["said it ended", "fell silent"])
+def test_a_cluster_alone_is_in_sync_only_when_the_others_said_they_ended(left):
+    # a cluster that fell silent may be training on behind a partition: alone, nothing was compared, so the round
+    # must not claim the galaxy agrees (both sides of a cut logged in_sync True while they drifted apart)
+    galaxy = InProcessGalaxy(1, departed={1}, silent={1} if left == "fell silent" else set())
+    outer = DiLoCo(_model([1.0]), galaxy.averager(0, 1), _hv(galaxy_size=2), warn=lambda *_: None)
+    record = outer.after_inner_step(1)
+    assert (record["galaxy_peers"], record["galaxy_alive"]) == (1, 1)
+    assert record["in_sync"] is (left == "said it ended")
 
 
 def test_a_round_of_every_live_cluster_is_complete():
@@ -304,6 +317,60 @@ def test_out_of_sync_is_reported():
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
     assert results[0]["in_sync"] is False and results[1]["in_sync"] is False
+
+
+class ScriptedRound(InProcessAverager):
+    """A peer whose round reports what the test says (``peers`` by galaxy rank, ``stale`` ranks), leaving the buffer
+    as it was, and whose state downloads answer with ``served`` (metadata, tensors) or nothing."""
+
+    peers: dict = {}
+    stale: list = []
+    served = None
+
+    def start_round(self, round_id, fingerprint):
+        own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
+        report = RoundReport(group_size=2, complete=True, peers={**self.peers, self.rank: own}, stale=self.stale)
+        return types.SimpleNamespace(wait=lambda: report)
+
+    def download_state(self, timeout):
+        return self.served
+
+
+def test_a_cluster_left_out_re_syncs_even_when_its_peer_was_left_out_too():
+    # Seen in the e2e suite: after a round that came out partial on one side only, each cluster's shards met the
+    # other's in different rounds, so one shard's reducers left cluster 0 out and another shard's left cluster 1
+    # out. Judged only against peers not left out, each found itself "in sync" with nobody and went on with its
+    # own θ_outer: two models for the rest of the run. A cluster left out must adopt the reference's state.
+    galaxy = InProcessGalaxy(1)
+    averager = ScriptedRound(galaxy, 0, 2)
+    averager.peers = {1: {"galaxy_rank": 1, "round_id": 1, "param_hash": "theirs"}}
+    averager.stale = [0, 1]
+    reference = DiLoCo(_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), _hv(), warn=lambda *_: None)
+    reference.state.outer_step = 2  # applied the round we were left out of
+    averager.served = reference._served_state()
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0, 2.0]), averager, _hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append)
+    outer.state.outer_step = 1
+    record = outer.after_inner_step(1)
+    assert record["in_sync"] is False and record["resynced"] is True, warnings
+    assert outer.outer_step == 2 and outer.state.hash() == reference.state.hash()
+
+
+def test_a_re_sync_takes_the_state_a_stuck_reference_started_from():
+    # the reference is a round ahead and stuck in that round (waiting on us): after --hv.join-timeout its state at
+    # that round's start is adopted (the galaxy's θ_outer), not our own diverged one kept
+    averager = ScriptedRound(InProcessGalaxy(1), 0, 2)
+    averager.peers = {1: {"galaxy_rank": 1, "round_id": 4, "param_hash": "theirs"}}
+    averager.stale = [0]
+    reference = DiLoCo(_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), _hv(), warn=lambda *_: None)
+    reference.state.outer_step = 4  # it started round 5 from here and has not applied it
+    averager.served = reference._served_state()
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0, 2.0]), averager, _hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append)
+    outer.state.outer_step = 3
+    record = outer.after_inner_step(1)
+    assert record["resynced"] is True and outer.outer_step == 4, warnings
+    assert outer.state.hash() == reference.state.hash()
 
 
 def test_out_of_cohort_names_who_started_elsewhere():

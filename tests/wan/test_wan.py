@@ -94,7 +94,7 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
             time.sleep(30)
             apart = [max(outer_records(m)) for m in metrics]
             lab.set_link("cluster1", up=True)
-            back = time.monotonic()
+            back, back_wall = time.monotonic(), time.time()
             healed = None
             while healed is None and time.monotonic() - back < 60:
                 time.sleep(1)
@@ -112,10 +112,16 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # apart, both trained on, alone, into two different models
     for side in (0, 1):
         assert apart[side] > cut_at[side] + 2, (cut_at, apart)
+        # alone, with the other side silent (not ended), a side never claims the galaxy agrees with it
+        lone = [r for r in range(cut_at[side] + 2, apart[side] + 1) if rounds[side][r]["galaxy_alive"] == 1]
+        assert lone and not any(rounds[side][r]["in_sync"] for r in lone), [rounds[side][r] for r in lone]
     assert rounds[0][min(apart)]["param_hash"] != rounds[1][min(apart)]["param_hash"]
     assert healed is not None, [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)]
     print(f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
           f"back (round {healed})")
+    for side in (0, 1):
+        print(side, [(r, round(rounds[side][r]["time"] - back_wall, 1), rounds[side][r]["galaxy_peers"])
+                     for r in sorted(rounds[side]) if r >= min(apart) - 1 and r <= (healed or 0) + 1])
     assert healed_after < 20
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
