@@ -43,6 +43,8 @@ from tests.e2e.galaxy_harness import Galaxy  # noqa: E402
 MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh",
           "100m": REPO / "configs/models/llama-100m-fresh"}
 ROUND_TRIPS = 3
+RAW_ROUND_TIMEOUT = 300.0
+"""What one raw hivemind round may take (a 96M model's round over `intercontinental` takes about a minute)."""
 
 
 def model_numel(path: Path) -> int:
@@ -82,11 +84,14 @@ def raw_baseline(lab: Lab, dht_maddr: str, numel: int, clusters: int, rounds: in
          "--peers", str(clusters), "--rounds", str(rounds), "--matchmaking-time", str(matchmaking)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in range(clusters)]
     try:
-        outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=rounds * RAW_ROUND_TIMEOUT + 60)[0] for proc in procs]
     finally:
         for proc in procs:
             kill_tree(proc.pid)  # by PID, with its DHT, averager and p2pd; nothing if it already ended
-    return [json.loads(line)["seconds"] for line in outputs[0].splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
+    if not any("seconds" in row for row in rows):
+        raise RuntimeError(f"no raw hivemind round finished: {rows}")
+    return [row["seconds"] for row in rows if "seconds" in row]
 
 
 def raw_peer(args: argparse.Namespace) -> None:
@@ -104,7 +109,11 @@ def raw_peer(args: argparse.Namespace) -> None:
     try:
         for _ in range(args.rounds):
             start = time.monotonic()
-            averager.step(timeout=600)
+            try:
+                averager.step(timeout=RAW_ROUND_TIMEOUT)
+            except Exception as err:  # a round that found no group in time: say so, go on
+                print(json.dumps({"failed": repr(err)}), flush=True)
+                continue
             print(json.dumps({"seconds": time.monotonic() - start}), flush=True)
     finally:
         averager.shutdown()
@@ -112,7 +121,8 @@ def raw_peer(args: argparse.Namespace) -> None:
 
 
 def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> list[dict]:
-    """Cluster 0's records of the ``rounds`` steady rounds: whole rounds (every cluster took part, equal hashes),
+    """Cluster 0's records of the round before the steady ones (where the wall clock starts) and of the ``rounds``
+    steady rounds: whole rounds (every cluster took part, equal hashes),
     after the first whole one (it also waits for the slowest start) and before the run's last (see the module
     docstring). With 4 clusters on 2 cores one often starts late and adopts the galaxy's state: the rounds before
     it arrived are not steady."""
@@ -122,10 +132,10 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
         k in rounds_of and rounds_of[k]["galaxy_peers"] == clusters
         and rounds_of[k]["param_hash"] == by_round[0][k]["param_hash"] for rounds_of in by_round)]
     steady = whole[1:rounds + 1]
-    if len(steady) < rounds or steady != list(range(steady[0], steady[0] + rounds)):
+    if len(steady) < rounds or steady != list(range(steady[0], steady[0] + rounds)) or steady[0] - 1 not in by_round[0]:
         raise AssertionError(f"expected {rounds} consecutive whole rounds after the first, got rounds {whole} "
                              f"of {sorted(by_round[0])}; run more rounds (--rounds) or fewer clusters")
-    return [by_round[0][k] for k in steady]
+    return [by_round[0][k] for k in range(steady[0] - 1, steady[-1] + 1)]
 
 
 def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, matchmaking: float,
@@ -148,8 +158,8 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
             galaxy.close()
         link = lab.profile
     records = seen[0]
-    steady = steady_rounds(seen, clusters, rounds)
-    first_step, last_step = steady[0]["step"] - local_steps, steady[-1]["step"]
+    before, *steady = steady_rounds(seen, clusters, rounds)
+    first_step, last_step = before["step"], steady[-1]["step"]
     wall = records[last_step]["seen"] - records[first_step]["seen"]
     compute = sum(records[s]["step_seconds"] for s in range(first_step + 1, last_step + 1))
     rtt = 2 * link.delay_ms / 1000

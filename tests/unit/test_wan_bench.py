@@ -1,0 +1,28 @@
+"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench.wan import steady_rounds
+
+
+def _records(rounds: dict[int, tuple[int, str]], local_steps: int = 5) -> dict[int, dict]:
+    """One cluster's records by step: ``rounds`` maps outer step to (galaxy_peers, param_hash)."""
+    return {k * local_steps: {"step": k * local_steps, "outer_step": k, "galaxy_peers": peers, "param_hash": h}
+            for k, (peers, h) in rounds.items()}
+
+
+def test_a_late_cluster_s_missed_rounds_are_not_steady():
+    # cluster 3 started late: rounds 1-2 had 3 peers, it adopted the state at round 3 and took part from round 4
+    early = {1: (3, "a"), 2: (3, "b")}
+    joint = {k: (4, f"h{k}") for k in range(3, 9)}
+    seen = [_records({**early, **joint}) for _ in range(3)] + [_records({3: (0, "h3"), **{k: joint[k] for k in range(4, 9)}})]
+    steady = steady_rounds(seen, clusters=4, rounds=3)
+    assert [r["outer_step"] for r in steady] == [4, 5, 6, 7]  # the round before (the wall clock's start), then 3
+
+
+def test_too_few_whole_rounds_say_what_to_do():
+    seen = [_records({1: (2, "a"), 2: (1, "b"), 3: (2, "c"), 4: (2, "d")}) for _ in range(2)]
+    with pytest.raises(AssertionError, match="run more rounds"):
+        steady_rounds(seen, clusters=2, rounds=3)
