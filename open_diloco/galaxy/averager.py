@@ -9,6 +9,7 @@ converted to Python scalars`` in ``extract``), and ``BLOCKWISE_8BIT`` needs bits
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import signal
 import threading
@@ -132,6 +133,7 @@ class CanonicalAverager(DecentralizedAverager):
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
         CanonicalAverager._process_allowlist = self.allowlist
+        logging.getLogger("hivemind.averaging.averager").addFilter(one_line_download_failures)
         super().run()
 
     # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
@@ -175,6 +177,17 @@ class CanonicalAverager(DecentralizedAverager):
             return {}, [], None
         metadata, tensors = self.get_state()
         return metadata, list(tensors), None
+
+
+def one_line_download_failures(record: logging.LogRecord) -> bool:
+    """hivemind logs a failed state download as an ERROR with a full traceback, though it is routine: a cluster
+    that starts beside a peer not yet listening (libp2p's "dial backoff"), or a peer that left, and the download
+    is tried again or from another peer. Its message already names the peer and the error: keep that one line, as
+    a warning."""
+    if record.funcName == "_load_state_from_peers" and record.exc_info:
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+    return True
 
 
 class HivemindRound:
