@@ -22,6 +22,16 @@ from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 SHUTDOWN_SECONDS = 2.0
 """What hivemind's DHT gets to shut down in order before it is ended by PID (with its p2pd)."""
 
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
+"""Read by p2pd (go-libp2p's TCP transport); we set it to ``false`` unless the user set it.
+
+Why: with reuseport, p2pd dials every connection from its listening port, so a connection made again after a
+partition has the same addresses and ports as the dead one, whose other end may still be retrying it. On the
+WAN lab that old end's late retransmission then reset the new connection 10-15 s after the link came back, in
+the middle of a round ("Connection reset by peer", a partial round and one more re-sync). Reuseport only helps
+NAT hole punching and port mapping, which the galaxy's DHT does not use (``nat_port_map``, relays and AutoNAT
+are off below)."""
+
 
 class GalaxyDHT(DHT):
     """hivemind.DHT whose process lives and dies as :mod:`open_diloco.galaxy.lifecycle` says."""
@@ -37,31 +47,66 @@ class GalaxyDHT(DHT):
             os._exit(1)
 
 
-REBOOTSTRAP_SECONDS = 5.0
+REBOOTSTRAP_SECONDS = 2.0
 """How often a node asks its initial peers again while some cluster looks gone (see :func:`rebootstrap`)."""
 _REBOOTSTRAP_STEP_SECONDS = 3.0
 
 
-def rebootstrap(dht: DHT, initial_peers: Sequence[str]) -> None:
-    """Ping the initial peers again and look up this node's neighbours, in the DHT's process; returns at once.
+def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[str] = ()) -> None:
+    """Ping the initial peers and the silent clusters' peers again, and look up this node's neighbours, in the
+    DHT's process; returns at once.
 
     Why: hivemind drops a peer from its routing table when it stops answering and asks the initial peers only
     once, at start. Across a partition each side's nodes drop every node of the other side and the bootstrap
     peer: when the link came back, neither side could find the other's records, and the two halves trained
     apart for good (measured on the WAN lab). Pinging the initial peers puts them back in the routing table, and
-    through them the other side. A dead or unreachable initial peer costs a failed ping, in the background."""
+    through them the other side. A peer that does not answer is disconnected (see :func:`_ping_or_drop`). A
+    dead or unreachable peer costs a failed ping, in the background.
+
+    ``silent_peers``: PeerIDs (base58) of clusters whose heartbeat stopped; their connection is the one that
+    carries the rounds, so it gets the same treatment."""
     peer_ids = [Multiaddr(maddr)["p2p"] for maddr in initial_peers]
+    peer_ids += [peer for peer in silent_peers if peer not in peer_ids]
     if peer_ids:
         dht.run_coroutine(functools.partial(_ping_and_refresh, peer_ids), return_future=True)
 
 
 async def _ping_and_refresh(peer_ids: list[str], _dht: DHT, node) -> None:
     try:
-        pings = [node.protocol.call_ping(PeerID.from_base58(peer), validate=False, strict=False) for peer in peer_ids]
-        await asyncio.wait_for(asyncio.gather(*pings, return_exceptions=True), _REBOOTSTRAP_STEP_SECONDS)
+        pings = [_ping_or_drop(node, PeerID.from_base58(peer)) for peer in peer_ids]
+        await asyncio.gather(*pings, return_exceptions=True)
         await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), _REBOOTSTRAP_STEP_SECONDS)
     except Exception as err:  # unreachable for now: the next call tries again
         logging.getLogger(__name__).debug("re-bootstrap failed: %r", err)
+
+
+_DROPPED: set[PeerID] = set()
+"""Peers whose connections this DHT process closed and that have not answered a ping since (lives in the DHT's
+process, where the coroutines below run)."""
+
+
+async def _ping_or_drop(node, peer: PeerID) -> None:
+    """Ping ``peer``; if it does not answer in time, close this daemon's connections to it, once until it
+    answers again.
+
+    Why: across a partition, TCP keeps the old connection and retransmits its unacknowledged bytes with a
+    doubling timeout, so after 30 s without a link the next retry is ~28 s away (``ss -ti`` on the WAN lab:
+    rto 28160 ms, backoff 7). Every request on that connection waits for it, and the two sides found each
+    other again only 6-15 s after the link came back. A closed connection makes the next ping dial a new one,
+    which gets through a round trip after the link is back (a dial in flight then: its next SYN, ≤ 4 s).
+    Once only: a later failed ping is a failed dial, and closing again could cut a fresh connection the other
+    side has just dialed, in the middle of a round (seen: "Connection reset by peer" in the first round back)."""
+    try:
+        answered = await asyncio.wait_for(node.protocol.call_ping(peer, validate=False, strict=False),
+                                          _REBOOTSTRAP_STEP_SECONDS)
+    except asyncio.TimeoutError:
+        answered = None
+    if answered is not None:
+        _DROPPED.discard(peer)
+    elif peer not in _DROPPED:
+        _DROPPED.add(peer)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.protocol.p2p._client.disconnect(peer), _REBOOTSTRAP_STEP_SECONDS)
 
 
 def _drop_requests_of_dead_callers(record: logging.LogRecord) -> bool:
@@ -88,6 +133,7 @@ def start_dht(
     for maddr in initial_peers:
         peer_address(maddr)
     _check_ports_free(host_maddrs)
+    os.environ.setdefault(REUSEPORT_ENV, "false")  # inherited by the DHT's process and its p2pd
     dht = GalaxyDHT(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),

@@ -15,6 +15,7 @@ import signal
 import socket
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import psutil
 import pytest
@@ -371,6 +372,11 @@ def test_trainer_killed_alone_takes_dht_averager_and_p2pd_along(galaxy):
     galaxy.wait_for("ready", 1)
     children = _descendants(galaxy.workers[0].pid)
     assert "p2pd" in children.values() and len(children) == 3, children  # DHT, averager, p2pd
+    # p2pd dials from fresh ports (galaxy.dht.REUSEPORT_ENV: a reconnect after a partition must not reuse the
+    # dead connection's ports)
+    (p2pd,) = [pid for pid, name in children.items() if name == "p2pd"]
+    environ = Path(f"/proc/{p2pd}/environ").read_bytes().split(b"\0")
+    assert b"LIBP2P_TCP_REUSEPORT=false" in environ, [e for e in environ if b"LIBP2P" in e]
     os.kill(galaxy.workers[0].pid, signal.SIGKILL)  # only the trainer process, as the OOM killer would
     deadline = time.monotonic() + 10
     while _alive(children) and time.monotonic() < deadline:
