@@ -3,6 +3,7 @@ hivemind all-reduce of the same bytes over the same lab in the same run (issue 1
 
     python scripts/bench/wan.py                                   # continent + intercontinental, 2M, 2 clusters
     python scripts/bench/wan.py --profiles intercontinental --models 2m 100m --clusters 2 4
+    python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs none bf16 int8 int4 int2 sparse
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
 namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
@@ -19,6 +20,8 @@ it, README "WAN lab"), then runs the raw baseline in the same namespaces. Printe
   more to meet) is not a fixed wait: hivemind's leader starts the round as soon as the whole galaxy has joined
   its group, so it is only paid in full when a cluster is missing. What a whole round pays is the DHT lookups and
   the joins, inside ``allreduce s``;
+- ``÷ fp32``: with ``--codecs``, allreduce s ÷ that of the uncompressed case (``none``, run first) of the same
+  profile, model and size in the same run; the raw baseline moves fp32, so it runs with ``none`` only;
 - ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics line
   appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner steps of
   the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
@@ -141,13 +144,13 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
 
 
 def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, matchmaking: float,
-             workdir: Path) -> dict:
+             workdir: Path, codec: str = "none") -> dict:
     numel = model_numel(MODELS[model])
     # one round to warm up and one at the end, plus one per two clusters past two for a late start
     steps = local_steps * (rounds + 2 + (clusters - 1) // 2)
     flags = ["--path-model", str(MODELS[model]), "--max-steps", str(steps), "--hv.local-steps", str(local_steps),
              "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(matchmaking),
-             "--seq-length", "64"]
+             "--seq-length", "64", "--hv.compression", codec]
     with Lab(clusters, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
@@ -155,7 +158,8 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
             metrics = [galaxy.start_cluster(rank, clusters, *flags, nproc=1)
                        for rank in range(clusters)]
             seen = watch(galaxy, metrics, names, timeout=3600)
-            raw = raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking)
+            # the raw baseline moves fp32: it is the yardstick of the uncompressed case only
+            raw = raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking) if codec == "none" else []
         finally:
             galaxy.close()
         link = lab.profile
@@ -169,8 +173,9 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
             for r in steady]
     allreduce = [r["allreduce_seconds"] for r in steady]
     return {
-        "profile": profile, "model": model, "numel": numel, "clusters": clusters, "rounds": len(steady),
-        "allreduce_s": statistics.median(allreduce), "raw_s": statistics.median(raw[1:] or raw),
+        "profile": profile, "model": model, "numel": numel, "clusters": clusters, "codec": codec,
+        "rounds": len(steady), "allreduce_s": statistics.median(allreduce),
+        "raw_s": statistics.median(raw[1:] or raw) if raw else None,
         "wire_bound_s": statistics.median(wire), "ratio": statistics.median(a / w for a, w in zip(allreduce, wire, strict=True)),
         "mb_per_round": statistics.median(r["bytes_sent"] + r["bytes_received"] for r in steady) / 1e6,
         "utilization": compute / wall, "wall_s": wall,
@@ -193,23 +198,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="steady rounds measured (one more runs before, one after)")
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
+    parser.add_argument("--codecs", nargs="+", default=["none"],
+                        help="--hv.compression per case; 'none' runs first and is the ÷ fp32 yardstick")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
         return raw_peer(args)
     rows = []
-    print(f"{'profile':<17} {'model':>5} {'M':>2} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
-          f"{'wire bound s':>12} {'÷ bound':>8} {'utilization':>11}", flush=True)
+    codecs = sorted(args.codecs, key=lambda codec: codec != "none")
+    print(f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
+          f"{'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}", flush=True)
     for profile in args.profiles:
         for model in args.models:
             for clusters in args.clusters:
-                with tempfile.TemporaryDirectory(prefix="wanbench-") as workdir:
-                    row = run_case(profile, model, clusters, args.rounds, args.local_steps, args.matchmaking_time,
-                                   Path(workdir))
-                rows.append(row)
-                print(f"{profile:<17} {model:>5} {clusters:>2} {row['mb_per_round']:>9.1f} {row['allreduce_s']:>11.2f} "
-                      f"{row['raw_s']:>7.2f} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
-                      f"{row['utilization']:>11.0%}", flush=True)
+                fp32 = None
+                for codec in codecs:
+                    with tempfile.TemporaryDirectory(prefix="wanbench-") as workdir:
+                        row = run_case(profile, model, clusters, args.rounds, args.local_steps,
+                                       args.matchmaking_time, Path(workdir), codec)
+                    fp32 = row["allreduce_s"] if codec == "none" else fp32
+                    row["vs_fp32"] = row["allreduce_s"] / fp32 if fp32 else None
+                    rows.append(row)
+                    raw_s = f"{row['raw_s']:>7.2f}" if row["raw_s"] is not None else f"{'—':>7}"
+                    vs = f"{row['vs_fp32']:>7.2f}" if row["vs_fp32"] is not None else f"{'—':>7}"
+                    print(f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
+                          f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
+                          f"{vs} {row['utilization']:>11.0%}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
