@@ -330,12 +330,13 @@ class HivemindAverager:
         gone = frozenset(departed(records, self.member_expiry))
         quiet = frozenset(silent(records, self.member_expiry))
         if gone - {self.galaxy_rank}:
-            self._find_the_others_again([str(record["peer_id"]) for record in records
-                                         if record["galaxy_rank"] in quiet - {self.galaxy_rank}
-                                         and record.get("peer_id")])
+            peers = {rank: str(record["peer_id"]) for record in records if record.get("peer_id")
+                     for rank in [record["galaxy_rank"]] if rank != self.galaxy_rank}
+            self._find_the_others_again([peer for rank, peer in peers.items() if rank in quiet],
+                                        [peer for rank, peer in peers.items() if rank not in gone])
         return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry), silent=quiet)
 
-    def _find_the_others_again(self, gone_peers: list[str]) -> None:
+    def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``
         (``galaxy.dht.rebootstrap``): it may sit behind a link that just came back, and after a partition
         neither side's DHT would find the other by itself. Rounds read the membership at every start and every
@@ -343,7 +344,7 @@ class HivemindAverager:
         if time.monotonic() - self._rebootstrapped > REBOOTSTRAP_SECONDS:
             self._rebootstrapped = time.monotonic()
             with DHT_PIPE_LOCK:
-                rebootstrap(self.dht, self.initial_peers, gone_peers)
+                rebootstrap(self.dht, self.initial_peers, silent_peers, live_peers)
 
     def alone_in_galaxy(self) -> bool:
         """Every other cluster of the galaxy is known to be gone."""

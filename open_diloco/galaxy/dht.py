@@ -52,7 +52,8 @@ REBOOTSTRAP_SECONDS = 2.0
 _REBOOTSTRAP_STEP_SECONDS = 3.0
 
 
-def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[str] = ()) -> None:
+def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[str] = (),
+                live_peers: Sequence[str] = ()) -> None:
     """Ping the initial peers and the silent clusters' peers again, and look up this node's neighbours, in the
     DHT's process; returns at once.
 
@@ -64,16 +65,19 @@ def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[s
     dead or unreachable peer costs a failed ping, in the background.
 
     ``silent_peers``: PeerIDs (base58) of clusters whose heartbeat stopped; their connection is the one that
-    carries the rounds, so it gets the same treatment."""
+    carries the rounds, so it gets the same treatment. ``live_peers``: PeerIDs of clusters whose heartbeat is
+    fresh (an initial peer is often one): pinged, never disconnected, since a slow answer from a busy live peer
+    must not cut the round it is in."""
     peer_ids = [Multiaddr(maddr)["p2p"] for maddr in initial_peers]
     peer_ids += [peer for peer in silent_peers if peer not in peer_ids]
     if peer_ids:
-        dht.run_coroutine(functools.partial(_ping_and_refresh, peer_ids), return_future=True)
+        keep = frozenset(live_peers)
+        dht.run_coroutine(functools.partial(_ping_and_refresh, peer_ids, keep), return_future=True)
 
 
-async def _ping_and_refresh(peer_ids: list[str], _dht: DHT, node) -> None:
+async def _ping_and_refresh(peer_ids: list[str], keep: frozenset[str], _dht: DHT, node) -> None:
     try:
-        pings = [_ping_or_drop(node, PeerID.from_base58(peer)) for peer in peer_ids]
+        pings = [_ping_or_drop(node, PeerID.from_base58(peer), may_drop=peer not in keep) for peer in peer_ids]
         await asyncio.gather(*pings, return_exceptions=True)
         await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), _REBOOTSTRAP_STEP_SECONDS)
     except Exception as err:  # unreachable for now: the next call tries again
@@ -85,7 +89,7 @@ _DROPPED: set[PeerID] = set()
 process, where the coroutines below run)."""
 
 
-async def _ping_or_drop(node, peer: PeerID) -> None:
+async def _ping_or_drop(node, peer: PeerID, may_drop: bool = True) -> None:
     """Ping ``peer``; if it does not answer in time, close this daemon's connections to it, once until it
     answers again.
 
@@ -103,7 +107,7 @@ async def _ping_or_drop(node, peer: PeerID) -> None:
         answered = None
     if answered is not None:
         _DROPPED.discard(peer)
-    elif peer not in _DROPPED:
+    elif may_drop and peer not in _DROPPED:
         _DROPPED.add(peer)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(node.protocol.p2p._client.disconnect(peer), _REBOOTSTRAP_STEP_SECONDS)
