@@ -208,7 +208,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
         averager = averager or start(entry[0])
     try:
         outer_log = logging.getLogger("open_diloco.outer")
-        status = _status_board(hv, averager, schema) if world.rank == 0 else None
+        shard_peer_ids = cluster.gather_strings(averager.peer_id)
+        status = _status_board(hv, averager, schema, shard_peer_ids) if world.rank == 0 else None
         return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning, status=status)
     except BaseException:
         averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
@@ -224,12 +225,12 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return xxhash.xxh3_64(layout.encode()).hexdigest()
 
 
-def _status_board(hv: HvConfig, averager: Any, schema: dict[str, Any]) -> Any:
+def _status_board(hv: HvConfig, averager: Any, schema: dict[str, Any], shard_peer_ids: list[str]) -> Any:
     """This cluster's membership and status record (``open-diloco status``), kept by rank 0."""
     from open_diloco.cli import version_line
     from open_diloco.galaxy.status import StatusPublisher, cluster_identity
 
-    identity = cluster_identity(hv.world_rank, schema, hv.local_steps, version_line(), averager.peer_id)
+    identity = cluster_identity(hv.world_rank, schema, hv.local_steps, version_line(), shard_peer_ids)
     return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry)
 
 

@@ -38,6 +38,7 @@ from open_diloco.galaxy.status import (
     lead_outer_step,
     read_records,
     schema_conflict,
+    shard_peer,
     silent,
     status_key,
 )
@@ -273,8 +274,10 @@ class HivemindAverager:
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
                  averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
                  allowlist: Allowlist | None = None, compression: str = "none",
-                 initial_peers: Sequence[str] = ()):
+                 initial_peers: Sequence[str] = (), shard_index: int = 0):
         self.dht, self.averager = dht, averager
+        self.shard_index = shard_index
+        """Which shard of the cluster this averager serves: it averages with the same shard of every other cluster."""
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout = averaging_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
@@ -329,9 +332,9 @@ class HivemindAverager:
             raise GalaxyMismatch(conflict)
         gone = frozenset(departed(records, self.member_expiry))
         quiet = frozenset(silent(records, self.member_expiry))
-        if gone - {self.galaxy_rank}:
-            peers = {rank: str(record["peer_id"]) for record in records if record.get("peer_id")
-                     for rank in [record["galaxy_rank"]] if rank != self.galaxy_rank}
+        if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
+            peers = {rank: peer for record in records if (rank := record["galaxy_rank"]) != self.galaxy_rank
+                     and (peer := shard_peer(record, self.shard_index))}
             self._find_the_others_again([peer for rank, peer in peers.items() if rank in quiet],
                                         [peer for rank, peer in peers.items() if rank not in gone])
         return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry), silent=quiet)
@@ -488,6 +491,7 @@ def start_shard_averager(
         allowlist=allowlist,
         compression=compression,
         initial_peers=initial_peers,
+        shard_index=shard_index,
     )
 
 

@@ -146,16 +146,30 @@ SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments")
 tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs (codec)."""
 
 
-def cluster_identity(galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str, peer_id: str) -> dict[str, Any]:
-    """The fixed part of a cluster's record: who it is, and its :data:`SCHEMA_KEYS`."""
+def cluster_identity(galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str,
+                     shard_peer_ids: Sequence[str]) -> dict[str, Any]:
+    """The fixed part of a cluster's record: who it is, and its :data:`SCHEMA_KEYS`.
+
+    ``shard_peer_ids``: the PeerID of each local rank's averager, in rank order. Shard k averages with shard k
+    of every other cluster, each over a connection of its own, so a cluster that heals a partition must reach
+    every shard's peer, not only rank 0's (``peer_id``, kept as it was for ``status`` and the allowlist)."""
     return {
         "galaxy_rank": galaxy_rank,
         "host": socket.gethostname(),
         **{key: schema[key] for key in SCHEMA_KEYS},
         "local_steps": local_steps,
         "version": version,
-        "peer_id": peer_id,
+        "peer_id": shard_peer_ids[0],
+        "shard_peer_ids": list(shard_peer_ids),
     }
+
+
+def shard_peer(record: dict[str, Any], shard_index: int) -> str | None:
+    """The PeerID of the averager of shard ``shard_index`` in the cluster of ``record``; ``None`` when the record
+    does not name it (a record of a version before ``shard_peer_ids`` names rank 0's only)."""
+    peers = record.get("shard_peer_ids") or [record.get("peer_id")]
+    peer = peers[shard_index] if shard_index < len(peers) else None
+    return str(peer) if peer else None
 
 
 def schema_conflict(

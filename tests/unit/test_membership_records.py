@@ -1,0 +1,36 @@
+"""Membership records (galaxy/status.py): who a cluster is, which peer each of its shards averages over, and
+who counts as gone. Pure functions over the records the DHT returns."""
+
+from __future__ import annotations
+
+from open_diloco.galaxy.status import cluster_identity, departed, lead_outer_step, shard_peer, silent
+
+SCHEMA = {"model_fingerprint": "abc", "ranks": 3, "codec": "none", "fragments": 1}
+
+
+def test_a_record_names_every_shards_peer_and_rank_zeros_as_the_clusters():
+    record = cluster_identity(1, SCHEMA, 20, "open-diloco test", ["QmRank0", "QmRank1", "QmRank2"])
+    assert record["peer_id"] == "QmRank0"  # status and the allowlist read this key, as before
+    assert record["shard_peer_ids"] == ["QmRank0", "QmRank1", "QmRank2"]
+    assert [shard_peer(record, shard) for shard in range(3)] == ["QmRank0", "QmRank1", "QmRank2"]
+    assert shard_peer(record, 3) is None  # a cluster of another size: no counterpart (and a schema conflict)
+
+
+def test_a_record_without_shard_peers_names_rank_zero_only():
+    old = {"galaxy_rank": 0, "peer_id": "QmOld"}  # written before shard_peer_ids existed
+    assert shard_peer(old, 0) == "QmOld"
+    assert shard_peer(old, 1) is None
+    assert shard_peer({"galaxy_rank": 0}, 0) is None
+
+
+def test_gone_by_silence_is_told_apart_from_said_it_ended():
+    records = [
+        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 1.0, "outer_step": 7},
+        {"galaxy_rank": 1, "state": "training", "last_seen_seconds": 30.0, "outer_step": 9},  # cut off or crashed
+        {"galaxy_rank": 2, "state": "finished", "last_seen_seconds": 0.5, "outer_step": 8},
+    ]
+    assert departed(records, expiry=15) == {1, 2}
+    assert silent(records, expiry=15) == {1}
+    assert lead_outer_step(records, expiry=15) == 7  # only a live cluster leads
+    assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
+    assert lead_outer_step(records, expiry=60) == 9
