@@ -90,6 +90,7 @@ JSON_KEYS = (
     "last_seen_seconds",
     "behind_by",
     "flags",
+    "shard_peer_ids",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""

@@ -65,6 +65,7 @@ def test_status_shows_each_cluster_and_flags_the_stopped_and_the_silent(galaxy):
     for rank, row in rows.items():
         assert row["state"] == "training" and row["ranks"] == 1 and row["codec"] == "none", row
         assert row["outer_step"] >= 2 and row["last_seen_seconds"] < 10, row
+        assert row["peer_id"] and row["shard_peer_ids"] == [row["peer_id"]], row  # one rank: one shard peer
         agrees_with_metrics(row, metrics[rank])
 
     # cluster 2 is stopped the way an operator does it (SIGTERM to its torchrun), cluster 1 dies outright
