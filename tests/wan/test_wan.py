@@ -131,7 +131,9 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # or the next one is together
     in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
     assert healed <= in_flight + 1, (healed, in_flight, healed_after)
-    assert healed_after < 20
+    # a bound in seconds as well, against a heal that only the 60 s wait above would end: rounds took 10-15 s on
+    # the slowest day measured, where the heal within 2 rounds took 22.9 s
+    assert healed_after < 30
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
 
