@@ -80,7 +80,7 @@ def test_two_clusters_over_intercontinental(tmp_path):
 def test_a_partition_heals_into_one_galaxy(tmp_path):
     # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the link
     # is back the two average together again with equal hashes within 2 rounds, the one behind re-synced to the
-    # other if they drifted apart. H = 80 makes a round 7-11 s here: the heal costs seconds whatever the round
+    # other if they drifted apart. H = 80 makes a round 7-15 s here: the heal costs seconds whatever the round
     # length (a new connection a round trip after the link is back, a heartbeat, a read at a round's end, a
     # state download: 5-7 s), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     steps = ["--max-steps", "5000", "--hv.local-steps", "80", "--hv.averaging-timeout", "10",
@@ -113,7 +113,7 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     rounds = [outer_records(m) for m in metrics]
     # apart, both trained on into two different models, and neither hung: each side finished a round after the
     # cut within the 30 s (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and
-    # rounds are 7-11 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no
+    # rounds are 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no
     # round while apart claims the galaxy agrees with it: the other side fell silent, it did not say it ended
     while_apart = [[rounds[side][r] for r in sorted(rounds[side]) if cut_at[side] < r <= apart[side]]
                    for side in (0, 1)]
