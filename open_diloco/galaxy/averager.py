@@ -35,6 +35,7 @@ from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 from open_diloco.galaxy.status import (
     DHT_PIPE_LOCK,
     departed,
+    is_live,
     lead_outer_step,
     read_records,
     schema_conflict,
@@ -58,7 +59,8 @@ _GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely d
 MEMBERSHIP_READ_SECONDS = 3.0  # what reading the membership records may add to a round's start, at most
 MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whether anyone is left to find
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
-DRAIN_SECONDS = 3.0  # how long after a round with others this peer's p2pd stays up (see HivemindAverager.shutdown)
+DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
+FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
@@ -224,6 +226,7 @@ class HivemindRound:
                 )
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
+        owner.last_group = (round_id, frozenset(peers) - {owner.galaxy_rank})
         stale_peers = out_of_cohort(result["gathered"])
         stale = sorted(result["gathered"][peer].get("galaxy_rank", -1) for peer in stale_peers)
         rejected = sorted({result["gathered"][peer].get("galaxy_rank", -1) for peer in result["rejected"]
@@ -293,6 +296,8 @@ class HivemindAverager:
         self._closed = False
         self.last_group_round_end: float | None = None
         """When this peer's last round with others ended (see :meth:`shutdown`)."""
+        self.last_group: tuple[int, frozenset[int]] = (-1, frozenset())
+        """That round's id and the galaxy ranks of the other clusters in it."""
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -392,21 +397,42 @@ class HivemindAverager:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
-    def _let_last_averages_drain(self) -> None:
+    def _let_last_averages_drain(self, seconds: float) -> None:
         """Our round is done once *we* hold every averaged part; the averages we computed for the others may still
         sit in our p2pd on their way. Ending p2pd at once cut that tail off (the other cluster's final round then
         came out partial: "received 93.7% results", seen on loopback under load and over an emulated 150 ms
-        link), so keep it up until DRAIN_SECONDS after the last round with others. Bounded, well inside the
-        trainer's stop grace."""
-        if self.last_group_round_end is not None:
-            time.sleep(max(0.0, self.last_group_round_end + DRAIN_SECONDS - time.monotonic()))
+        link), so keep it up until every other cluster of the last round says (in its status record) that it is
+        past that round, or has stopped, or ``seconds`` after the round ended: a run's end waits
+        :data:`FINISH_DRAIN_SECONDS` for slow peers, a stop :data:`DRAIN_SECONDS` (inside the trainer's stop
+        grace)."""
+        if self.last_group_round_end is None:
+            return
+        deadline = self.last_group_round_end + seconds
+        round_id, others = self.last_group
+        while (left := deadline - time.monotonic()) > 0:
+            if self._past_round(round_id, others, timeout=min(left, MEMBERSHIP_READ_SECONDS)):
+                return
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
-    def shutdown(self) -> None:
-        """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most."""
+    def _past_round(self, round_id: int, ranks: frozenset[int], timeout: float) -> bool:
+        """Every cluster in ``ranks`` published an outer step past ``round_id`` (it holds that round's result,
+        whole or partial), or no longer trains, or fell silent."""
+        if not ranks:
+            return True
+        records = {record["galaxy_rank"]: record for record in read_records(self.dht, self.status_key, timeout)}
+        return all(
+            rank in records and (int(records[rank].get("outer_step", -1)) > round_id
+                                 or not is_live(records[rank], self.member_expiry))
+            for rank in ranks
+        )
+
+    def shutdown(self, finished: bool = False) -> None:
+        """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``: the
+        run ended, nothing hurries it; see :meth:`_let_last_averages_drain`)."""
         if self._closed:
             return
         self._closed = True
-        self._let_last_averages_drain()
+        self._let_last_averages_drain(FINISH_DRAIN_SECONDS if finished else DRAIN_SECONDS)
         try:
             if self.averager.is_alive():
                 self.averager.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates

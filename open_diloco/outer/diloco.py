@@ -89,6 +89,8 @@ class DiLoCo:
         self.averager = averager
         self.status = status or NullStatusBoard()
         self._alive_before = hv.galaxy_size
+        self._finished = False
+        """The trainer reported the run finished (not stopped): leaving may wait for the last round's peers."""
         self.bad_rounds = 0
         """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
         self.norm_history = NormHistory(hv.delta_norm_bound)
@@ -381,6 +383,7 @@ class DiLoCo:
                 "checkpoint)"
             ) from None
         fragment = self.state.fragment
+        complete = self.cluster.all_true(bool(report.complete))  # every shard's span: one failed part spoils it
         resynced = self._resync(wanted_step, fallback_step=fallback_step) if decision is Decision.RESYNC else False
         if not resynced:  # a re-sync already put the adopted θ_outer into the whole model
             self.state.land()
@@ -392,7 +395,7 @@ class DiLoCo:
             "network_wait_seconds": network_wait,
             "galaxy_peers": report.group_size,
             "galaxy_alive": flight.alive,
-            "galaxy_complete": bool(report.complete),
+            "galaxy_complete": complete,
             "allreduce_seconds": report.seconds,
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
@@ -536,9 +539,10 @@ class DiLoCo:
 
     def report(self, record: dict[str, Any]) -> None:
         self.status.update(record)
+        self._finished = record.get("state") == "finished"
 
     def close(self) -> None:
         try:
             self.status.close()  # while the DHT still runs
-        finally:
-            self.averager.shutdown()
+        finally:  # a finished run may wait for the peers of its last round to take their averages; a stop may not
+            self.averager.shutdown(finished=self._finished)

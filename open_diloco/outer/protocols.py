@@ -98,8 +98,9 @@ class Averager(Protocol):
         """Fetch ``(metadata, tensors)`` from a peer serving this shard; ``None`` when none answers in time."""
         ...
 
-    def shutdown(self) -> None:
-        """Stop the averager and its DHT; idempotent; bounded in time; leaves no process behind."""
+    def shutdown(self, finished: bool = False) -> None:
+        """Stop the averager and its DHT; idempotent; bounded in time; leaves no process behind. ``finished``:
+        the run ended (rather than was stopped), so it may wait a little longer for the peers of its last round."""
         ...
 
 

@@ -61,9 +61,26 @@ def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
     early_rounds, late_rounds = outer_records(early), outer_records(late)
     together = [s for s in late_rounds if late_rounds[s]["galaxy_peers"] == 2]
     assert together, "the late joiner never averaged with the early cluster"
+    # at most one round may come out partial under load (README "Tests"), reported as such on a side, and healed:
+    # the late cluster's next round (if it has one) re-syncs. Every other round is in sync with equal hashes
+    incidents = [s for s in together if not (late_rounds[s]["in_sync"] or late_rounds[s]["resynced"])]
+    shown = {s: (_round_line(early_rounds.get(s, {})), _round_line(late_rounds[s])) for s in late_rounds}
+    assert len(incidents) <= 1, shown
+    for step in incidents:
+        assert not (early_rounds[step]["galaxy_complete"] and late_rounds[step]["galaxy_complete"]), shown
+        if step + 1 in late_rounds:
+            assert late_rounds[step + 1]["resynced"] or late_rounds[step + 1]["in_sync"], shown
     for step in together:
-        assert late_rounds[step]["in_sync"] or late_rounds[step]["resynced"], late_rounds[step]
-        assert early_rounds[step]["param_hash"] == late_rounds[step]["param_hash"]
+        if step not in incidents:
+            assert early_rounds[step]["param_hash"] == late_rounds[step]["param_hash"], shown
+    assert len(together) > len(incidents), shown
+
+
+def _round_line(record: dict) -> dict:
+    """What a failed assertion should show of a round (pytest cuts a whole record short)."""
+    keys = ("galaxy_peers", "galaxy_alive", "galaxy_complete", "in_sync", "resynced", "retries", "rejected_peers",
+            "param_hash")
+    return {key: record[key] for key in keys if key in record}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])

@@ -117,5 +117,5 @@ class InProcessAverager:
                 return metadata, [tensor.clone() for tensor in tensors]
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool = False) -> None:
         pass
