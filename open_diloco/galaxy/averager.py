@@ -35,8 +35,8 @@ from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 from open_diloco.galaxy.status import (
     DHT_PIPE_LOCK,
     departed,
-    is_live,
     lead_outer_step,
+    past_round,
     read_records,
     schema_conflict,
     shard_peer,
@@ -415,16 +415,10 @@ class HivemindAverager:
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def _past_round(self, round_id: int, ranks: frozenset[int], timeout: float) -> bool:
-        """Every cluster in ``ranks`` published an outer step past ``round_id`` (it holds that round's result,
-        whole or partial), or no longer trains, or fell silent."""
+        """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is empty)."""
         if not ranks:
             return True
-        records = {record["galaxy_rank"]: record for record in read_records(self.dht, self.status_key, timeout)}
-        return all(
-            rank in records and (int(records[rank].get("outer_step", -1)) > round_id
-                                 or not is_live(records[rank], self.member_expiry))
-            for rank in ranks
-        )
+        return past_round(read_records(self.dht, self.status_key, timeout), round_id, ranks, self.member_expiry)
 
     def shutdown(self, finished: bool = False) -> None:
         """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``: the

@@ -239,6 +239,17 @@ def is_live(record: dict[str, Any], expiry: float) -> bool:
     return record.get("state") == "training" and record["last_seen_seconds"] <= expiry
 
 
+def past_round(records: list[dict[str, Any]], round_id: int, ranks: frozenset[int], expiry: float) -> bool:
+    """Every cluster in ``ranks`` has a record that shows an outer step past ``round_id`` (it holds that round's
+    result, whole or partial), or says it stopped training, or is older than ``expiry``. A cluster without a
+    record is not past it: the DHT may just not have answered."""
+    by_rank = {record["galaxy_rank"]: record for record in records}
+    return all(
+        rank in by_rank and (int(by_rank[rank].get("outer_step", -1)) > round_id or not is_live(by_rank[rank], expiry))
+        for rank in ranks
+    )
+
+
 def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
     """The highest outer step a live cluster's record shows (-1: none)."""
     return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)

@@ -3,7 +3,14 @@ who counts as gone. Pure functions over the records the DHT returns."""
 
 from __future__ import annotations
 
-from open_diloco.galaxy.status import cluster_identity, departed, lead_outer_step, shard_peer, silent
+from open_diloco.galaxy.status import (
+    cluster_identity,
+    departed,
+    lead_outer_step,
+    past_round,
+    shard_peer,
+    silent,
+)
 
 SCHEMA = {"model_fingerprint": "abc", "ranks": 3, "codec": "none", "fragments": 1}
 
@@ -34,3 +41,17 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     assert lead_outer_step(records, expiry=15) == 7  # only a live cluster leads
     assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
     assert lead_outer_step(records, expiry=60) == 9
+
+
+def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
+    # this cluster's last round with clusters 1 and 2 had id 4 (their records show 5 once they hold its result)
+    def record(rank, outer_step, state="training", age=1.0):
+        return {"galaxy_rank": rank, "state": state, "last_seen_seconds": age, "outer_step": outer_step}
+
+    ranks = frozenset({1, 2})
+    assert past_round([record(1, 5), record(2, 6)], 4, ranks, expiry=10.0)
+    assert not past_round([record(1, 5), record(2, 4)], 4, ranks, expiry=10.0)  # 2 may still be taking its averages
+    assert past_round([record(1, 5), record(2, 4, state="stopped (SIGINT)")], 4, ranks, expiry=10.0)
+    assert past_round([record(1, 5), record(2, 4, age=30.0)], 4, ranks, expiry=10.0)  # silent: nobody to wait for
+    assert not past_round([record(1, 5)], 4, ranks, expiry=10.0)  # no record read for 2: keep waiting (bounded)
+    assert past_round([], 4, frozenset(), expiry=10.0)
