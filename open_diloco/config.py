@@ -54,8 +54,8 @@ class HvConfig(BaseModel):
 
     sync_delay: Annotated[int, Field(ge=0)] = 0
     """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer update
-    lands, mixed with the inner steps made meanwhile (--hv.sync-alpha). 0: training waits for the round. Must be
-    below H/P."""
+    lands, mixed with the inner steps made meanwhile (--hv.sync-alpha). 0: training waits for the round. At most
+    H/P (then a sync lands at the step the next one starts: the network is never idle)."""
 
     sync_alpha: Annotated[float, Field(ge=0, lt=1)] = 0.5
     """α: with --hv.sync-delay, a landing fragment becomes α·θ_local + (1 − α)·θ_outer (θ_local: the model, τ inner
@@ -185,9 +185,9 @@ class HvConfig(BaseModel):
                 f"--hv.fragments {self.fragments} does not divide --hv.local-steps {self.local_steps}: fragments sync "
                 "every local-steps/fragments inner steps; choose a divisor"
             )
-        if self.sync_delay and self.sync_delay >= self.local_steps // self.fragments:
+        if self.sync_delay > self.local_steps // self.fragments:
             raise ConfigError(
-                f"--hv.sync-delay {self.sync_delay} is not below --hv.local-steps/--hv.fragments = "
+                f"--hv.sync-delay {self.sync_delay} is above --hv.local-steps/--hv.fragments = "
                 f"{self.local_steps // self.fragments}: a sync must land before the next one starts; lower the delay"
             )
         if self.compression == "sparse" and (self.fragments > 1 or self.sync_delay):

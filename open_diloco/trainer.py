@@ -106,8 +106,11 @@ def train(config: Config) -> None:
                 "step_seconds": seconds,
                 "memory_gib": _memory_gib(world.device),
             }
-            record.update(outer.after_inner_step(step, last=step == config.max_steps))
-            if False in (record.get("pseudo_grad_finite"), record.get("pseudo_grad_in_bound")):
+            syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps)
+            for earlier in syncs[:-1]:  # two syncs ended at this step (--hv.sync-delay = H/P): a line for each
+                metrics.log({**record, **earlier})
+            record.update(syncs[-1] if syncs else {})
+            if any(False in (sync.get("pseudo_grad_finite"), sync.get("pseudo_grad_in_bound")) for sync in syncs):
                 optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
             galaxy_step = outer.inner_step_of_galaxy()
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up

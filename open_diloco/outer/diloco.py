@@ -192,26 +192,34 @@ class DiLoCo:
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
+        """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests, benches)."""
+        records = self.syncs_after_inner_step(inner_step, last)
+        return records[-1] if records else {}
+
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
         """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the schedule
         (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns the metrics of
-        the round that landed (or was sat out), else ``{}``."""
+        every round that landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step the
+        next starts and that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
         if self._window_start is None:
             self._window_start = began
-        record: dict[str, Any] = {}
+        records: list[dict[str, Any]] = []
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
-            record = self.finish_round(flight)
-        if self.schedule.starts_sync(inner_step):
-            record = self._start_sync(inner_step, last) or record
+            records.append(self.finish_round(flight))
+        if self.schedule.starts_sync(inner_step) and (record := self._start_sync(inner_step, last)):
+            records.append(record)
         self._held += time.perf_counter() - began
-        if record:
+        if records:
             window = time.perf_counter() - self._window_start
             # the share of the wall time since the last round's metrics that the trainer was not held by the
             # outer loop (Δ, matchmaking and all-reduce waits, the outer step): 1.0 when the network is hidden
-            record["compute_utilization"] = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
+            utilization = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
+            for record in records:
+                record["compute_utilization"] = utilization
             self._window_start, self._held = time.perf_counter(), 0.0
-        return record
+        return records
 
     def _start_sync(self, inner_step: int, last: bool) -> dict[str, Any]:
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""

@@ -117,9 +117,11 @@ class OuterLoop(Protocol):
         """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
         ...
 
-    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
-        """Start a sync if ``inner_step`` (1-based) is on the schedule, land the one in flight when its delay is
-        over (or, with ``last``, at once); return the metrics of a round that landed, else ``{}``."""
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
+        """Land the sync in flight when its delay is over (or, with ``last``, at once), start a sync if
+        ``inner_step`` (1-based) is on the schedule; return the metrics of every round that ended, oldest first
+        (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands a sync at the step the
+        next starts and that one ends at once as well)."""
         ...
 
     def inner_step_of_galaxy(self) -> int:
@@ -200,8 +202,8 @@ class NullOuterLoop:
     def inner_step_of_galaxy(self) -> int:
         return 0
 
-    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
-        return {}
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
+        return []
 
     def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
         return {}

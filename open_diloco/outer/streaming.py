@@ -6,8 +6,11 @@ every H inner steps, offset by f·H/P: sync *k* (1-based, counted over all fragm
 k·H/P and averages fragment (k − 1) mod P. With P = 1 that is every H steps, as plain DiLoCo.
 
 A sync's all-reduce runs in the background for ``--hv.sync-delay`` τ inner steps; its outer update lands after
-inner step k·H/P + τ. τ < H/P, so one sync at most is in flight at any time, and a fragment's update has always
-landed before its next sync starts. The outer step counter (``outer_step``) counts syncs; a fragment's own round
+inner step k·H/P + τ. τ ≤ H/P, so one sync at most is in flight at any time (one averager per shard suffices), and
+a fragment's update has always landed before its next sync starts. At τ = H/P a sync lands at the very step the
+next one starts (landing first): the network is never idle, and a fragment's all-reduce has a whole stride of
+H/P inner steps to hide in, which is what hides a round whose all-reduce takes as long as its compute
+(README "Overlap"). The outer step counter (``outer_step``) counts syncs; a fragment's own round
 number (which the outer warm-up and a sparse codec's selection follow) is ``outer_step // P + 1``.
 
 What the τ inner steps did to the fragment is mixed in, not dropped: when the update lands, the fragment becomes

@@ -1,10 +1,10 @@
 """Overlap yardstick: does the network idle the clusters? A real galaxy over the WAN lab (scripts/wan/), once with
 blocking outer steps (``--hv.fragments 1 --hv.sync-delay 0``) and once streaming (``--hv.fragments P`` with the
-largest delay, H/P − 1), in the same run, same lab, same H (issue 17).
+largest delay, H/P: a sync lands at the step the next starts), in the same run, same lab, same H (issue 17).
 
     python scripts/bench/overlap.py                                       # intercontinental, 25M, H 32, P 4
     python scripts/bench/overlap.py --model 100m --local-steps 24 --fragments 4
-    python scripts/bench/overlap.py --model 100m --local-steps 18 --fragments 1   # a whole round in flight, τ = H − 1
+    python scripts/bench/overlap.py --model 100m --local-steps 18 --fragments 1   # a whole round in flight, τ = H
 
 Needs root and iproute2 (the lab's). Each arm starts ``hivemind-dht`` and two 1-rank clusters in the lab's
 namespaces (tests/e2e/galaxy_harness.py, which ends everything by PID) and trains ``--cycles`` + 2 cycles of H inner
@@ -80,12 +80,12 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=32)
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--cycles", type=int, default=2, help="cycles of H steps measured (one more before, one after)")
-    parser.add_argument("--delay", type=int, help="the streaming arm's --hv.sync-delay (default: the largest, H/P - 1)")
+    parser.add_argument("--delay", type=int, help="the streaming arm's --hv.sync-delay (default: the largest, H/P)")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     stride = args.local_steps // args.fragments
-    arms = [("blocking", 1, 0), ("streaming", args.fragments, stride - 1 if args.delay is None else args.delay)]
+    arms = [("blocking", 1, 0), ("streaming", args.fragments, stride if args.delay is None else args.delay)]
     rows = []
     print(f"{'arm':<10} {'profile':<17} {'model':>5} {'H':>3} {'P':>2} {'τ':>3} {'busy':>6} {'util':>6} {'wait s':>7} "
           f"{'steps/s':>8} {'× blocking':>10} {'peak MB':>8} {'allreduce s':>11}", flush=True)

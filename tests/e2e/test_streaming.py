@@ -57,11 +57,11 @@ def _whole_and_equal(a: dict, b: dict) -> bool:
 
 
 def test_a_cluster_killed_with_a_fragment_in_flight_does_not_stop_the_other(galaxy):
-    # H = 10, P = 2, τ = 4: a round is in flight 4 steps of every 5
-    common = ["--max-steps", "20", "--hv.local-steps", "10", "--hv.fragments", "2", "--hv.sync-delay", "4",
+    # H = 10, P = 2, τ = 5 = H/P: a round is always in flight (each lands at the step the next one starts)
+    common = ["--max-steps", "20", "--hv.local-steps", "10", "--hv.fragments", "2", "--hv.sync-delay", "5",
               "--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "8"]
     survivor, victim = galaxy.start_cluster(0, 2, *common), galaxy.start_cluster(1, 2, *common)
-    galaxy.wait_for_step(victim, 11, 240)  # sync 2 (fragment 1) started at step 10, lands after step 14
+    galaxy.wait_for_step(victim, 11, 240)  # sync 2 (fragment 1) started at step 10, lands after step 15
     galaxy.track()
     kill_tree(galaxy.procs["cluster1"].pid, signal.SIGKILL)
     assert galaxy.wait("cluster0", 300) == 0, galaxy.log("cluster0")[-3000:]

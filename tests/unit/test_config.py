@@ -99,8 +99,8 @@ def test_config_file_with_flag_override(tmp_path):
         ),
         (["--hv.local-steps", "10", "--hv.fragments", "4"], "--hv.fragments 4 does not divide --hv.local-steps 10"),
         (
-            ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "2"],
-            "--hv.sync-delay 2 is not below --hv.local-steps/--hv.fragments = 2",
+            ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "3"],
+            "--hv.sync-delay 3 is above --hv.local-steps/--hv.fragments = 2",
         ),
         (
             ["--hv.local-steps", "8", "--hv.fragments", "2", "--hv.compression", "sparse"],

@@ -55,11 +55,10 @@ def _run(size: int, steps: int, compression: str = "none", models=None, on_step=
         for step in range(1, steps + 1):
             _inner_step(model, generator)
             before = _flat(model).clone() if on_step is not None else None
-            record = outer.after_inner_step(step, last=step == steps)
+            syncs = outer.syncs_after_inner_step(step, last=step == steps)
             if on_step is not None:
-                on_step(rank, step, before, outer, record, _flat(model).clone())
-            if record:
-                records.append({**record, "step": step})
+                on_step(rank, step, before, outer, syncs, _flat(model).clone())
+            records.extend({**record, "step": step} for record in syncs)
         results[rank] = (records, outer, model)
 
     threads = [threading.Thread(target=cluster, args=(rank,)) for rank in range(size)]
@@ -103,11 +102,12 @@ def test_schedule():
     assert fragment_length(10, 4) == 3 and fragment_length(12, 4) == 3
 
 
-def test_fragments_with_delay_match_a_per_fragment_reference():
-    """P = 4, τ = 1, H = 8: fragment f's θ_outer follows its own Nesterov outer optimizer over its own rounds,
+@pytest.mark.parametrize("delay", [1, 2])  # 2 = H/P: a sync lands at the step the next one starts
+def test_fragments_with_delay_match_a_per_fragment_reference(delay):
+    """P = 4, H = 8: fragment f's θ_outer follows its own Nesterov outer optimizer over its own rounds,
     fed the mean of the clusters' Δ taken when its round started; the other fragments are untouched by its
     round; every cluster holds the same θ_outer bytes; the fragment lands as α·θ_local + (1 − α)·θ_outer_new."""
-    size, fragments, delay, steps = 2, 4, 1, 8 * 3
+    size, fragments, steps = 2, 4, 8 * 3
     models = _models(size)
     numel = _flat(models[0]).numel()
     length = fragment_length(numel, fragments)
@@ -116,16 +116,16 @@ def test_fragments_with_delay_match_a_per_fragment_reference():
     landed: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {0: {}, 1: {}}
     """per landing step: θ_local before it, θ_outer after it, θ_local after it"""
 
-    def on_step(rank, step, before, outer, record, after):
-        if step % 2 == 0:
+    def on_step(rank, step, before, outer, syncs, after):
+        if step % 2 == 0:  # (at τ = 2 the landing before the start touches another fragment: `before` serves)
             starts[rank][step] = before
-        if record:
+        if syncs:
             landed[rank][step] = (before, outer.state.params.clone(), after)
 
     results = _run(size, steps, models=models, on_step=on_step, local_steps=8, fragments=fragments, sync_delay=delay)
     records = [results[rank][0] for rank in range(size)]
     assert [r["fragment"] for r in records[0]] == [k % fragments for k in range(steps // 2)]
-    assert [r["step"] for r in records[0]] == [k * 2 + delay for k in range(1, steps // 2)] + [steps]
+    assert [r["step"] for r in records[0]] == [min(k * 2 + delay, steps) for k in range(1, steps // 2)] + [steps]
     for a, b in zip(*records, strict=True):
         assert a["param_hash"] == b["param_hash"] and a["fragment_hash"] == b["fragment_hash"]
         assert a["in_sync"] and b["in_sync"]
@@ -142,6 +142,8 @@ def test_fragments_with_delay_match_a_per_fragment_reference():
             momenta[fragment] = torch.zeros_like(mean_delta)
         grad = mean_delta.clone()
         outer_sgd_step_(theta[region], grad, momenta[fragment], lr=lr, momentum=momentum, nesterov=True)
+        if k + 1 < len(records[0]) and records[0][k + 1]["step"] == record["step"]:
+            continue  # τ = H/P at the run's end: the last sync ran at the step this one landed; checked after it
         model_before, params, model_after = landed[0][record["step"]]
         assert torch.allclose(params, theta, atol=1e-6, rtol=0), f"sync {k + 1}: θ_outer differs from the reference"
         theta = params.clone()  # carry the exact bytes on, so float rounding never accumulates across rounds
@@ -150,6 +152,9 @@ def test_fragments_with_delay_match_a_per_fragment_reference():
             assert torch.allclose(model_after[region], mixed, atol=1e-6, rtol=0)
         outside = torch.ones(numel, dtype=torch.bool)
         outside[region] = False
+        if k and records[0][k - 1]["step"] == record["step"]:  # the sync that landed just before it, same step
+            previous = (k - 1) % fragments
+            outside[previous * length : (previous + 1) * length] = False
         assert torch.equal(model_after[outside], model_before[outside]), "a landing touched another fragment"
 
 
@@ -165,12 +170,13 @@ def _checkpoint(outer: DiLoCo, model: torch.nn.Module) -> dict:
     }
 
 
-@pytest.mark.parametrize("compression", ["none", "int2"])  # int2: the error feedback of the fragment in flight
-def test_resume_with_a_round_in_flight_is_bit_exact(compression):
+# int2: the error feedback of the fragment in flight; τ = 2 = H/P: sync 4 landed at the step of the save
+@pytest.mark.parametrize(("compression", "delay"), [("none", 1), ("int2", 1), ("none", 2)])
+def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
     """A checkpoint taken while a fragment's round is in flight records it (θ_outer and the fragment's θ_local at
     the round's start); the resumed galaxy sends that round again and ends bitwise where the straight run does."""
-    size, steps, saved_at = 2, 24, 10  # H = 8, P = 4, τ = 1: sync 5 (fragment 0) starts at step 10
-    hv = dict(local_steps=8, fragments=4, sync_delay=1, outer_momentum=0.9, outer_warmup_rounds=2)
+    size, steps, saved_at = 2, 24, 10  # H = 8, P = 4: sync 5 (fragment 0) starts at step 10
+    hv = dict(local_steps=8, fragments=4, sync_delay=delay, outer_momentum=0.9, outer_warmup_rounds=2)
     straight = _run(size, steps, compression, **hv)
     models = _models(size)
     saved: dict[int, dict] = {}
@@ -194,9 +200,7 @@ def test_resume_with_a_round_in_flight_is_bit_exact(compression):
         records = []
         for step in range(first, last + 1):
             _inner_step(model, generator)
-            record = outer.after_inner_step(step, last=step == steps)
-            if record:
-                records.append({**record, "step": step})
+            records.extend({**record, "step": step} for record in outer.syncs_after_inner_step(step, step == steps))
         if restore is None:
             assert outer.in_flight is not None and outer.state.fragment == 0
             saved[rank], generators[rank] = _checkpoint(outer, model), generator.get_state()
