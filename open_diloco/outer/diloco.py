@@ -208,7 +208,9 @@ class DiLoCo:
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
             records.append(self.finish_round(flight))
-        if self.schedule.starts_sync(inner_step) and (record := self._start_sync(inner_step, last)):
+        # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it already)
+        skip = bool(records) and self.inner_step_of_galaxy() >= inner_step
+        if self.schedule.starts_sync(inner_step) and not skip and (record := self._start_sync(inner_step, last)):
             records.append(record)
         self._held += time.perf_counter() - began
         if records:
