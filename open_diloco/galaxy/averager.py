@@ -36,6 +36,7 @@ from open_diloco.galaxy.status import (
     DHT_PIPE_LOCK,
     departed,
     lead_outer_step,
+    lead_progress,
     past_round,
     read_records,
     schema_conflict,
@@ -342,7 +343,9 @@ class HivemindAverager:
                      and (peer := shard_peer(record, self.shard_index))}
             self._find_the_others_again([peer for rank, peer in peers.items() if rank in quiet],
                                         [peer for rank, peer in peers.items() if rank not in gone])
-        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry), silent=quiet)
+        lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank)
+        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry), silent=quiet,
+                          lead_inner_step=lead_step, lead_seen_seconds=lead_seen)
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``

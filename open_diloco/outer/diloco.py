@@ -105,6 +105,11 @@ class DiLoCo:
         self._window_start: float | None = None
         self._held = 0.0
         """Seconds the trainer spent in the outer loop since the last round's metrics (for compute utilization)."""
+        self._step_seconds: float | None = None
+        """A running mean of the trainer's inner-step time (from its records), to turn seconds into steps."""
+        self._catch_up_step = 0
+        """Where the trainer goes on after this cluster adopted a state the galaxy is already training past
+        (:meth:`_catch_up_target`); 0 when it goes on from the adopted round's start."""
         self.state = OuterState(
             model,
             lr=hv.outer_lr,
@@ -157,7 +162,29 @@ class DiLoCo:
         self._hold(self.start_round(), started_at + self.schedule.sync_delay)
 
     def inner_step_of_galaxy(self) -> int:
-        return self.schedule.inner_step_of(self.outer_step)
+        return max(self.schedule.inner_step_of(self.outer_step), self._catch_up_step)
+
+    def _catch_up_target(self) -> int:
+        """The inner step to go on from after adopting the state of a galaxy that was ahead: as far as the lead
+        cluster has come since (its status record, moved on by the record's age at our step time), but at least a
+        quarter of --hv.averaging-timeout of steps before the next sync.
+
+        Why: a cluster that sat a round out (a side of a healed partition, a slow cluster) adopts the state at the
+        galaxy's latest round, while the lead cluster is already that far into the next one. Training the whole
+        stride again, it would reach the next sync that much later than the lead cluster, which waits at most
+        --hv.averaging-timeout for it: behind by more, it sits out again, round after round. Skipping those
+        steps (their batches are not trained on, as for a late joiner) puts it at the sync with the others, and
+        its Δ of fewer steps enters that round's average. The margin keeps it inside the lead's wait when the lead
+        is already waiting at the sync. The same on every rank of the cluster."""
+        start, next_sync = self.schedule.inner_step_of(self.outer_step), self.schedule.inner_step_of(self.outer_step + 1)
+        target = start
+        if self.hv.galaxy_size > 1 and self._step_seconds:
+            view = self.averager.membership()
+            if view.lead == self.outer_step and view.lead_inner_step > start:
+                lead_now = view.lead_inner_step + int(view.lead_seen_seconds / self._step_seconds)
+                margin = max(1, math.ceil(self.hv.averaging_timeout / 4 / self._step_seconds))
+                target = max(start, min(lead_now, next_sync - margin))
+        return self.cluster.min_int(target)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
@@ -457,6 +484,11 @@ class DiLoCo:
             )
             why, wanted = "the galaxy was ahead", flight.lead
         adopted = self.hv.galaxy_size > 1 and self._resync(wanted, why)
+        if adopted and not (flight.diverged or flight.out_of_bound):
+            self._catch_up_step = self._catch_up_target()
+            if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
+                self.warn(f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
+                          f"this cluster goes on from inner step {self._catch_up_step} to meet it there")
         self.state.scatter_into_model()
         self.state.local_at_start = None  # the whole model is θ_outer again: nothing of the fragment's to keep
         return {
@@ -548,6 +580,8 @@ class DiLoCo:
         return ok
 
     def report(self, record: dict[str, Any]) -> None:
+        if isinstance(seconds := record.get("step_seconds"), float) and seconds > 0:
+            self._step_seconds = seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
         self.status.update(record)
         self._finished = record.get("state") == "finished"
 

@@ -41,10 +41,12 @@ class InProcessGalaxy:
         self.silent = silent or set()
         self.lead = -1
         """The highest outer step the membership records show (-1: unknown)."""
+        self.lead_progress = (-1, 0.0)
+        """(inner step, seconds since) the lead cluster's record shows (``Membership.lead_inner_step``)."""
         self.serve_state = serve_state
+        """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
         self.robust_mean = robust_mean
         """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do (``--hv.robust-mean``)."""
-        """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
         self.averagers: dict[int, InProcessAverager] = {}
         self.codec = wire_codec(compression)
         self.drop = drop or set()
@@ -103,7 +105,8 @@ class InProcessAverager:
 
     def membership(self) -> Membership:
         return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
-                          silent=frozenset(self.galaxy.silent))
+                          silent=frozenset(self.galaxy.silent), lead_inner_step=self.galaxy.lead_progress[0],
+                          lead_seen_seconds=self.galaxy.lead_progress[1])
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

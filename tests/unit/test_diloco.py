@@ -227,6 +227,36 @@ def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
     assert behind.inner_step_of_galaxy() == 3  # the trainer catches up its data and schedule from here
 
 
+@pytest.mark.parametrize(
+    "lead_progress, step_seconds, expected",
+    [
+        ((64, 1.0), 0.2, 69),  # the lead was 4 steps into the round 1 s ago: 5 more since, at our 0.2 s a step
+        ((79, 2.0), 0.2, 75),  # the lead waits at the sync: stop 5 steps (4 s timeout / 4 at 0.2 s) before it
+        ((64, 1.0), None, 60),  # no step time known yet: from the round's start, as before
+        ((-1, 0.0), 0.2, 60),  # no record of the lead's progress
+    ],
+)
+def test_a_cluster_that_sat_out_goes_on_where_the_galaxy_is(lead_progress, step_seconds, expected):
+    # a cluster that adopted the galaxy's state at outer step 3 while the lead cluster is already training towards
+    # the next sync: going on from step 60 it would reach that sync as late as it was behind, so it skips ahead
+    galaxy = InProcessGalaxy(1, serve_state=True)
+    hv = dict(galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0)
+    ahead = DiLoCo(_model([1.0]), galaxy.averager(0, 1), _hv(world_rank=0, **hv), warn=lambda *_: None)
+    for step in (20, 40, 60):
+        ahead.after_inner_step(step)
+    galaxy.lead, galaxy.lead_progress = 3, lead_progress
+    warnings: list[str] = []
+    behind = DiLoCo(_model([7.0]), galaxy.averager(1, 1), _hv(world_rank=1, **hv), warn=warnings.append)
+    if step_seconds is not None:
+        behind.report({"step": 20, "step_seconds": step_seconds})
+    record = behind.after_inner_step(20)
+    assert record["resynced"] and record["outer_step"] == 3
+    assert behind.inner_step_of_galaxy() == expected
+    assert any("goes on from inner step" in line for line in warnings) == (expected > 60)
+    record = behind.after_inner_step(80)  # the next sync: once past it, the round counter rules again
+    assert record["outer_step"] == 4 and behind.inner_step_of_galaxy() == 80
+
+
 def test_a_cluster_that_keeps_diverging_stops_with_one_line():
     model = _model([1.0])
     outer = DiLoCo(model, InProcessGalaxy(1).averager(0, 1), _hv(max_bad_rounds=2), warn=lambda *_: None)
@@ -516,11 +546,11 @@ def test_outer_momentum_zero_trains():
     torch.manual_seed(0)
     target = torch.randn(8, 1)
     inputs = [torch.randn(256, 8) for _ in range(2)]
+    start = torch.nn.Linear(8, 1, bias=False).weight.detach()  # made here: the RNG is shared by the threads
     results = {}
 
     def cluster(rank: int):
-        torch.manual_seed(1)
-        model = torch.nn.Linear(8, 1, bias=False)
+        model = _model(start[0].tolist())
         hv = _hv(world_rank=rank, galaxy_size=2, local_steps=5, outer_lr=1.0, outer_momentum=0.0)
         outer = DiLoCo(model, galaxy.averager(rank, 8), hv, warn=lambda *_: None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)

@@ -7,6 +7,7 @@ from open_diloco.galaxy.status import (
     cluster_identity,
     departed,
     lead_outer_step,
+    lead_progress,
     past_round,
     shard_peer,
     silent,
@@ -55,3 +56,15 @@ def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
     assert past_round([record(1, 5), record(2, 4, age=30.0)], 4, ranks, expiry=10.0)  # silent: nobody to wait for
     assert not past_round([record(1, 5)], 4, ranks, expiry=10.0)  # no record read for 2: keep waiting (bounded)
     assert past_round([], 4, frozenset(), expiry=10.0)
+
+
+def test_the_lead_progress_is_the_furthest_live_cluster_at_the_lead_round_other_than_this_one():
+    records = [
+        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 0.2, "outer_step": 5, "inner_step": 430},
+        {"galaxy_rank": 1, "state": "training", "last_seen_seconds": 0.7, "outer_step": 5, "inner_step": 418},
+        {"galaxy_rank": 2, "state": "training", "last_seen_seconds": 0.1, "outer_step": 4, "inner_step": 470},
+        {"galaxy_rank": 3, "state": "training", "last_seen_seconds": 30.0, "outer_step": 5, "inner_step": 479},  # silent
+    ]
+    assert lead_progress(records, expiry=15, galaxy_rank=2) == (430, 0.2)  # rank 2 is behind: not the lead
+    assert lead_progress(records, expiry=15, galaxy_rank=0) == (418, 0.7)  # never our own record
+    assert lead_progress(records[2:3], expiry=15, galaxy_rank=2) == (-1, 0.0)  # nobody else known
