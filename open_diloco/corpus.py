@@ -43,6 +43,12 @@ FORMAT = "open_diloco.packed/1"
 INDEX_FILE, TOKENS_FILE = "index.json", "tokens.bin"
 STALE_LOCK_SECONDS = 120.0
 """A lock whose heartbeat is older than this belongs to a preparer that died; it is broken and retried."""
+ERROR_GRACE_SECONDS = 10.0
+"""The longest a process whose packing failed waits, after publishing its error, for the other ranks of its node
+to say it too (torchrun stops them all as soon as one exits); a rank that failed another way never answers."""
+ERROR_FRESH_SECONDS = 60.0
+"""A published error this recent is raised by a rank that arrives after the preparer gave up, without packing
+again (the cache key names these very files, tokenizer and field)."""
 
 Kind = Literal["packed", "text", "json", "parquet", "disk"]
 _SUFFIX_KIND: dict[str, Kind] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -330,6 +336,7 @@ def prepare_cached(
     name = f"{stem}-{cache_key(source, text_field, tokenizer)}"
     out_dir, lock, error = cache_dir / name, cache_dir / f"{name}.lock", cache_dir / f"{name}.error"
     while not (out_dir / INDEX_FILE).is_file():
+        _raise_if_failed_lately(error, time.time() - ERROR_FRESH_SECONDS)
         try:
             os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -337,13 +344,38 @@ def prepare_cached(
             continue
         try:
             error.unlink(missing_ok=True)
+            for said in glob.glob(f"{glob.escape(str(error))}.said-*"):
+                Path(said).unlink(missing_ok=True)
             return pack_corpus(source, text_field, tokenizer, out_dir, heartbeat=_toucher(lock))
         except ConfigError as err:
             error.write_text(str(err))
+            lock.unlink(missing_ok=True)
+            _wait_until_said(error, others=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
             raise
         finally:
             lock.unlink(missing_ok=True)
     return PackedCorpus.open(out_dir)
+
+
+def _raise_if_failed_lately(error: Path, since: float) -> None:
+    """Raise the published error if it was written after ``since``, and say so (see :func:`_wait_until_said`)."""
+    with contextlib.suppress(FileNotFoundError):
+        if error.stat().st_mtime >= since:
+            message = error.read_text().strip()
+            Path(f"{error}.said-{os.getpid()}").touch()
+            raise ConfigError(message)
+
+
+def _wait_until_said(error: Path, others: int, timeout_s: float = ERROR_GRACE_SECONDS) -> None:
+    """Wait until ``others`` processes have raised the published error too (each leaves a ``.said-PID`` file),
+    at most ``timeout_s``. Why: torchrun stops every rank as soon as one exits, so without this the ranks that
+    wait on the preparer, or arrive late, could be stopped before they say the error: their logs would show a
+    SIGTERM rather than the problem and its fix."""
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(f"{glob.escape(str(error))}.said-*")) < others and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if others > 0:
+        time.sleep(0.5)  # from raising it to its line on stderr: milliseconds, unless the machine is loaded
 
 
 def _toucher(lock: Path, every_s: float = 5.0) -> Callable[[], None]:
@@ -374,6 +406,4 @@ def _wait_for_lock(lock: Path, error: Path, stale_after_s: float) -> None:
             )  # its holder died; a second preparer is harmless (publishing is atomic)
             return
         time.sleep(0.2)
-    with contextlib.suppress(FileNotFoundError):
-        if error.stat().st_mtime >= started - 1.0:
-            raise ConfigError(error.read_text().strip())
+    _raise_if_failed_lately(error, started - 1.0)

@@ -114,6 +114,29 @@ def test_waiting_rank_raises_the_preparers_error(tmp_path: Path) -> None:
         _wait_for_lock(lock, error, stale_after_s=30)
 
 
+def test_a_failed_preparation_waits_for_the_other_ranks_to_say_it(tmp_path: Path, monkeypatch) -> None:
+    # torchrun stops every rank once one exits: the preparer waits until the other local rank raised the error
+    # too (a rank arriving late raises the fresh error without packing again)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')  # found while packing, not by the first look
+    source, cache = find_source(str(bad), "text"), tmp_path / "cache"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    said: list[str] = []
+
+    def late_rank() -> None:
+        time.sleep(1.0)
+        with pytest.raises(ConfigError, match="no text field") as late:
+            prepare_cached(source, "text", ByteTokenizer(), cache)
+        said.append(str(late.value))
+
+    threading.Thread(target=late_rank).start()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="no text field") as first:
+        prepare_cached(source, "text", ByteTokenizer(), cache)
+    assert said == [str(first.value)] and 1.0 < time.monotonic() - started < 5.0  # not the 10 s bound
+    assert not [p for p in cache.iterdir() if p.is_dir()]  # nothing half-packed was published
+
+
 def test_stale_lock_of_a_dead_preparer_is_broken(tmp_path: Path) -> None:
     lock = tmp_path / "c.lock"
     lock.touch()
