@@ -35,6 +35,32 @@ def _wait_in_round(galaxy: Galaxy, name: str) -> list[int]:
     return tree
 
 
+def _tracebacks_other_than_torchruns_signal(log: str) -> list[str]:
+    """The tracebacks in ``log`` that are not torchrun's SignalException or an exception chained to it ("During
+    handling of the above exception"): torch's own elastic agent can raise one more while handling the signal
+    (an UnboundLocalError in its metrics wrapper when the signal lands before its timer starts)."""
+    others, previous_was_torchruns, chained = [], False, False
+    for traceback in log.split("Traceback (most recent call last):")[1:]:
+        torchruns = "SignalException" in traceback.split("\n\n")[0] or (chained and previous_was_torchruns)
+        if not torchruns:
+            others.append(traceback)
+        previous_was_torchruns = torchruns
+        chained = "During handling of the above exception, another exception occurred:" in traceback
+    return others
+
+
+def test_tracebacks_chained_to_torchruns_signal_are_torchruns():
+    signal_tb = "\n  File \"api.py\", line 86\nSignalException: Process 1 got signal: 15\n\n"
+    chained = "During handling of the above exception, another exception occurred:\n\n"
+    torch_bug = "\n  File \"run.py\"\nUnboundLocalError: cannot access local variable 'start'\n"
+    ours = "\n  File \"open_diloco/trainer.py\"\nRuntimeError: boom\n"
+    header = "Traceback (most recent call last):"
+    assert _tracebacks_other_than_torchruns_signal(header + signal_tb + chained + header + torch_bug) == []
+    assert _tracebacks_other_than_torchruns_signal(header + signal_tb + header + ours) == [ours]
+    assert _tracebacks_other_than_torchruns_signal(header + ours + chained + header + torch_bug) == [
+        ours + chained, torch_bug]
+
+
 def test_sigterm_while_waiting_in_a_round_ends_everything_in_one_line(galaxy):
     tree = _wait_in_round(galaxy, "lonely")
     started = time.monotonic()
@@ -46,8 +72,7 @@ def test_sigterm_while_waiting_in_a_round_ends_everything_in_one_line(galaxy):
     assert galaxy.procs["lonely"].returncode != 0
     assert log.count("stopping: signal SIGTERM") == 1, log[-3000:]
     # torchrun prints its own traceback for the signal it received (SignalException); nothing else may
-    tracebacks = log.split("Traceback (most recent call last):")[1:]
-    ours = [tb for tb in tracebacks if "SignalException" not in tb.split("\n\n")[0]]
+    ours = _tracebacks_other_than_torchruns_signal(log)
     assert not ours, "traceback from the cluster:\n" + ours[0][:3000]
     assert not re.search(r"\[(ERROR|WARN)\]", log), log[-3000:]
 
