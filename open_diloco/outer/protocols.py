@@ -48,7 +48,7 @@ class Membership:
     A cluster whose round met nobody cannot call itself in sync while any is silent."""
     lead_inner_step: int = -1
     """The furthest inner step a live cluster at the ``lead`` outer step has reported (-1: unknown): how far into
-    the next round the galaxy is, for a cluster that just adopted the lead state (``DiLoCo.catch_up``)."""
+    the next round the galaxy is, for a cluster that just adopted the lead state (``DiLoCo._catch_up_target``)."""
     lead_seen_seconds: float = 0.0
     """How long ago that cluster reported ``lead_inner_step`` (its record's age): it has trained on since."""
 
