@@ -343,8 +343,9 @@ class HivemindAverager:
                      and (peer := shard_peer(record, self.shard_index))}
             self._find_the_others_again([peer for rank, peer in peers.items() if rank in quiet],
                                         [peer for rank, peer in peers.items() if rank not in gone])
-        lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank)
-        return Membership(departed=gone, lead=lead_outer_step(records, self.member_expiry), silent=quiet,
+        lead = lead_outer_step(records, self.member_expiry)
+        lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
+        return Membership(departed=gone, lead=lead, silent=quiet,
                           lead_inner_step=lead_step, lead_seen_seconds=lead_seen)
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:

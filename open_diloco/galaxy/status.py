@@ -255,10 +255,9 @@ def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
     return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)
 
 
-def lead_progress(records: list[dict[str, Any]], expiry: float, galaxy_rank: int) -> tuple[int, float]:
+def lead_progress(records: list[dict[str, Any]], expiry: float, galaxy_rank: int, lead: int) -> tuple[int, float]:
     """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after the
-    lead outer step (``(-1, 0.0)``: none known)."""
-    lead = lead_outer_step(records, expiry)
+    lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
     at_lead = [r for r in records if is_live(r, expiry) and int(r.get("outer_step", -1)) == lead
                and r["galaxy_rank"] != galaxy_rank]
     furthest = max(at_lead, key=lambda r: int(r.get("inner_step", -1)), default=None)

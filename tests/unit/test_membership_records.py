@@ -65,6 +65,6 @@ def test_the_lead_progress_is_the_furthest_live_cluster_at_the_lead_round_other_
         {"galaxy_rank": 2, "state": "training", "last_seen_seconds": 0.1, "outer_step": 4, "inner_step": 470},
         {"galaxy_rank": 3, "state": "training", "last_seen_seconds": 30.0, "outer_step": 5, "inner_step": 479},  # silent
     ]
-    assert lead_progress(records, expiry=15, galaxy_rank=2) == (430, 0.2)  # rank 2 is behind: not the lead
-    assert lead_progress(records, expiry=15, galaxy_rank=0) == (418, 0.7)  # never our own record
-    assert lead_progress(records[2:3], expiry=15, galaxy_rank=2) == (-1, 0.0)  # nobody else known
+    assert lead_progress(records, expiry=15, galaxy_rank=2, lead=5) == (430, 0.2)  # rank 2 is behind: not the lead
+    assert lead_progress(records, expiry=15, galaxy_rank=0, lead=5) == (418, 0.7)  # never our own record
+    assert lead_progress(records[2:3], expiry=15, galaxy_rank=2, lead=4) == (-1, 0.0)  # nobody else known
