@@ -213,6 +213,8 @@ class HivemindRound:
             ) from None
         except _LeftAlone:
             return owner.lonely_report(self.metadata, self.start)
+        except _Overtaken:
+            return owner.lonely_report(self.metadata, self.start, overtaken=True)
         except Exception as e:
             if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
                 return owner.lonely_report(self.metadata, self.start)
@@ -245,9 +247,10 @@ class HivemindRound:
 
 
     def _result_unless_left_alone(self) -> dict[str, Any]:
-        """The round's result, within the averaging timeout; :class:`_LeftAlone` when, while this peer still
-        looks for a group, every other cluster's membership record says it left (a cluster stopped or crashed
-        after this round began): the round would otherwise wait out the whole timeout for nobody."""
+        """The round's result, within the averaging timeout. While this peer still looks for a group, the
+        membership records can say nobody will come, and the round would otherwise wait out the whole timeout:
+        :class:`_LeftAlone` when every other cluster left (stopped or crashed after this round began);
+        :class:`_Overtaken` when the galaxy already applied this round without us (see ``RoundReport.overtaken``)."""
         owner, control = self.owner, self.control
         deadline = self.start + owner.averaging_timeout + _GRACE
         while True:
@@ -257,13 +260,23 @@ class HivemindRound:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-            if control.stage == AveragingStage.LOOKING_FOR_GROUP and owner.alone_in_galaxy():
+            if control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                continue
+            view = owner.membership()
+            if owner.alone_in(view):
                 control.cancel()
                 raise _LeftAlone
+            if view.lead > self.metadata["round_id"]:
+                control.cancel()
+                raise _Overtaken
 
 
 class _LeftAlone(Exception):
     """Every other cluster left while this peer looked for a group."""
+
+
+class _Overtaken(Exception):
+    """The galaxy applied this round without this peer while it looked for a group."""
 
 
 class HivemindAverager:
@@ -358,14 +371,14 @@ class HivemindAverager:
             with DHT_PIPE_LOCK:
                 rebootstrap(self.dht, self.initial_peers, silent_peers, live_peers)
 
-    def alone_in_galaxy(self) -> bool:
+    def alone_in(self, view: Membership) -> bool:
         """Every other cluster of the galaxy is known to be gone."""
         others = set(range(self.galaxy_size)) - {self.galaxy_rank}
-        return others <= self.membership().departed
+        return others <= view.departed
 
-    def lonely_report(self, metadata: dict[str, Any], start: float) -> RoundReport:
+    def lonely_report(self, metadata: dict[str, Any], start: float, overtaken: bool = False) -> RoundReport:
         return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
-                           seconds=time.monotonic() - start)
+                           seconds=time.monotonic() - start, overtaken=overtaken)
 
     def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any]) -> RoundReport:
         """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the

@@ -331,6 +331,14 @@ class DiLoCo:
             waited = time.perf_counter()
             report, failed = self._wait(flight, round_no)
             network_wait += time.perf_counter() - waited
+            overtaken = not self.cluster.all_true(not report.overtaken)  # any shard: a cluster never half-adopts
+            if overtaken and flight.attempts <= self.hv.max_retries:
+                self.warn(f"outer step {round_no}: the galaxy applied this round without this cluster while it "
+                          "looked for a group: it adopts the galaxy's state rather than wait for the next round")
+                flight = self.start_round(flight.attempts + 1)  # reads the records again: the lead is past us
+                if flight.sits_out:
+                    return self.sit_out(flight)
+                continue  # the records said otherwise this time: a round like any other
             self._check_peers(report)
             rejected = self._ranks_by_any_rank(report.rejected)
             # peers that started from another round or θ_outer: left out by every reducer, they re-sync

@@ -32,6 +32,10 @@ class RoundReport:
     stale: list[int] = field(default_factory=list)
     """Galaxy ranks outside the round's cohort (``policy.out_of_cohort``: they started from another round or
     θ_outer), left out by every reducer; they re-sync."""
+    overtaken: bool = False
+    """While this peer still looked for a group, the galaxy applied this very round without it (the membership
+    records show a later outer step): a retry after a part was lost on its way, say. Nobody is left to average
+    with; the cluster adopts the galaxy's state at once rather than wait for the galaxy's next round."""
 
 
 @dataclass(frozen=True)

@@ -403,6 +403,39 @@ def test_a_re_sync_takes_the_state_a_stuck_reference_started_from():
     assert outer.state.hash() == reference.state.hash()
 
 
+class LosesAPartThenIsOvertaken(ScriptedRound):
+    """Round 1: the other cluster's reducer never delivers our last part, so the round is partial here but whole
+    there, and that cluster applies it. Our retry then looks for a group nobody else looks for, until the
+    membership poll sees that cluster's record at outer step 1 (``RoundReport.overtaken``)."""
+
+    def start_round(self, round_id, fingerprint):
+        self.calls += 1
+        own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
+        if self.calls == 1:
+            theirs = {**own, "galaxy_rank": 1}
+            report = RoundReport(group_size=2, complete=False, peers={0: own, 1: theirs})
+        else:  # its record, published after it applied the round, shows up while the retry looks for a group
+            self.galaxy.lead = round_id + 1
+            report = RoundReport(group_size=1, complete=True, peers={0: own}, overtaken=True)
+        return types.SimpleNamespace(wait=lambda: report)
+
+
+def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once():
+    # Seen in the e2e suite (test_two_clusters_stay_bitwise_identical[fp16], under load): the retry waited for
+    # the other cluster's next round, was left out of it, and re-synced a round later: two rounds lost for one part
+    averager = LosesAPartThenIsOvertaken(InProcessGalaxy(1), 0, 2)
+    reference = DiLoCo(_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), _hv(), warn=lambda *_: None)
+    reference.state.outer_step = 1  # applied the round whose last part we did not get
+    averager.served = reference._served_state()
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0, 2.0]), averager, _hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append)
+    record = outer.after_inner_step(1)
+    assert averager.calls == 2, warnings  # the round and one retry: no third round started
+    assert record["resynced"] is True and record["outer_step"] == 1 and record["in_sync"] is False
+    assert outer.state.hash() == reference.state.hash()
+    assert "retry 1/" in warnings[0] and "applied this round without this cluster" in warnings[1], warnings
+
+
 def test_out_of_cohort_names_who_started_elsewhere():
     same = {"param_hash": "aa", "round_id": 4}
     # a retry of round 4 that met the next round: the peer still at round 3 is out

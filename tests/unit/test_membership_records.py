@@ -1,8 +1,14 @@
 """Membership records (galaxy/status.py): who a cluster is, which peer each of its shards averages over, and
-who counts as gone. Pure functions over the records the DHT returns."""
+who counts as gone (pure functions over the records the DHT returns), and what a peer still looking for a group
+makes of them."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
+from open_diloco.errors import RoundFailed
 from open_diloco.galaxy.status import (
     cluster_identity,
     departed,
@@ -12,6 +18,7 @@ from open_diloco.galaxy.status import (
     shard_peer,
     silent,
 )
+from open_diloco.outer.protocols import Membership
 
 SCHEMA = {"model_fingerprint": "abc", "ranks": 3, "codec": "none", "fragments": 1}
 
@@ -68,3 +75,48 @@ def test_the_lead_progress_is_the_furthest_live_cluster_at_the_lead_round_other_
     assert lead_progress(records, expiry=15, galaxy_rank=2, lead=5) == (430, 0.2)  # rank 2 is behind: not the lead
     assert lead_progress(records, expiry=15, galaxy_rank=0, lead=5) == (418, 0.7)  # never our own record
     assert lead_progress(records[2:3], expiry=15, galaxy_rank=2, lead=4) == (-1, 0.0)  # nobody else known
+
+
+class _StillLooking:
+    """A hivemind step that never finds a group (``StepControl``'s face: stage, result, cancel)."""
+
+    def __init__(self):
+        from hivemind.averaging.control import AveragingStage
+
+        self.stage, self.cancelled = AveragingStage.LOOKING_FOR_GROUP, False
+
+    def result(self, timeout):
+        time.sleep(timeout)
+        raise TimeoutError
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _looking_round(monkeypatch, view):
+    from open_diloco.galaxy import averager as galaxy_averager
+
+    monkeypatch.setattr(galaxy_averager, "MEMBERSHIP_POLL_SECONDS", 0.01)
+    owner = galaxy_averager.HivemindAverager.__new__(galaxy_averager.HivemindAverager)
+    owner.galaxy_rank, owner.galaxy_size, owner.averaging_timeout = 0, 2, 5.0
+    owner.membership = lambda: view
+    control = _StillLooking()
+    pending = galaxy_averager.HivemindRound(owner, control, {"round_id": 3, "galaxy_rank": 0}, time.monotonic())
+    return pending, control
+
+
+def test_a_peer_looking_for_a_group_in_a_round_the_galaxy_applied_stops_looking(monkeypatch):
+    # the other cluster's record is at outer step 4: it applied round 3 (round_id 3 = rounds applied before it)
+    pending, control = _looking_round(monkeypatch, Membership(lead=4))
+    started = time.monotonic()
+    report = pending.wait()
+    assert report.overtaken and report.group_size == 1 and control.cancelled
+    assert time.monotonic() - started < 1.0  # not the 5 s averaging timeout
+
+
+def test_a_peer_looking_for_a_group_the_galaxy_has_not_reached_waits_it_out(monkeypatch):
+    pending, control = _looking_round(monkeypatch, Membership(lead=3))  # the others applied round 2: we are level
+    pending.owner.averaging_timeout = 0.2
+    with pytest.raises(RoundFailed, match="did not finish"):
+        pending.wait()
+    assert control.cancelled
