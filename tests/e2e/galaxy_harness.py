@@ -91,9 +91,11 @@ class Galaxy:
         raise AssertionError(f"hivemind-dht did not start: {log.read_text()}")
 
     def start_cluster(
-        self, rank: int, size: int, *extra: str, nproc: int = 2, name: str | None = None
+        self, rank: int, size: int, *extra: str, nproc: int = 2, name: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> Path:
-        """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path."""
+        """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path. ``env``: added to the
+        trainers' environment (a fault injected into one cluster, say)."""
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
         identity = ["--total-batch-size", str(4 * nproc), "--metrics-path", str(metrics), "--run-name", name,
@@ -104,7 +106,7 @@ class Galaxy:
         cmd = [*self._place(f"cluster{rank}"), *TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *flags, *identity]
         log = (self.workdir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
-            cmd, cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT
+            cmd, cwd=REPO, env={**trainer_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT
         )
         return metrics
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from tests.conftest import kill_tree, read_metrics
 from tests.e2e.galaxy_harness import outer_records
 
 pytestmark = pytest.mark.e2e
+
+FAULTS = Path(__file__).parent / "faults"
 
 
 # bf16/int8/int4 share int2's path (and test_averager covers each on the wire, sparse too): int2 runs here;
@@ -35,6 +39,31 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
         losses = [r["loss"] for r in read_metrics(m)]
         assert losses[-1] < 0.8 * losses[0]
     assert rounds[0][1]["pseudo_grad_norm"] != rounds[1][1]["pseudo_grad_norm"]
+
+
+def test_an_average_lost_on_its_way_costs_the_cluster_one_round_not_two(galaxy):
+    """Cluster 0's reducers never send the last average of round 2 (fault injected: a stream cut short, seen under
+    load), so its round is whole and cluster 1's partial. Cluster 1 retries; once cluster 0's record shows it
+    applied the round, cluster 1 adopts its state (cluster 1's Δ is in it) and both meet round 3 in sync. Before,
+    the retry waited for cluster 0's round 3, was left out of it and re-synced after it."""
+    # H = 40: cluster 0's next round is seconds away, as in real runs, so the retry's membership poll (every 2 s)
+    # comes first; with H = 10 here the retry could meet that next round before its first poll
+    steps = ["--max-steps", "120", "--hv.local-steps", "40", "--hv.averaging-timeout", "30"]
+    fault = {"PYTHONPATH": os.pathsep.join([str(FAULTS / "lose_last_average"), os.environ.get("PYTHONPATH", "")]),
+             "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2"}
+    metrics = [galaxy.start_cluster(0, 2, *steps, nproc=1, env=fault), galaxy.start_cluster(1, 2, *steps, nproc=1)]
+    for rank in (0, 1):
+        assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    rounds = [outer_records(m) for m in metrics]
+    assert sorted(rounds[0]) == sorted(rounds[1]) == [1, 2, 3]
+    whole, partial = rounds[0][2], rounds[1][2]
+    assert whole["galaxy_peers"] == 2 and whole["galaxy_complete"], whole
+    assert partial["resynced"] and not partial["in_sync"] and partial["param_hash"] == whole["param_hash"], partial
+    for step in (1, 3):
+        a, b = rounds[0][step], rounds[1][step]
+        assert a["param_hash"] == b["param_hash"] and a["galaxy_peers"] == b["galaxy_peers"] == 2, (step, a, b)
+        assert a["in_sync"] and b["in_sync"], (step, a, b)
+    assert "applied this round without this cluster while it looked for a group" in galaxy.log("cluster1")
 
 
 def test_galaxy_of_one(galaxy):

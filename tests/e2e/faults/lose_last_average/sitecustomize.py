@@ -1,0 +1,55 @@
+"""Fault injection for the e2e tests, on the PYTHONPATH of one cluster only: in the all-reduce number
+``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF`` (1-based, counted per averager process) this cluster's reducers never
+send the last average of their span, as a stream cut short did under load ("sent 2 parts, but we expected 3"):
+the round is whole here and partial at the other peer. Applied when ``open_diloco.galaxy.allreduce`` is first
+imported (the averager process is forked after that and inherits it); nothing else changes."""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+_TARGET = "open_diloco.galaxy.allreduce"
+
+
+def _lose_last_average(module) -> None:
+    runner = module.CanonicalAllReduce
+    lose_in = int(os.environ["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF"])
+    started = [0]
+    original_init, original_stream = runner.__init__, runner._accumulate_parts_streaming
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        started[0] += 1
+        self.ordinal_for_test = started[0]
+
+    async def _accumulate_parts_streaming(self, stream, sender_index):
+        sent = 0
+        async for message in original_stream(self, stream, sender_index):
+            sent += 1
+            if self.ordinal_for_test == lose_in and sent == self.tensor_part_reducer.num_parts:
+                continue  # the last average never leaves
+            yield message
+
+    runner.__init__ = __init__
+    runner._accumulate_parts_streaming = _accumulate_parts_streaming
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _lose_last_average(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF"):
+    sys.meta_path.insert(0, _PatchOnImport())
