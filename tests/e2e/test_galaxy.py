@@ -49,8 +49,8 @@ def test_an_average_lost_on_its_way_costs_the_cluster_one_round_not_two(galaxy):
     # H = 40: cluster 0's next round is seconds away, as in real runs, so the retry's membership poll (every 2 s)
     # comes first; with H = 10 here the retry could meet that next round before its first poll
     steps = ["--max-steps", "120", "--hv.local-steps", "40", "--hv.averaging-timeout", "30"]
-    fault = {"PYTHONPATH": os.pathsep.join([str(FAULTS / "lose_last_average"), os.environ.get("PYTHONPATH", "")]),
-             "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2"}
+    search_path = [str(FAULTS / "lose_last_average"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    fault = {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2"}
     metrics = [galaxy.start_cluster(0, 2, *steps, nproc=1, env=fault), galaxy.start_cluster(1, 2, *steps, nproc=1)]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
