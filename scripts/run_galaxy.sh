@@ -83,13 +83,29 @@ done
 [ -n "$maddr" ] || { echo "the DHT did not start within 30 s; see $workdir/dht.log" >&2; exit 1; }
 echo "DHT bootstrap peer: $maddr  (logs and metrics in $workdir)"
 
+# the demo's model, batch and flags, each dropped where the trainer flags after `--` set it again (the CLI refuses
+# a flag given twice)
+user=" $* "
+defaults=(--path-model tests/models/llama-2m-fresh --seq-length 128 --per-device-train-batch-size 4 --lr 1e-2
+          --warmup-steps 5)
+[[ "$user" == *" --per-device-train-batch-size "* ]] || defaults+=(--total-batch-size $((4 * ranks)))
+demo_defaults=(--fake-data)
+for ((i = 0; i < ${#defaults[@]}; i += 2)); do
+  [[ "$user" == *" ${defaults[i]} "* ]] || demo_defaults+=("${defaults[i]}" "${defaults[i + 1]}")
+done
+[[ "$user" == *"-torch-compile "* ]] || demo_defaults+=(--no-torch-compile)
+# a per-device batch of the caller's makes the default total (no gradient accumulation) follow it
+per_device=$(sed -n 's/.* --per-device-train-batch-size \([0-9]*\) .*/\1/p' <<<"$user")
+if [ -n "$per_device" ] && [[ "$user" != *" --total-batch-size "* ]]; then
+  demo_defaults+=(--total-batch-size $((per_device * ranks)))
+fi
+
 for rank in $(seq 0 $((clusters - 1))); do
   listen=()  # in the lab, peers listen on their lab address (the default, 0.0.0.0, would announce 127.0.0.1 too)
   [ -n "$wan" ] && listen=(--hv.host-maddrs "/ip4/$(address "cluster$rank")/tcp/0")
   # shellcheck disable=SC2046
   $(place "cluster$rank") "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
-    --path-model tests/models/llama-2m-fresh --fake-data --no-torch-compile --seq-length 128 \
-    --per-device-train-batch-size 4 --total-batch-size $((4 * ranks)) --lr 1e-2 --warmup-steps 5 \
+    "${demo_defaults[@]}" \
     --max-steps "$steps" --log-interval 5 --num-workers 0 \
     --metric-logger-type jsonl --metrics-path "$workdir/cluster$rank.jsonl" --run-name "cluster$rank" \
     --hv.initial-peers "$maddr" --hv.galaxy-size "$clusters" --hv.world-rank "$rank" \

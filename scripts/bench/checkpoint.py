@@ -137,10 +137,12 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=4, help="H: inner steps per round")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip-save-load", action="store_true", help="only the round times")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -34,16 +35,18 @@ sys.path.insert(0, str(REPO))
 
 from scripts.bench.wan import MODELS, watch  # noqa: E402
 from scripts.wan.lab import Lab  # noqa: E402
+from tests.conftest import with_overrides  # noqa: E402
 from tests.e2e.galaxy_harness import Galaxy  # noqa: E402
 
 
 def run_arm(profile: str, model: str, local_steps: int, fragments: int, delay: int, cycles: int,
-            matchmaking: float, workdir: Path) -> dict:
+            matchmaking: float, workdir: Path, extra: list[str]) -> dict:
     steps = local_steps * (cycles + 2)
     flags = ["--path-model", str(MODELS[model]), "--max-steps", str(steps), "--hv.local-steps", str(local_steps),
              "--hv.fragments", str(fragments), "--hv.sync-delay", str(delay),
              "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(matchmaking),
              "--seq-length", "64"]
+    flags = with_overrides(flags, extra)
     with Lab(2, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
@@ -83,6 +86,8 @@ def main() -> None:
     parser.add_argument("--delay", type=int, help="the streaming arm's --hv.sync-delay (default: the largest, H/P)")
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--extra", default="", help="more trainer flags for both arms, e.g. "
+                        "'--hv.compression int8 --precision bf16-mixed' (later flags win)")
     args = parser.parse_args()
     stride = args.local_steps // args.fragments
     arms = [("blocking", 1, 0), ("streaming", args.fragments, stride if args.delay is None else args.delay)]
@@ -92,7 +97,7 @@ def main() -> None:
     for name, fragments, delay in arms:
         with tempfile.TemporaryDirectory(prefix="overlapbench-") as workdir:
             row = run_arm(args.profile, args.model, args.local_steps, fragments, delay, args.cycles,
-                          args.matchmaking_time, Path(workdir))
+                          args.matchmaking_time, Path(workdir), shlex.split(args.extra))
         row["arm"] = name
         row["speedup"] = row["steps_per_s"] / rows[0]["steps_per_s"] if rows else 1.0
         rows.append(row)
