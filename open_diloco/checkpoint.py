@@ -257,6 +257,9 @@ class CheckpointSaver:
             "config": self._config,
         }
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        scores = outer.sparse_scores()
+        if scores is not None:  # per rank like the RNG: blocks are cut from this rank's shard, DCP cannot reshard them
+            torch.save(scores, tmp / f"sparse_scores_rank{rank}.pt")
         started = time.perf_counter()
         staged = _host_copy(state)
         if torch.cuda.is_available():
@@ -409,6 +412,8 @@ def load(
     streaming = {key: _local_pieces(model, state[key]) for key in metadata.get("streaming", ())}
     if streaming:
         outer.restore_streaming(streaming, int(metadata.get("fragments", 1)))
+    scores_file = Path(path) / f"sparse_scores_rank{dist.get_rank()}.pt"
+    outer.restore_sparse_scores(torch.load(scores_file, weights_only=True) if scores_file.is_file() else None)
     return int(metadata["step"])
 
 

@@ -110,13 +110,15 @@ class HvConfig(BaseModel):
     """With a lossy codec (bf16, int*, sparse): add what the encoding dropped to the next round's
     pseudo-gradient (one fp32 copy of the shard per rank, checkpointed)."""
 
-    sparse_density: Annotated[float, Field(gt=0, le=1)] = 0.0625
-    """`sparse`: the share of the values sent each round (of every 4096, this share)."""
+    sparse_density: Annotated[float, Field(gt=0, le=1)] = 0.1
+    """`sparse`: the share of the values sent each round (`magnitude`: of the blocks of 128; `random`, `cyclic`:
+    of every 4096 values)."""
 
-    sparse_rule: Literal["cyclic", "random"] = "random"
-    """`sparse`: which values a round sends, derived from the round id in every cluster alike: `random` draws a
-    fresh set each round (measured better, in every one of 4 seeds: README "Compression"); `cyclic` slides a window
-    so every value goes once every 1/density rounds."""
+    sparse_rule: Literal["magnitude", "random", "cyclic"] = "magnitude"
+    """`sparse`: which values a round sends, the same in every cluster with no indices on the wire. `magnitude`:
+    the blocks of 128 values where the clusters left the most unsent the round before, by a one-byte score per
+    block averaged in the round itself (measured best: README "Compression"); `random`: a fresh set drawn from the
+    round id each round; `cyclic`: a window sliding so every value goes once every 1/density rounds."""
 
     on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
     """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then

@@ -21,6 +21,7 @@ from open_diloco.metrics import build_metrics
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.codecs import codec_label
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
@@ -189,6 +190,7 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             averaging_timeout=hv.averaging_timeout,
             join_timeout=hv.join_timeout,
             compression=hv.compression,
+            sparse_rule=hv.sparse_rule,
             member_expiry=hv.member_expiry,
             schema=schema,
             delta_norm_bound=hv.delta_norm_bound,
@@ -197,8 +199,8 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) 
             allowlist=allowlist,
         )
 
-    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size, "codec": hv.compression,
-              "fragments": hv.fragments}
+    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size,
+              "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule), "fragments": hv.fragments}
     cluster = ClusterComm(world.device)
     if hv.initial_peers or world.world_size == 1:
         averager = start(hv.initial_peers)

@@ -49,30 +49,31 @@ from hivemind.compression import (
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-from open_diloco.outer.codecs import Codec
+from open_diloco.outer.codecs import WireCodecs
 from open_diloco.outer.guard import ClaimCheck
 
 log = logging.getLogger(__name__)
 
 
 class CodecCompression(CompressionBase):
-    """One of our codecs as a hivemind compression: the encoding travels as a uint8 tensor serialized with
-    ``NONE``. ``compress`` is the senders' side (their parts are already on the codec's grid);
-    ``estimate_compression_ratio`` sizes the parts (a power of two: parts start on block boundaries)."""
+    """Our codecs as a hivemind compression: an encoding travels as a uint8 tensor serialized with ``NONE``.
+    ``compress`` is the senders' side (their parts are already on the codec's grid), with the codec of the tensor
+    the part belongs to (``info.key``: the values, or the sparse rule's block scores); ``estimate_compression_ratio``
+    sizes the parts (a power of two: parts start on block boundaries)."""
 
     compression_type = runtime_pb2.CompressionType.NONE
 
-    def __init__(self, codec: Codec):
-        self.codec = codec
+    def __init__(self, codecs: WireCodecs):
+        self.codecs = codecs
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return encoded_message(self.codec.encode(tensor.detach().reshape(-1), on_grid=True))
+        return encoded_message(self.codecs.for_key(info.key).encode(tensor.detach().reshape(-1), on_grid=True))
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return self.codec.decode(NoCompression().extract(serialized_tensor))
+        return self.codecs.decode(NoCompression().extract(serialized_tensor))
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.codec.wire_ratio
+        return self.codecs.for_key(info.key).wire_ratio
 
 
 def encoded_message(blob: torch.Tensor) -> runtime_pb2.Tensor:
@@ -87,33 +88,40 @@ class CanonicalAllReduce(AllReduceRunner):
         self.claims = claims
         """The senders' claimed ‖Δ‖ and the bound they are held to; ``None``: only finiteness is checked."""
         self.tensor_part_container = InPlaceParts.like(self.tensor_part_container)
-        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(
-            self.ordered_peer_ids.index(self.peer_id)
-        )
+        own_index = self.ordered_peer_ids.index(self.peer_id)
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
+        self.tensor_part_container.own_span_parts = list(self.tensor_part_container._input_parts_by_peer[own_index])
         compression = self.tensor_part_container.compression
         self.result_compression = compression.compression_type
-        self.codec: Codec | None = compression.codec if isinstance(compression, CodecCompression) else None
-        self.tensor_part_container.codec = self.codec
+        self.codecs: WireCodecs | None = compression.codecs if isinstance(compression, CodecCompression) else None
+        self.tensor_part_container.codecs = self.codecs
         self.bytes_sent = self.bytes_received = 0
         self.rejected_senders: set = set()
         """Senders left out of the spans we reduce (and named in the report): see the module docstring."""
         self._serving, self._served = 0, asyncio.Event()
 
-    def _serialize_result(self, averaged_part: torch.Tensor):
-        if self.codec is not None:  # the average is encoded once, here; everyone decodes these bytes
-            return encoded_message(self.codec.encode(averaged_part))
+    def _codec_of_part(self, part_index: int):
+        """The codec of part ``part_index`` of the span we reduce: that of the tensor it was cut from (every peer
+        cuts the same tensors into the same parts)."""
+        _part, info = self.tensor_part_container.own_span_parts[part_index]
+        return self.codecs.for_key(info.key)
+
+    def _serialize_result(self, averaged_part: torch.Tensor, part_index: int):
+        if self.codecs is not None:  # the average is encoded once, here; everyone decodes these bytes
+            return encoded_message(self._codec_of_part(part_index).encode(averaged_part))
         return serialize_torch_tensor(averaged_part, self.result_compression)
 
     def _deserialize_part(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
         """A sender's part as fp32 values (our codecs: decoded)."""
         part = deserialize_torch_tensor(serialized)
-        return self.codec.decode(part) if self.codec is not None else part
+        return self.codecs.decode(part) if self.codecs is not None else part
 
-    def _as_sent(self, part: torch.Tensor) -> torch.Tensor:
+    def _as_sent(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
         """Our own part as the reducer would see it had it come over the wire."""
-        if self.codec is None:
+        if self.codecs is None:
             return part
-        return self.codec.decode(self.codec.encode(part.reshape(-1), on_grid=True)).view_as(part)
+        codec = self._codec_of_part(part_index)
+        return codec.decode(codec.encode(part.reshape(-1), on_grid=True)).view_as(part)
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
@@ -131,16 +139,17 @@ class CanonicalAllReduce(AllReduceRunner):
             weight = 0.0
             self.rejected_senders.add(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            own = self._as_sent(tensor_part)
+            own = self._as_sent(tensor_part, part_index)
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, own if scale == 1.0 else own * scale, weight=weight
             )
-            if self.codec is not None:
-                canonical = self.codec.decode(self.codec.encode(averaged))  # what the others decode
+            if self.codecs is not None:
+                codec = self._codec_of_part(part_index)
+                canonical = codec.decode(codec.encode(averaged))  # what the others decode
             elif self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
                 canonical = averaged  # fp32 on the wire is exact: the others got these very bytes
             else:
-                canonical = deserialize_torch_tensor(self._serialize_result(averaged))  # what the others got
+                canonical = deserialize_torch_tensor(self._serialize_result(averaged, part_index))  # what the others got
             self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -170,10 +179,10 @@ class CanonicalAllReduce(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part if scale == 1.0 else tensor_part * scale, weight=weight
                     )
-                    part_index += 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, self._serialize_result, averaged)
+                serialized = await loop.run_in_executor(None, self._serialize_result, averaged, part_index)
+                part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -242,12 +251,14 @@ class InPlaceParts(TensorPartContainer):
             prefetch=other.prefetch,
         )
 
-    codec: Codec | None = None
+    codecs: WireCodecs | None = None
     """Set by the runner for our codecs: averages then arrive as encodings, decoded here before the copy."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._slices = [[part for part, _info in parts] for parts in self._input_parts_by_peer]
+        self.own_span_parts: list = []
+        """(part, info) of the span this peer reduces, set by the runner: which tensor each part belongs to."""
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if self.finished.is_set():  # a straggler after the round was torn down: the buffer is not ours now
@@ -258,8 +269,8 @@ class InPlaceParts(TensorPartContainer):
                 f"(expected {self._outputs_registered_by_peer[peer_index]})"
             )
         target = self._slices[peer_index][part_index]
-        if self.codec is not None and part.dtype == torch.uint8:
-            part = self.codec.decode(part)
+        if self.codecs is not None and part.dtype == torch.uint8:
+            part = self.codecs.decode(part)
         if part is not target:
             target.copy_(part.reshape(target.shape))
         self._outputs_registered_by_peer[peer_index] += 1

@@ -44,7 +44,7 @@ from open_diloco.galaxy.status import (
     silent,
     status_key,
 )
-from open_diloco.outer.codecs import wire_codec
+from open_diloco.outer.codecs import score_values, wire_codecs
 from open_diloco.outer.guard import ClaimCheck, valid_claim, wire_norm
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
@@ -62,11 +62,15 @@ MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whe
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
 FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
-COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
-    "none": NoCompression,
-    "fp16": Float16Compression,
-    **{name: (lambda name=name: CodecCompression(wire_codec(name))) for name in ("bf16", "int8", "int4", "int2", "sparse")},
+COMPRESSIONS: dict[str, Callable[..., CompressionBase]] = {
+    "none": lambda sparse_rule="random": NoCompression(),
+    "fp16": lambda sparse_rule="random": Float16Compression(),
+    **{
+        name: (lambda name=name, sparse_rule="random": CodecCompression(wire_codecs(name, sparse_rule)))
+        for name in ("bf16", "int8", "int4", "int2", "sparse")
+    },
 }
+"""Each ``--hv.compression`` as a hivemind compression; ours take the sparse rule (``magnitude`` adds scores)."""
 
 
 class CanonicalAverager(DecentralizedAverager):
@@ -290,9 +294,13 @@ class HivemindAverager:
 
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
                  averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
-                 allowlist: Allowlist | None = None, compression: str = "none",
-                 initial_peers: Sequence[str] = (), shard_index: int = 0):
+                 allowlist: Allowlist | None = None, compression: str = "none", sparse_rule: str = "random",
+                 initial_peers: Sequence[str] = (), shard_index: int = 0, wire_buffer: torch.Tensor | None = None):
         self.dht, self.averager = dht, averager
+        self.wire_buffer = averager._averaged_tensors[0] if wire_buffer is None else wire_buffer
+        """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``) the
+        block scores; hivemind's tensors are views of it."""
+        self.sparse_rule = sparse_rule
         self.shard_index = shard_index
         """Which shard of the cluster this averager serves: it averages with the same shard of every other cluster."""
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
@@ -324,7 +332,7 @@ class HivemindAverager:
         if not lock.acquire(timeout=self.averaging_timeout + _GRACE):
             raise RoundFailed("the averager is still busy with a previous round")
         try:
-            yield self.averager._averaged_tensors[0]
+            yield self.wire_buffer
         finally:
             lock.release()
 
@@ -385,13 +393,22 @@ class HivemindAverager:
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
         with self.buffer() as shared:
             shared.copy_(values.view(-1))
-        codec = wire_codec(self.compression)
-        on_wire = values.reshape(-1) if codec is None else codec.decode(codec.encode(values.reshape(-1), on_grid=True))
+        codecs = wire_codecs(self.compression, self.sparse_rule)
+        on_wire = values.reshape(-1)
+        if codecs is not None:  # what the parts will decode to, tensor by tensor (values, then any block scores)
+            pieces = []
+            for key, tensor in enumerate(values.reshape(-1).split(self._tensor_sizes())):
+                codec = codecs.for_key(key)
+                pieces.append(codec.decode(codec.encode(tensor, on_grid=True)))
+            on_wire = torch.cat(pieces)
         fingerprint = {"delta_norm": wire_norm(on_wire), **fingerprint}  # the claim: what the parts will carry
         report = self.start_round(round_id, fingerprint).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
         return report
+
+    def _tensor_sizes(self) -> list[int]:
+        return [tensor.numel() for tensor in self.averager._averaged_tensors]
 
     def serve_state(self, get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]) -> None:
         """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on demand)."""
@@ -467,6 +484,7 @@ def start_shard_averager(
     join_timeout: float,
     compression: str,
     member_expiry: float,
+    sparse_rule: str = "random",
     schema: dict[str, Any] | None = None,
     delta_norm_bound: float = 10.0,
     robust_mean: bool = False,
@@ -475,7 +493,10 @@ def start_shard_averager(
 ) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
 
-    ``numel`` is the shard's flat buffer size: hivemind matches only peers with the same tensor schema.
+    ``numel`` is the size of the values a round averages (the shard, or a fragment of it): hivemind matches only
+    peers with the same tensor schema. With ``--hv.compression sparse`` and the ``magnitude`` rule
+    (``sparse_rule``), a second tensor carries the block scores; both are views of one flat buffer
+    (:meth:`HivemindAverager.buffer`), values first.
     ``schema``: what the cluster must share with the others (``galaxy.status.SCHEMA_KEYS``), checked against the
     other clusters' records at every round (default: the shard's size and the codec, for peers that are not
     a trainer's).
@@ -492,8 +513,10 @@ def start_shard_averager(
             f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time ({matchmaking_time}s)"
         )
     dht = start_dht(initial_peers, host_maddrs, announce_maddrs, join_timeout, identity_path=identity_path)
+    scores = score_values(numel, compression, sparse_rule)
+    wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()  # before the views: one segment
     averager = CanonicalAverager(
-        [torch.zeros(numel, dtype=torch.float32)],
+        [wire_buffer[:numel], wire_buffer[numel:]] if scores else [wire_buffer],
         dht,
         start=False,
         prefix=f"{run_id}/shard{shard_index}",
@@ -503,7 +526,7 @@ def start_shard_averager(
         request_timeout=min(3.0, matchmaking_time / 2),
         allreduce_timeout=averaging_timeout,
         next_chunk_timeout=max(1.0, min(averaging_timeout / 4, 30.0)),
-        compression=COMPRESSIONS[compression](),
+        compression=COMPRESSIONS[compression](sparse_rule=sparse_rule),
         client_mode=False,
         allow_state_sharing=False,
         shutdown_timeout=SHUTDOWN_SECONDS,
@@ -527,8 +550,10 @@ def start_shard_averager(
         schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression, "fragments": 1},
         allowlist=allowlist,
         compression=compression,
+        sparse_rule=sparse_rule,
         initial_peers=initial_peers,
         shard_index=shard_index,
+        wire_buffer=wire_buffer,
     )
 
 

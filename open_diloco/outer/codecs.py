@@ -196,6 +196,67 @@ class BlockIntCodec(Codec):
         return out
 
 
+class ScoreCodec(Codec):
+    """Non-negative scores as powers of two, one byte each: a value's fp32 exponent byte (sign and mantissa
+    dropped, so a value is truncated to the power of two at or below it; below fp32's normal range it is 0).
+    The sparse ``magnitude`` rule's block scores travel this way: 8 bits per block of 128 values, 1/16 bit per
+    value, and an average of them encodes once, like any other average, so every cluster ranks the same codes."""
+
+    name, block, wire_ratio = "score", 1, 0.25
+    _TAG = 0x5C0
+
+    @staticmethod
+    def exponents(values: torch.Tensor) -> torch.Tensor:
+        """The exponent byte of every value (int32), refusing NaN/Inf."""
+        _check_finite(bool(torch.isfinite(values).all()), "a sparse block score")
+        return (values.reshape(-1).view(torch.int32) >> 23) & 255
+
+    def encode(self, values: torch.Tensor, on_grid: bool = False) -> torch.Tensor:
+        codes = self.exponents(values.contiguous()).to(torch.uint8)
+        return torch.cat([_header(self._TAG, values.numel(), values.numel()), codes])
+
+    def decode(self, blob: torch.Tensor) -> torch.Tensor:
+        numel, _ = _read_header(blob, self._TAG, self.name)
+        codes = blob[_HEADER_BYTES:]
+        if codes.numel() != numel:
+            raise ValueError(f"score encoding of {numel} values has {codes.numel()} payload bytes")
+        return (codes.to(torch.int32) << 23).view(torch.float32)
+
+    def round_trip_(self, values: torch.Tensor) -> None:
+        flat = values.view(-1)
+        flat.copy_((self.exponents(flat) << 23).view(torch.float32))
+
+
+class WireCodecs:
+    """The codec of each tensor of a round's buffer, by its index in the averager's tensor list (hivemind's
+    ``CompressionInfo.key``): the pseudo-gradient's values (0) and, with the sparse ``magnitude`` rule, the
+    block scores (1). An encoding names its codec in its header, so decoding needs no index."""
+
+    def __init__(self, values: Codec, scores: Codec | None = None):
+        self.codecs = (values,) if scores is None else (values, scores)
+        self._by_tag = {codec_tag(codec): codec for codec in self.codecs}
+
+    @property
+    def values(self) -> Codec:
+        return self.codecs[0]
+
+    def for_key(self, key) -> Codec:
+        return self.codecs[key if isinstance(key, int) and 0 <= key < len(self.codecs) else 0]
+
+    def decode(self, blob: torch.Tensor) -> torch.Tensor:
+        if blob.dtype != torch.uint8 or blob.numel() < _HEADER_BYTES:
+            raise ValueError(f"not an encoding: {blob.numel()} {blob.dtype} values")
+        tag = int(blob[:4].clone().view(torch.int32))
+        if tag not in self._by_tag:
+            raise ValueError(f"an encoding of an unknown codec (tag {tag:#x}); expected {sorted(self._by_tag)}")
+        return self._by_tag[tag].decode(blob)
+
+
+def codec_tag(codec: Codec) -> int:
+    """The tag ``codec`` writes in its encodings' headers."""
+    return int(codec.encode(torch.zeros(codec.block))[:4].view(torch.int32))
+
+
 # Block sizes and the int2 clip chosen by measurement (README, "Compression"): error vs bytes on real Δ.
 CODECS = {
     "bf16": lambda: Bf16Codec(),
@@ -207,20 +268,60 @@ SPARSE_VALUES = "int2"
 """The codec of the sparse selection's values."""
 
 
+class Selection:
+    """The values one sparse round sends: their places in the region (``index``, in the order they are packed on
+    the wire) and, for the ``magnitude`` rule, the blocks they fill (``blocks``, ascending)."""
+
+    def __init__(self, index: torch.Tensor, blocks: torch.Tensor | None = None):
+        self.index, self.blocks = index, blocks
+
+    @property
+    def numel(self) -> int:
+        return self.index.numel()
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """The selected values of ``flat``, packed (a copy)."""
+        return flat[self.index]
+
+    def scatter_(self, flat: torch.Tensor, compact: torch.Tensor) -> None:
+        """Write ``compact`` (a :meth:`gather` output) back to the selected places of ``flat``."""
+        flat[self.index] = compact
+
+
+SCORE_BLOCK = 128
+"""Values per block of the ``magnitude`` rule: one score byte each (1/16 bit per value on the wire)."""
+
+
 @dataclass(frozen=True)
 class SparseSelection:
-    """The same ``density`` share of every ``chunk`` values in every cluster, derived from the round id alone
-    (no indices on the wire). ``rule``: ``cyclic`` slides a window of ``k`` columns by ``k`` each round, so every
-    value is sent once every ``chunk/k`` rounds; ``random`` draws ``k`` columns from a generator seeded by the
-    round id. Every chunk uses the same columns, so gathering is one vectorised index."""
+    """The same ``density`` share of the values in every cluster, with no indices on the wire. Rules:
+
+    - ``magnitude``: whole blocks of :data:`SCORE_BLOCK` values, those with the largest score, where a block's
+      score is the galaxy's mean, over clusters, of the mean square of what each left unsent in it the round
+      before (all of it in a block not sent; what the 2-bit encoding dropped in one sent), a power of two. The
+      scores are averaged in the round itself (a second tensor of the canonical all-reduce, one byte per block),
+      so every cluster holds the same ones; ties (every block at the first round) go by a permutation seeded by
+      the round id. A block not sent keeps its progress in the model, so its score grows until it is sent.
+    - ``random``: ``k`` of every ``chunk`` columns, drawn from a generator seeded by the round id;
+    - ``cyclic``: a window of ``k`` columns sliding by ``k`` each round (every value once every ``chunk/k``
+      rounds). For these two every chunk uses the same columns."""
 
     density: float
-    rule: str = "cyclic"
+    rule: str = "magnitude"
     chunk: int = 4096
+
+    @property
+    def scored(self) -> bool:
+        """Whether the selection needs the galaxy's block scores (the ``magnitude`` rule)."""
+        return self.rule == "magnitude"
 
     @property
     def per_chunk(self) -> int:
         return max(1, round(self.density * self.chunk))
+
+    def score_blocks(self, numel: int) -> int:
+        """How many scores a region of ``numel`` values has (0 for the unscored rules)."""
+        return -(-numel // SCORE_BLOCK) if self.scored else 0
 
     def columns(self, round_id: int) -> torch.Tensor:
         k = self.per_chunk
@@ -231,27 +332,52 @@ class SparseSelection:
             return torch.randperm(self.chunk, generator=generator)[:k].sort().values
         raise ValueError(f"unknown sparse rule {self.rule!r}")
 
-    def _split(self, flat: torch.Tensor, round_id: int):
-        full = flat.numel() // self.chunk * self.chunk
+    def select(self, numel: int, round_id: int, scores: torch.Tensor | None = None) -> Selection:
+        """What round ``round_id`` sends of a region of ``numel`` values; ``scores``: the region's block scores
+        (``magnitude``; zeros before the first round)."""
+        if self.scored:
+            return self._top_blocks(numel, round_id, scores)
         columns = self.columns(round_id)
-        return flat[:full].view(-1, self.chunk), flat[full:], columns, columns[columns < flat.numel() - full]
+        rows = numel // self.chunk
+        body = (torch.arange(rows)[:, None] * self.chunk + columns).reshape(-1)
+        tail = rows * self.chunk + columns[columns < numel - rows * self.chunk]
+        return Selection(torch.cat([body, tail]))
 
-    def compact_numel(self, numel: int, round_id: int) -> int:
-        """How many values :meth:`gather` returns from a buffer of ``numel``."""
-        tail = numel % self.chunk
-        return numel // self.chunk * self.per_chunk + int((self.columns(round_id) < tail).sum())
+    def _top_blocks(self, numel: int, round_id: int, scores: torch.Tensor | None) -> Selection:
+        blocks = self.score_blocks(numel)
+        codes = torch.zeros(blocks, dtype=torch.int64)
+        if scores is not None:
+            codes = ScoreCodec.exponents(scores[:blocks]).long()
+        generator = torch.Generator().manual_seed(0x5C0BE + round_id)
+        keys = codes * blocks + torch.randperm(blocks, generator=generator)  # distinct: a total order, no ties
+        k = min(blocks, max(1, round(self.density * blocks)))
+        chosen = keys.topk(k).indices.sort().values
+        index = (chosen[:, None] * SCORE_BLOCK + torch.arange(SCORE_BLOCK)).reshape(-1)
+        return Selection(index[index < numel], chosen)
 
-    def gather(self, flat: torch.Tensor, round_id: int) -> torch.Tensor:
-        """The selected values of ``flat``, chunk by chunk (a copy)."""
-        main, tail, columns, tail_columns = self._split(flat, round_id)
-        return torch.cat([main[:, columns].reshape(-1), tail[tail_columns]])
+    def unsent_scores(self, dense: torch.Tensor, selection: Selection, dropped: torch.Tensor) -> torch.Tensor:
+        """This cluster's score of every block of the region (``magnitude``): the mean square of what it leaves
+        unsent there, ``dense`` in the blocks not sent and ``dropped`` (what the encoding dropped, packed like the
+        selection) in those sent, as powers of two (:class:`ScoreCodec`)."""
+        scores = _block_mean_squares(dense)
+        scores[selection.blocks] = _block_mean_squares(dropped)
+        ScoreCodec().round_trip_(scores)
+        return scores
 
-    def scatter_(self, flat: torch.Tensor, compact: torch.Tensor, round_id: int) -> None:
-        """Write ``compact`` (a :meth:`gather` output) back to the selected places of ``flat``."""
-        main, tail, columns, tail_columns = self._split(flat, round_id)
-        body = main.shape[0] * columns.numel()
-        main[:, columns] = compact[:body].view(main.shape[0], columns.numel())
-        tail[tail_columns] = compact[body:]
+
+def _block_mean_squares(values: torch.Tensor) -> torch.Tensor:
+    """The mean square of every :data:`SCORE_BLOCK` values of ``values`` (the last block: of the values it has),
+    a chunk at a time (no full-size temporary)."""
+    numel = values.numel()
+    full = numel // SCORE_BLOCK * SCORE_BLOCK
+    sums = [piece.view(-1, SCORE_BLOCK).square().sum(1) for piece in values[:full].split(_CHUNK)]
+    if full < numel:
+        sums.append(values[full:].square().sum().view(1))
+    out = torch.cat(sums) if sums else values.new_zeros(0)
+    out[: full // SCORE_BLOCK].div_(SCORE_BLOCK)
+    if full < numel:
+        out[-1] /= numel - full
+    return out
 
 
 class PseudoGradCompressor:
@@ -266,18 +392,25 @@ class PseudoGradCompressor:
     def __init__(self, codec: Codec, sparse: SparseSelection | None = None):
         self.codec, self.sparse = codec, sparse
 
-    def to_wire_(self, flat: torch.Tensor, error: torch.Tensor | None, round_id: int) -> None:
+    def to_wire_(self, flat: torch.Tensor, error: torch.Tensor | None, selection: Selection | None = None,
+                 scores: torch.Tensor | None = None) -> None:
         """Δ in ``flat`` → what this cluster sends (in place). ``error`` is read, not changed: a retried round
-        sends the same again."""
+        sends the same again. Sparse: ``selection`` says what is sent; with the ``magnitude`` rule this cluster's
+        block scores go into ``scores`` (the buffer's second tensor)."""
         if error is not None:
             flat.add_(error)
         if self.sparse is None:
             self.codec.round_trip_(flat)
             return
-        compact = self.sparse.gather(flat, round_id)
-        self.codec.round_trip_(compact)
+        compact = selection.gather(flat)
+        sent = compact.clone()
+        self.codec.round_trip_(sent)
+        if scores is not None:
+            own = self.sparse.unsent_scores(flat, selection, compact.sub_(sent))
+            scores.zero_()
+            scores[: own.numel()] = own
         flat.zero_()
-        flat[: compact.numel()] = compact
+        flat[: sent.numel()] = sent
 
     def residual_(self, error: torch.Tensor) -> None:
         """``error`` holds Δ_fb = Δ + e on entry; leaves Δ_fb − Q(Δ_fb), the same rounding :meth:`to_wire_` did
@@ -287,13 +420,13 @@ class PseudoGradCompressor:
             self.codec.round_trip_(sent)
             piece.sub_(sent)
 
-    def from_wire_(self, flat: torch.Tensor, round_id: int) -> None:
+    def from_wire_(self, flat: torch.Tensor, selection: Selection | None = None) -> None:
         """The round's result in ``flat`` → a dense averaged Δ (sparse: the packed values back to their places)."""
         if self.sparse is None:
             return
-        compact = flat[: self.sparse.compact_numel(flat.numel(), round_id)].clone()
+        compact = flat[: selection.numel].clone()
         flat.zero_()
-        self.sparse.scatter_(flat, compact, round_id)
+        selection.scatter_(flat, compact)
 
 
 def build_compressor(compression: str, sparse_density: float, sparse_rule: str) -> PseudoGradCompressor | None:
@@ -305,9 +438,21 @@ def build_compressor(compression: str, sparse_density: float, sparse_rule: str) 
     return None
 
 
-def wire_codec(compression: str) -> Codec | None:
-    """The galaxy's side of ``--hv.compression``: the codec the all-reduce encodes parts with (``None``: hivemind's
-    own serialization)."""
+def wire_codecs(compression: str, sparse_rule: str = "random") -> WireCodecs | None:
+    """The galaxy's side of ``--hv.compression``: the codecs the all-reduce encodes its tensors' parts with
+    (``None``: hivemind's own serialization)."""
     if compression == "sparse":
-        return CODECS[SPARSE_VALUES]()
-    return CODECS[compression]() if compression in CODECS else None
+        scores = ScoreCodec() if SparseSelection(1.0, sparse_rule).scored else None
+        return WireCodecs(CODECS[SPARSE_VALUES](), scores)
+    return WireCodecs(CODECS[compression]()) if compression in CODECS else None
+
+
+def score_values(numel: int, compression: str, sparse_rule: str) -> int:
+    """How many block scores ride a round of ``numel`` values beside them (the averager's second tensor; 0: none)."""
+    return SparseSelection(1.0, sparse_rule).score_blocks(numel) if compression == "sparse" else 0
+
+
+def codec_label(compression: str, sparse_density: float, sparse_rule: str) -> str:
+    """``--hv.compression`` with what else every cluster must share to average (the membership schema's
+    ``codec``): a sparse round's density and rule decide which values it packs."""
+    return f"sparse {sparse_rule} {sparse_density:g}" if compression == "sparse" else compression

@@ -217,6 +217,15 @@ class DiLoCo:
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
         self.state.restore_error_feedback(pieces)
 
+    def sparse_scores(self) -> torch.Tensor | None:
+        return None if self.state.sparse_scores is None else self.state.sparse_scores.clone()
+
+    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
+        if not self.state.restore_sparse_scores(scores):
+            self.warn("the checkpoint holds no sparse block scores for this rank's shard (saved with another number "
+                      "of ranks, or another --hv.compression): they start from zero, so each fragment's next round "
+                      "picks its blocks at random, as a first round does")
+
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
         """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests, benches)."""

@@ -155,6 +155,14 @@ class OuterLoop(Protocol):
         """Take the error feedback a checkpoint held."""
         ...
 
+    def sparse_scores(self) -> torch.Tensor | None:
+        """This rank's sparse block scores (``--hv.sparse-rule magnitude``), for checkpoints; ``None``: none kept."""
+        ...
+
+    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
+        """Take the block scores a checkpoint held (``None``: it held none)."""
+        ...
+
     def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
         """What a checkpoint must add when the model is not θ_outer at a save (fragments or a sync delay), shaped
         like this rank's parameter shards: ``outer_params`` (θ_outer) and, with a round in flight, ``sync_start``
@@ -230,6 +238,12 @@ class NullOuterLoop:
         return None
 
     def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
+        pass
+
+    def sparse_scores(self) -> torch.Tensor | None:
+        return None
+
+    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
         pass
 
     def report(self, record: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from open_diloco.outer.codecs import PseudoGradCompressor
+from open_diloco.outer.codecs import PseudoGradCompressor, Selection
 from open_diloco.outer.streaming import fragment_length
 
 
@@ -45,11 +45,15 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return shards
 
 
-def fingerprint_bytes(buffer: torch.Tensor) -> str:
-    """A short hash of a tensor's exact bytes: two clusters agree on it iff their tensors are bitwise equal."""
+def fingerprint_bytes(*buffers: torch.Tensor) -> str:
+    """A short hash of tensors' exact bytes, in order: two clusters agree on it iff their tensors are bitwise
+    equal (one tensor: the same digest as hashing its bytes at once)."""
     import xxhash
 
-    return xxhash.xxh3_128(buffer.detach().contiguous().view(torch.uint8).numpy()).hexdigest()[:16]
+    digest = xxhash.xxh3_128()
+    for buffer in buffers:
+        digest.update(buffer.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
 
 
 def combine_hashes(hashes: list[str]) -> str:
@@ -165,14 +169,23 @@ class OuterState:
         )
         """Error feedback: what the encodings dropped so far, added to the next Δ (``None``: off)."""
         self.error_feedback = error_feedback
-        self._sparse_landing: tuple[int, torch.Tensor | None] | None = None
-        """Between :meth:`apply` and :meth:`land` of a sparse round: its round id and, with error feedback, what
-        the encoding dropped of the values it sent (compact), which stays in the model."""
+        self._sparse_landing: tuple[Selection, torch.Tensor | None] | None = None
+        """Between :meth:`apply` and :meth:`land` of a sparse round: what it sent and, with error feedback, what
+        the encoding dropped of it (compact), which stays in the model."""
         self.fragment = 0
         """The fragment the current (or next) round averages."""
         self.local_at_start: torch.Tensor | None = None
         """θ_local of ``fragment`` when its round started, fp32, while that round is in flight with a sync delay
         (``None``: the model still holds it)."""
+        sparse = compressor.sparse if compressor is not None else None
+        self.score_numel = sparse.score_blocks(self.wire_numel) if sparse is not None else 0
+        """Block scores a round carries after the values (sparse ``magnitude`` rule; 0: none)."""
+        self.sparse_scores: torch.Tensor | None = (
+            torch.zeros(fragments, self.score_numel) if self.score_numel else None
+        )
+        """The galaxy's block scores of each fragment from its last round, which pick what its next round sends:
+        shared state, identical in every cluster like θ_outer (averaged in the round itself, part of
+        :meth:`hash`, of snapshots and of checkpoints)."""
         self.gather_local_into(self.params)
 
     @property
@@ -183,6 +196,11 @@ class OuterState:
     def wire_numel(self) -> int:
         """Values one round carries: a fragment's length (the whole shard when P = 1)."""
         return fragment_length(self.numel, self.fragments)
+
+    @property
+    def wire_buffer_numel(self) -> int:
+        """The averager's buffer: a round's values, then its block scores (if any)."""
+        return self.wire_numel + self.score_numel
 
     def region(self, fragment: int | None = None) -> slice:
         """Where ``fragment`` (default: the current one) lies in the flat shard."""
@@ -250,14 +268,21 @@ class OuterState:
                 piece.copy_(mixed, non_blocking=True)
         self.local_at_start = None
 
-    def _sparse_residual(self, round_id: int) -> torch.Tensor:
+    def _selection(self) -> Selection:
+        """What the current round of a sparse run sends: a function of the round id and (``magnitude``) of the
+        fragment's block scores, both the same in every cluster and unchanged from the round's start to its
+        landing."""
+        region = self.region()
+        scores = None if self.sparse_scores is None else self.sparse_scores[self.fragment]
+        return self.compressor.sparse.select(region.stop - region.start, self.codec_round(), scores)
+
+    def _sparse_residual(self, selection: Selection) -> torch.Tensor:
         """What the encoding drops of the values a sparse round sends, r = Δ_sel − Q(Δ_sel), compact: recomputed
         from θ_outer and θ_local, unchanged since the round started (the very bits :meth:`pseudo_grad_into` and
         the codec gave the wire)."""
-        sparse = self.compressor.sparse
         local = torch.empty_like(self.params)
         self.gather_local_into(local)
-        delta = sparse.gather(torch.sub(self.params, local, out=local), round_id)
+        delta = selection.gather(torch.sub(self.params, local, out=local))
         sent = delta.clone()
         self.compressor.codec.round_trip_(sent)
         return delta.sub_(sent)
@@ -268,14 +293,14 @@ class OuterState:
         its local progress, to be sent in a later round. Resetting those too would make every cluster re-learn
         them each round while an error-feedback buffer counted them again: measured, that made the selection's
         period a stale step of that many rounds and diverged (README "Compression")."""
-        round_id, residual = self._sparse_landing
+        selection, residual = self._sparse_landing
         self._sparse_landing = None
         local = torch.empty_like(self.params)
         self.gather_local_into(local)
-        synced = self.compressor.sparse.gather(self.params, round_id)
+        synced = selection.gather(self.params)
         if residual is not None:
             synced.sub_(residual)
-        self.compressor.sparse.scatter_(local, synced, round_id)
+        selection.scatter_(local, synced)
         for piece, shard in zip(local.split(self.numels), self._shards, strict=True):
             shard.copy_(piece.view_as(shard), non_blocking=True)
 
@@ -302,12 +327,15 @@ class OuterState:
         return total
 
     def pseudo_grad_for_wire_into(self, flat: torch.Tensor) -> float:
-        """What this cluster sends this round, in ``flat``: Δ, or with a codec Q(Δ + e) in its wire layout; returns
-        ‖Δ‖² (before the error feedback)."""
+        """What this cluster sends this round, in ``flat`` (:attr:`wire_buffer_numel` values): Δ, or with a codec
+        Q(Δ + e) in its wire layout, then (sparse ``magnitude``) this cluster's block scores; returns ‖Δ‖² (before
+        the error feedback)."""
         total = self.pseudo_grad_into(flat)
         if self.compressor is not None and math.isfinite(total):  # a non-finite Δ is never encoded nor sent
             region = self.region()
-            self.compressor.to_wire_(flat[: region.stop - region.start], self._error(region), self.codec_round())
+            selection = self._selection() if self.keeps_unsent else None
+            scores = flat[self.wire_numel :] if self.score_numel else None
+            self.compressor.to_wire_(flat[: region.stop - region.start], self._error(region), selection, scores)
         return total
 
     def _error(self, region: slice) -> torch.Tensor | None:
@@ -335,14 +363,17 @@ class OuterState:
         with self.lock:
             region = self.region()
             averaged = averaged_pseudo_grad[: region.stop - region.start]
+            selection = None
             if self.keeps_unsent:
-                round_id = self.codec_round()
-                residual = self._sparse_residual(round_id) if self.error_feedback else None
-                self._sparse_landing = (round_id, residual)
+                selection = self._selection()
+                residual = self._sparse_residual(selection) if self.error_feedback else None
+                self._sparse_landing = (selection, residual)
             if self.compressor is not None:
                 if self.error is not None:
                     self._commit_error_feedback()
-                self.compressor.from_wire_(averaged, self.codec_round())
+                self.compressor.from_wire_(averaged, selection)
+            if self.sparse_scores is not None:  # the galaxy's scores pick what this fragment's next round sends
+                self.sparse_scores[self.fragment].copy_(averaged_pseudo_grad[self.wire_numel : self.wire_buffer_numel])
             lr, momentum = self.hparams(self.outer_step // self.fragments + 1)
             if self.momentum_buffer is None and momentum and self.fragments > 1:
                 # fragments start their momentum at different rounds: one zeroed buffer, each slice fed from 0
@@ -382,19 +413,23 @@ class OuterState:
         return fingerprint_bytes(self.params[self.region(fragment)])
 
     def hash(self) -> str:
-        """:func:`fingerprint_bytes` of θ_outer."""
+        """:func:`fingerprint_bytes` of θ_outer (and the sparse block scores, which every cluster must share too)."""
         if self._hash is None:
-            self._hash = fingerprint_bytes(self.params)
+            shared = (self.params,) if self.sparse_scores is None else (self.params, self.sparse_scores)
+            self._hash = fingerprint_bytes(*shared)
         return self._hash
 
     # -- sharing and checkpoints ----------------------------------------------------------------------------
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a late joiner downloads: θ_outer, the outer momentum (if any) and the round counter."""
+        """What a late joiner downloads: θ_outer, the outer momentum (if any), the sparse block scores (if any,
+        last) and the round counter."""
         with self.lock:
             tensors = [self.params.clone()]
             if self.momentum_buffer is not None:
                 tensors.append(self.momentum_buffer.clone())
-            return {"outer_step": self.outer_step}, tensors
+            if self.sparse_scores is not None:
+                tensors.append(self.sparse_scores.clone())
+            return {"outer_step": self.outer_step, "sparse_scores": self.sparse_scores is not None}, tensors
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """Take a peer's outer state and push θ_outer into the model."""
@@ -405,10 +440,17 @@ class OuterState:
                 f"the galaxy's shard has {tensors[0].numel()} values but this cluster's has {self.numel}: "
                 "clusters must train the same model config with the same number of ranks"
             )
+        tensors = list(tensors)
+        scores = tensors.pop() if metadata.get("sparse_scores") else None
         with torch.no_grad(), self.lock:
             self.params.copy_(tensors[0])
             self._hash = self._sq_norm = None
             self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
+            if self.sparse_scores is not None:  # the same --hv.compression everywhere (the schema): they match
+                if scores is None:
+                    self.sparse_scores.zero_()
+                else:
+                    self.sparse_scores.copy_(scores.view_as(self.sparse_scores))
             self.outer_step = int(metadata["outer_step"])
             self.local_at_start = None  # a round in flight, if any, belonged to the trajectory we just left
             if self.error is not None:
@@ -427,6 +469,18 @@ class OuterState:
             return
         with torch.no_grad(), self.lock:
             self.error.copy_(_flat_fp32(pieces))
+
+    def restore_sparse_scores(self, scores: torch.Tensor | None) -> bool:
+        """Take the block scores a checkpoint held; ``False`` (scores zeroed: the next round of each fragment picks
+        at random, as the first did) when it held none of this shape, e.g. saved with another number of ranks,
+        whose shards are cut elsewhere. A no-op returning ``True`` when this run keeps none."""
+        if self.sparse_scores is None:
+            return True
+        with torch.no_grad(), self.lock:
+            fits = scores is not None and scores.shape == self.sparse_scores.shape
+            self.sparse_scores.copy_(scores if fits else torch.zeros_like(self.sparse_scores))
+            self._hash = None
+        return fits
 
     def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
         """The momentum split and shaped like this rank's parameter shards (views, no copy)."""

@@ -19,7 +19,7 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             owarm (--hv.outer-warmup-rounds) wd (inner weight decay) lr (inner lr)
             reset (1: reset AdamW state each round)
             codec (--hv.compression: int8, int4, int2, sparse, ...) ef (--hv.error-feedback, 0/1)
-            density (--hv.sparse-density) rule (--hv.sparse-rule: cyclic, random)
+            density (--hv.sparse-density) rule (--hv.sparse-rule: magnitude, random, cyclic)
             robust (--hv.robust-mean, 0/1)
             P (--hv.fragments) tau (--hv.sync-delay) alpha (--hv.sync-alpha): streaming arms; their outer loop runs after every inner
             step (a fragment lands τ steps after its sync starts), checked for identical θ_outer, not against
@@ -222,8 +222,9 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     if galaxy:
         hashes = {fingerprint_bytes(flat(c.model)) for c in clusters}
         assert len(hashes) == 1, "clusters start from different weights"
-        averagers = InProcessGalaxy(size, compression=hvs_compression(spec), robust_mean=bool(spec.get("robust")))
         hvs = [hv_of(spec, m) for m in range(size)]
+        averagers = InProcessGalaxy(size, compression=hvs_compression(spec), robust_mean=bool(spec.get("robust")),
+                                    sparse_rule=hvs[0].sparse_rule)
         record["outer"] = {
             "outer_lr": hvs[0].outer_lr,
             "outer_momentum": hvs[0].outer_momentum,

@@ -5,7 +5,9 @@ the clusters present (less those outside the round's cohort, as the galaxy's red
 each, so it is bitwise identical by construction: what the unit tests check
 is the outer loop's math and decisions around it. With one of our codecs (``compression``) the mean is rounded
 the way the galaxy's reducer does (decode(encode(mean)); the senders' buffers are already on the codec's grid,
-which the wire carries exactly), so benches measure the codec's effect on training."""
+which the wire carries exactly), so benches measure the codec's effect on training. The buffer has the layout of
+the galaxy's (``HivemindAverager.buffer``): the values, then the sparse ``magnitude`` rule's block scores, each
+part rounded by its own codec."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from open_diloco.outer.codecs import wire_codec
+from open_diloco.config import HvConfig
+from open_diloco.outer.codecs import score_values, wire_codecs
 from open_diloco.outer.guard import ClaimCheck
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
@@ -35,6 +38,7 @@ class InProcessGalaxy:
         silent: set[int] | None = None,
         serve_state: bool = False,
         robust_mean: bool = False,
+        sparse_rule: str = HvConfig().sparse_rule,
     ):
         self.size = size
         self.departed = departed or set()
@@ -48,14 +52,17 @@ class InProcessGalaxy:
         self.robust_mean = robust_mean
         """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do (``--hv.robust-mean``)."""
         self.averagers: dict[int, InProcessAverager] = {}
-        self.codec = wire_codec(compression)
+        self.compression, self.sparse_rule = compression, sparse_rule
+        self.codecs = wire_codecs(compression, sparse_rule)
         self.drop = drop or set()
         self.barrier = threading.Barrier(size, timeout=30)
         self.buffers: dict[int, torch.Tensor] = {}
         self.meta: dict[int, dict] = {}
 
     def averager(self, rank: int, numel: int) -> InProcessAverager:
-        self.averagers[rank] = InProcessAverager(self, rank, numel)
+        """Cluster ``rank``'s averager of ``numel`` values a round (and their block scores, if any)."""
+        self.averagers[rank] = InProcessAverager(self, rank, numel, score_values(numel, self.compression,
+                                                                                 self.sparse_rule))
         return self.averagers[rank]
 
 
@@ -78,10 +85,13 @@ class InProcessRound:
         cohort = [r for r in present if r not in stale]
         average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort]).mean(0)
         sent = av.values.numel() * 4
-        if galaxy.codec is not None:
-            sent = galaxy.codec.encode(av.values, on_grid=True).numel()  # a peer of two sends about one encoding
-            if len(present) > 1:
-                galaxy.codec.round_trip_(average)
+        if galaxy.codecs is not None:
+            sent = 0
+            for key, (own, averaged) in enumerate(zip(av.parts(av.values), av.parts(average), strict=True)):
+                codec = galaxy.codecs.for_key(key)
+                sent += codec.encode(own, on_grid=True).numel()  # a peer of two sends about one encoding
+                if len(present) > 1:
+                    codec.round_trip_(averaged)
         peers = {r: galaxy.meta[r] for r in present}
         galaxy.barrier.wait()
         av.values.copy_(average)
@@ -89,11 +99,16 @@ class InProcessRound:
 
 
 class InProcessAverager:
-    def __init__(self, galaxy: InProcessGalaxy, rank: int, numel: int):
+    def __init__(self, galaxy: InProcessGalaxy, rank: int, numel: int, scores: int = 0):
         self.galaxy, self.rank = galaxy, rank
-        self.values = torch.zeros(numel)
+        self.values = torch.zeros(numel + scores)
+        self.sizes = [numel, scores] if scores else [numel]
         self.calls = 0
         self.get_state = None
+
+    def parts(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``flat`` cut like the galaxy's tensors: the values, then the block scores (views)."""
+        return flat.split(self.sizes)
 
     @contextlib.contextmanager
     def buffer(self) -> Iterator[torch.Tensor]:

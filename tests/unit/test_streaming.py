@@ -40,7 +40,7 @@ def _inner_step(model: torch.nn.Module, generator: torch.Generator) -> None:
 
 def _run(size: int, steps: int, compression: str = "none", models=None, on_step=None, **hv) -> dict:
     """``size`` clusters in threads, ``steps`` inner steps each; returns each cluster's records and outer loop."""
-    galaxy = InProcessGalaxy(size, compression=compression)
+    galaxy = InProcessGalaxy(size, compression=compression, sparse_rule=hv.get("sparse_rule", HvConfig().sparse_rule))
     models = models or _models(size)
     results: dict[int, tuple] = {}
     settings = dict(local_steps=4, outer_lr=0.7, outer_momentum=0.9, outer_warmup_rounds=2)
@@ -84,7 +84,8 @@ TODAYS_HASHES = {
 
 @pytest.mark.parametrize("compression", sorted(TODAYS_HASHES))
 def test_one_fragment_without_delay_is_plain_diloco_bit_for_bit(compression):
-    results = _run(2, 24, compression, fragments=1, sync_delay=0, sparse_rule="cyclic")  # the rule when recorded
+    # the sparse rule and density when recorded
+    results = _run(2, 24, compression, fragments=1, sync_delay=0, sparse_rule="cyclic", sparse_density=0.0625)
     for rank in (0, 1):
         records = results[rank][0]
         assert [r["param_hash"] for r in records] == TODAYS_HASHES[compression]
