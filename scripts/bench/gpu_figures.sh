@@ -66,9 +66,9 @@ if want 2; then
     | tee "$out/inner_loop_eager.txt" | tail -6
 fi
 if want 3; then
-  stamp "3. galaxy of two 1-rank clusters on the GPU, bf16, int8"
+  stamp "3. galaxy of two 1-rank clusters on the GPU, bf16, ${GALAXY_CODEC:-int8}"
   PYTHON=$py timeout 150 scripts/run_galaxy.sh --clusters 2 --ranks 1 --steps 60 --local-steps 20 -- \
-    --path-model "$model" --precision bf16-mixed --hv.compression int8 --seq-length 256 \
+    --path-model "$model" --precision bf16-mixed --hv.compression "${GALAXY_CODEC:-int8}" --seq-length 256 \
     --per-device-train-batch-size 8 >"$out/galaxy_gpu.log" 2>&1; echo "rc $?"; tail -12 "$out/galaxy_gpu.log"
 fi
 if want 4; then

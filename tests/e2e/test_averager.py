@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -40,8 +41,16 @@ BASE = dict(
 )
 
 
-def _buffer(round_id: int, rank: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_id + rank))
+def _buffer(round_id: int, rank: int, numel: int, scores: int = 0) -> torch.Tensor:
+    """A peer's input: ``numel`` values, then ``scores`` block scores (powers of two, as the outer loop sends them)."""
+    generator = torch.Generator().manual_seed(1000 * round_id + rank)
+    values = torch.randn(numel, generator=generator)
+    return torch.cat([values, 2.0 ** -torch.randint(0, 40, (scores,), generator=generator).float()])
+
+
+def _power_of_two(values: torch.Tensor) -> torch.Tensor:
+    """Each non-negative value truncated to the power of two at or below it (0 stays 0), written out."""
+    return torch.tensor([2.0 ** math.floor(math.log2(v)) if v > 0 else 0.0 for v in values.tolist()])
 
 
 def _crash_when_reducing() -> None:
@@ -81,6 +90,7 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
           fault=None):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
     from open_diloco.galaxy.averager import start_shard_averager
+    from open_diloco.outer.codecs import score_values
 
     if crash:
         _crash_when_reducing()
@@ -108,9 +118,10 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
             state = av.download_state(download)
             queue.put(("state", rank, state, time.monotonic() - start))
         n, numel = kwargs["galaxy_size"], kwargs["numel"]
+        scores = score_values(numel, kwargs.get("compression", "none"), kwargs.get("sparse_rule", "random"))
         for round_id in range(rounds):
             barrier.wait(60)
-            inputs = [_buffer(round_id, r, numel) for r in range(n)]
+            inputs = [_buffer(round_id, r, numel, scores) for r in range(n)]
             mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
             start = time.monotonic()
             try:
@@ -134,6 +145,8 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
                 finite=bool(torch.isfinite(mine).all()),
                 honest_share=float(((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()),
                 wall=time.monotonic() - start,
+                # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
+                scores_are_the_mean=bool(torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))),
             )
             queue.put(("round", rank, round_id, asdict(report), result))
         if not rounds and not serve and not download:
@@ -320,6 +333,26 @@ def test_codec_rounds_are_bitwise_identical(galaxy, compression):
         assert sent == sum(r[3]["bytes_received"] for r in results)
         fp32_payload = 2 * (n - 1) * CODEC_NUMEL * 4
         assert fp32_payload / sent >= MIN_RATIO[compression], (fp32_payload, sent)
+
+
+def test_sparse_block_scores_ride_the_round_beside_the_values(galaxy):
+    """``--hv.compression sparse`` with the ``magnitude`` rule: a second tensor of one score per 128 values, one
+    byte each on the wire. Every peer ends with the same bytes; the scores are the mean of the peers' scores kept
+    to its power of two (the reducer encodes it once); and the score byte costs its 1/512 of the fp32 bytes."""
+    rounds, n = 2, 2
+    barrier = CTX.Barrier(n + 1)
+    _start_galaxy(galaxy, n, rounds, barrier, compression="sparse", sparse_rule="magnitude", numel=CODEC_NUMEL)
+    for round_id in range(rounds):
+        barrier.wait(60)
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]
+        assert not [m for m in galaxy.messages if m[0] == "round_error"]
+        assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
+        for _, _, _, report, result in results:
+            assert report["group_size"] == n and report["complete"], report
+            assert result["scores_are_the_mean"] and result["rel_err"] < MAX_ERROR["sparse"], result
+        sent = sum(r[3]["bytes_sent"] for r in results)
+        fp32_payload = 2 * (n - 1) * CODEC_NUMEL * 4
+        assert 14.0 <= fp32_payload / sent < MIN_RATIO["int2"], (fp32_payload, sent)  # int2 values + 1/512
 
 
 def test_group_of_one_returns_at_once_unchanged(galaxy):
