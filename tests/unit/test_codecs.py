@@ -268,6 +268,30 @@ def test_compressor_without_sparse_is_dense():
 
 
 # -- sparse rounds: what a round does not send stays in the model ------------------------------------------------
+def _sparse_clusters(numel: int, rule: str, **hv) -> tuple[torch.Tensor, list, list[DiLoCo]]:
+    """Two clusters of one ``Linear(numel)`` each, from the same random start, averaging in threads with the
+    sparse codec and ``rule``: (the start, the models, their outer loops)."""
+    galaxy = InProcessGalaxy(2, compression="sparse", sparse_rule=rule)
+    start = torch.randn(numel)
+    models, outers = [], []
+    for rank in range(2):
+        model = torch.nn.Linear(numel, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(start[None])
+        config = HvConfig(galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse", sparse_rule=rule, **hv)
+        models.append(model)
+        outers.append(DiLoCo(model, galaxy.averager(rank, numel), config, warn=lambda *_: None))
+    return start, models, outers
+
+
+def _round_in_threads(outers: list[DiLoCo]) -> None:
+    threads = [threading.Thread(target=outer.after_inner_step, args=(1,)) for outer in outers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_feedback):
     """Two clusters, plain averaging, two rounds written out by hand: θ_outer moves by the mean of the clusters'
@@ -275,18 +299,8 @@ def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_
     dropped (with error feedback) or θ_outer itself (without); every other value keeps its local progress, so
     the next round's Δ there is everything since it was last sent. No error-feedback buffer is kept."""
     torch.manual_seed(0)
-    numel, density = 3 * 4096 + 100, 1 / 16
-    galaxy = InProcessGalaxy(2, compression="sparse", sparse_rule="random")
-    start = torch.randn(numel)
-    models, outers = [], []
-    for rank in range(2):
-        model = torch.nn.Linear(numel, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(start[None])
-        hv = HvConfig(galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse", sparse_rule="random",
-                      sparse_density=density, error_feedback=error_feedback)
-        models.append(model)
-        outers.append(DiLoCo(model, galaxy.averager(rank, numel), hv, warn=lambda *_: None))
+    numel = 3 * 4096 + 100
+    start, models, outers = _sparse_clusters(numel, "random", sparse_density=1 / 16, error_feedback=error_feedback)
     assert all(outer.state.error is None for outer in outers)
     rule, codec = outers[0].state.compressor.sparse, CODECS["int2"]()
     theta = start.clone()
@@ -310,11 +324,7 @@ def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_
         mean = wire[: sent[0].numel()]
         expected_theta = theta.clone()
         selection.scatter_(expected_theta, selection.gather(theta) - mean)
-        threads = [threading.Thread(target=outer.after_inner_step, args=(1,)) for outer in outers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _round_in_threads(outers)
         for outer, model, local, residual in zip(outers, models, locals_, dropped, strict=True):
             assert torch.allclose(outer.state.params, expected_theta, rtol=0, atol=1e-6), round_id
             expected_model = local.clone()
@@ -401,17 +411,8 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
     the top codes; a late joiner's snapshot and the hash carry the scores."""
     torch.manual_seed(1)
     numel, density = 20 * 128 + 30, 0.2
-    galaxy = InProcessGalaxy(2, compression="sparse", sparse_rule="magnitude")
-    start = torch.randn(numel)
-    models, outers = [], []
-    for rank in range(2):
-        model = torch.nn.Linear(numel, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(start[None])
-        hv = HvConfig(galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse", sparse_rule="magnitude",
-                      sparse_density=density, outer_lr=1.0, outer_momentum=0.0)
-        models.append(model)
-        outers.append(DiLoCo(model, galaxy.averager(rank, numel), hv, warn=lambda *_: None))
+    _start, models, outers = _sparse_clusters(numel, "magnitude", sparse_density=density, outer_lr=1.0,
+                                              outer_momentum=0.0)
     rule, int2, score = outers[0].state.compressor.sparse, CODECS["int2"](), ScoreCodec()
     assert outers[0].state.sparse_scores.shape == (1, 21)
     for round_id in range(3):
@@ -428,11 +429,7 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
             own_scores.append(own)
         expected = (own_scores[0] + own_scores[1]) / 2
         score.round_trip_(expected)
-        threads = [threading.Thread(target=outer.after_inner_step, args=(1,)) for outer in outers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        _round_in_threads(outers)
         assert torch.equal(outers[0].state.sparse_scores[0], expected), round_id
         assert torch.equal(outers[1].state.sparse_scores[0], expected), round_id
         assert torch.equal(outers[0].state.params, outers[1].state.params)
