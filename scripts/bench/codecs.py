@@ -2,7 +2,10 @@
 
 Per codec: encode, decode and round_trip_ (what the outer loop runs) in millions of fp32 values per second, the
 encoding's size against fp32, and the relative L2 error on a pseudo-gradient (``--delta FILE``: a tensor, or a
-dict of tensors, saved with torch.save; default: a heavy-tailed synthetic one).
+dict of tensors, saved with torch.save; default: a heavy-tailed synthetic one). Then the sparse rules' own work
+per round, in millions of the shard's values per second: picking the values (``select``; ``magnitude`` ranks the
+block scores) and packing them for the wire (``to_wire_``: gather, int2 round trip, and for ``magnitude`` this
+cluster's block scores).
 
     python scripts/bench/codecs.py --numel 4000000
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from open_diloco.outer.codecs import CODECS  # noqa: E402
+from open_diloco.outer.codecs import CODECS, build_compressor  # noqa: E402
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -62,6 +65,23 @@ def main() -> None:
             f"{name:<6} {4 * args.numel / blob.numel():10.2f} {mvals / encode:10.1f} {mvals / decode:10.1f} "
             f"{mvals / round_trip:14.1f}  {', '.join(errors)}"
         )
+    print(f"\n{'sparse rule':<22} {'select M/s':>10} {'to_wire_ M/s':>12}")
+    for rule, density in (("random", 1 / 16), ("magnitude", 0.1)):
+        compressor = build_compressor("sparse", density, rule)
+        sparse = compressor.sparse
+        blocks = sparse.score_blocks(args.numel)
+        scores = 2.0 ** -torch.randint(0, 40, (blocks,), generator=generator).float() if blocks else None
+        selection = sparse.select(args.numel, 3, scores)
+        select = best_seconds(lambda sparse=sparse, scores=scores: sparse.select(args.numel, 3, scores), args.repeats)
+        wire, own_scores = values.clone(), torch.zeros(blocks)
+
+        def pack(compressor=compressor, selection=selection, wire=wire, own_scores=own_scores, blocks=blocks):
+            wire.copy_(values)
+            compressor.to_wire_(wire, None, selection, own_scores if blocks else None)
+
+        to_wire = best_seconds(pack, args.repeats)
+        mvals = args.numel / 1e6
+        print(f"{rule + f' {density:g}':<22} {mvals / select:10.1f} {mvals / to_wire:12.1f}")
 
 
 if __name__ == "__main__":

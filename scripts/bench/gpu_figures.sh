@@ -9,7 +9,7 @@
 # 1-rank clusters sharing the GPU (bf16, int8 pseudo-gradients: θ_outer hashes must match every round); and what a
 # checkpoint costs a 96M cluster on the GPU (scripts/bench/checkpoint.py). GPU_BUDGET_S bounds the whole.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 wheels=.gpu_wheels
 if [ "${1:-}" = "--prepare" ]; then
   mkdir -p "$wheels/site"
@@ -33,7 +33,7 @@ out="${OUT:-gpu_out}"
 mkdir -p "$out"
 started=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - started )) s)"; }
-stamp setup
+stamp "setup"
 # the carried packages go to /tmp/site (torch, transformers, numpy stay the image's); hivemind-dht beside the
 # image's python, where the galaxy harness and run_galaxy.sh look for it
 py=$(python3 -c "import sys; print(sys.executable)")
@@ -83,4 +83,4 @@ if want 5; then
     --seq-length 1024 --per-device 16 --total 64 --steps 25 --warmup 8 --repeats 1 --torch-compile 2>&1 \
     | tee "$out/inner_loop_compile.txt" | tail -6
 fi
-stamp done
+stamp "done"
