@@ -179,10 +179,10 @@ class CanonicalAllReduce(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part if scale == 1.0 else tensor_part * scale, weight=weight
                     )
+                    this_part, part_index = part_index, part_index + 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, self._serialize_result, averaged, part_index)
-                part_index += 1
+                serialized = await loop.run_in_executor(None, self._serialize_result, averaged, this_part)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

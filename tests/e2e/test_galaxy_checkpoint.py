@@ -12,6 +12,12 @@ pytestmark = pytest.mark.e2e
 COMMON = ["--total-steps", "20", "--hv.local-steps", "5", "--warmup-steps", "2"]
 
 
+def clean(records: list[list[dict]]) -> bool:
+    """Whether every round of a run was whole on both sides: no retry, no re-sync, in sync."""
+    rounds = [r for side in records for r in side if "outer_step" in r]
+    return all(not r["retries"] and not r.get("resynced") and r["in_sync"] for r in rounds)
+
+
 def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     """Both clusters (1 rank each) with ``extra`` flags; wait for them and return their metric records."""
     metrics = [
@@ -30,6 +36,10 @@ def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     codec = ("--hv.compression", compression)
     try:
         straight = run_galaxy(galaxy, "straight", "--max-steps", "20", *codec)
+        if not clean(straight):  # the reference must be one trajectory: a round partial on one side (the known
+            # race of README "Tests", seen here once, 2026-11-26) re-syncs a cluster, and the run is another one
+            straight = run_galaxy(galaxy, "straight-again", "--max-steps", "20", *codec)
+        assert clean(straight), "the straight run had partial rounds twice in a row"
         run_galaxy(galaxy, "first", "--max-steps", "10", "--ckpt.interval", "10", "--ckpt.path", ckpt, *codec)
         for rank in (0, 1):
             assert [p.name for p in (tmp_path / f"ckpt{rank}").iterdir()] == ["step_00000010"]

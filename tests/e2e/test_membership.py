@@ -128,14 +128,17 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     before = max(rounds[0][r]["allreduce_seconds"] for r in rounds[0] if r <= stranger_at)
     assert len(during) >= 3, during
     # The galaxy's rounds go on as before: both members, equal hashes, the same pace. One round may come out
-    # partial on one side and be retried (the one-sided race of README "Tests", seen once in a full suite run
-    # here: 15 s); it is reported (`retries`), and it is not the stranger's doing: it slows a round, never splits.
-    retried = [r for r in during if rounds[0][r]["retries"] or rounds[1][r]["retries"]]
+    # partial on one side (the one-sided race of README "Tests", seen in full suite runs here), which that side
+    # retries (`retries`) or, once the other side's record shows the round applied, ends by adopting its state
+    # (`resynced`, peers 0; seen once, 2026-11-26). Either is reported, and neither is the stranger's doing: it
+    # costs a round its peers or its pace, never splits the galaxy.
+    retried = [r for r in during if any(side[r]["retries"] or side[r].get("resynced") for side in rounds)]
     assert len(retried) <= 1, [(r, rounds[0][r], rounds[1][r]) for r in retried]
     for r in during:
         a, b = rounds[0][r], rounds[1][r]
-        assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["param_hash"] == b["param_hash"], (r, a, b)
-        assert r in retried or a["allreduce_seconds"] <= before + 3.0, (r, a, before)
+        assert a["param_hash"] == b["param_hash"], (r, a, b)
+        assert r in retried or (a["galaxy_peers"] == b["galaxy_peers"] == 2
+                                and a["allreduce_seconds"] <= before + 3.0), (r, a, b, before)
 
     galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # Ctrl+C: torchrun forwards it to the rank
     assert galaxy.wait("cluster1", 60) != 0
