@@ -14,7 +14,8 @@ does). ``e`` is private to the cluster: a checkpoint stores it (resharded
 like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the galaxy's
 state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
 and the old ``e``, all unchanged since the round started: no copy of what was sent is kept, and a retried round
-sends the very same Q(Δ + e) again.
+sends the very same Q(Δ + e) again. The sparse ``magnitude`` rule adds the galaxy's block scores (4 bytes per 128
+values): unlike ``e`` they are shared state, the same in every cluster, since they pick what every cluster sends.
 
 Streaming (``--hv.fragments`` P, ``--hv.sync-delay`` τ, ``outer/streaming.py``): a round averages one fragment, a
 slice of ``params``; its Δ, error feedback and outer step touch that slice only. With τ > 0 the model moves on
