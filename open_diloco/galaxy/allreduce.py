@@ -27,6 +27,14 @@ up to more than it claimed is left out from there on, like a sender that failed.
 round's report (``rejected``). With ``--hv.robust-mean`` every sender's parts are scaled to the round's median
 claim.
 
+A span's stream ends only once its sender has read every average (:class:`CountingStub` holds the sender's end
+open until then; the reducer waits for that end before closing its own). It used to end as soon as the reducer had
+written its last average, and under load the sender then lost the averages still on their way (its p2pd logs a
+stream reset, its Python sees the stream end: "peer … sent 3 parts, but we expected 5"): a round partial on one
+side only. Two 2-rank clusters on loopback with hivemind's debug log on (``scripts/bench/stream_race.py``): 2 such
+incidents in 65 rounds before, none in 195 after. That p2pd turns the reducer's early close into the reset is our
+reading of its logs, not traced in its source; the measured effect is what the change rests on.
+
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.
 """
@@ -161,12 +169,13 @@ class CanonicalAllReduce(AllReduceRunner):
         try:
             if claims is not None and not claims.admits(sender):
                 self.rejected_senders.add(sender)  # no valid claim, or a Δ far larger than ours: not even read
+                yield _REFUSED
                 return
             scale = claims.scale(sender) if claims is not None else 1.0
             loop = asyncio.get_event_loop()
             async for tensor_part, weight in amap_in_executor(
                 lambda msg: (self._deserialize_part(msg.tensor_part), msg.weight),
-                stream,
+                _until_sender_read_all(stream, self.tensor_part_reducer.num_parts),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer of
@@ -174,13 +183,15 @@ class CanonicalAllReduce(AllReduceRunner):
                 honest = bool(torch.isfinite(tensor_part).all()) and weight == 1.0
                 if not honest or (claims is not None and not claims.within_claim(sender, tensor_part)):
                     self.rejected_senders.add(sender)
+                    yield _REFUSED
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part if scale == 1.0 else tensor_part * scale, weight=weight
                     )
                     this_part, part_index = part_index, part_index + 1
-                except BannedException:
+                except BannedException:  # too late (hivemind's sender timeout): averaged without it
+                    yield _DROPPED
                     break
                 serialized = await loop.run_in_executor(None, self._serialize_result, averaged, this_part)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
@@ -217,7 +228,8 @@ class CanonicalAllReduce(AllReduceRunner):
                 pass
 
     def _get_peer_stub(self, peer):
-        return CountingStub(super()._get_peer_stub(peer), self)
+        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+        return CountingStub(super()._get_peer_stub(peer), self, expected)
 
     def stats(self) -> dict[str, int]:
         return dict(
@@ -294,24 +306,67 @@ class InPlaceParts(TensorPartContainer):
 
 
 class CountingStub:
-    """Wraps a peer stub so the parts we send to a reducer, and the averages it returns, are counted."""
+    """Wraps a reducer's stub: counts the parts we send it and the averages it returns, and keeps our end of the
+    stream open until we have read all ``expected`` averages (or the reducer said it is done with us, or went
+    silent for hivemind's reducer timeout). Our end's close is what lets the reducer close its own (see
+    :func:`_until_sender_read_all`): closed any earlier, averages still on their way could be dropped."""
 
-    def __init__(self, stub, runner: CanonicalAllReduce):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: CanonicalAllReduce, expected: int):
+        self._stub, self._runner, self._expected = stub, runner, expected
 
     async def rpc_aggregate_part(self, inputs):
-        runner = self._runner
+        runner, expected = self._runner, self._expected
+        progress = asyncio.Event()
+        read = {"averages": 0, "over": False}
 
         async def counted_inputs():
             async for msg in inputs:
                 runner.bytes_sent += msg.ByteSize()
                 yield msg
+            while not read["over"] and read["averages"] < expected:
+                progress.clear()
+                try:
+                    await asyncio.wait_for(progress.wait(), runner.reducer_timeout or _READ_ALL_FALLBACK_SECONDS)
+                except asyncio.TimeoutError:
+                    return  # hivemind's own reading gives up on this reducer at the same time
 
         stream = await self._stub.rpc_aggregate_part(counted_inputs())
 
         async def counted_outputs():
-            async for msg in stream:
-                runner.bytes_received += msg.ByteSize()
-                yield msg
+            try:
+                async for msg in stream:
+                    runner.bytes_received += msg.ByteSize()
+                    if msg.code == averaging_pb2.AVERAGED_PART:
+                        read["averages"] += 1
+                    else:  # the reducer is done with us (refused, dropped, failed): hivemind raises on it
+                        read["over"] = True
+                    progress.set()
+                    yield msg
+            finally:
+                read["over"] = True
+                progress.set()
 
         return counted_outputs()
+
+
+async def _until_sender_read_all(stream, num_parts: int):
+    """A sender's stream of parts, which ends once the sender has read all our averages (:class:`CountingStub`
+    ends it then), so the reducer closes the stream only when nothing is left in flight. A sender that does not
+    end it within hivemind's sender timeout after its last part (one whose peer predates this, or that is gone) is
+    let go then: every part is averaged by that time."""
+    received = 0
+    try:
+        async for msg in stream:
+            received += 1
+            yield msg
+    except asyncio.TimeoutError:
+        if received < num_parts:
+            raise
+
+
+_READ_ALL_FALLBACK_SECONDS = 30.0
+"""How long a sender keeps its end open for missing averages when hivemind sets no reducer timeout."""
+_REFUSED = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+"""What a reducer tells a sender the guard left out (``open_diloco.outer.guard``): it stops waiting at once."""
+_DROPPED = averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+"""What a reducer tells a sender it averages without (it came later than hivemind's sender timeout)."""

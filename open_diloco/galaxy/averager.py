@@ -8,6 +8,7 @@ converted to Python scalars`` in ``extract``), and ``BLOCKWISE_8BIT`` needs bits
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
@@ -54,6 +55,7 @@ from open_diloco.outer.protocols import Membership, RoundReport
 # killed; it also changes how the trainer's DataLoader workers share batches. Put torch's default back: we
 # only pass a few tensors between the trainer and its averager process.
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
+log = logging.getLogger(__name__)
 
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
 _GRACE = 1.0  # seconds past averaging_timeout for hivemind to report a lonely deadline before we give up
@@ -62,6 +64,8 @@ MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whe
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
 FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
+LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
+STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
 COMPRESSIONS: dict[str, Callable[..., CompressionBase]] = {
     "none": lambda sparse_rule="random": NoCompression(),
     "fp16": lambda sparse_rule="random": Float16Compression(),
@@ -167,9 +171,10 @@ class CanonicalAverager(DecentralizedAverager):
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's AsyncIterator here
         if not self._admits(context.remote_id, "its join request"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for response in super().rpc_join_group(request, context):
-            yield response
+        else:
+            async for response in super().rpc_join_group(request, context):
+                yield response
+        await _until_the_caller_closes()
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -180,11 +185,22 @@ class CanonicalAverager(DecentralizedAverager):
             yield message
 
     def get_current_state(self):
-        """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``."""
+        """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``, and
+        the size of every tensor, so the downloader can tell a download cut short (see ``download_state``)."""
         if self.get_state is None:
             return {}, [], None
         metadata, tensors = self.get_state()
-        return metadata, list(tensors), None
+        return {**metadata, STATE_NUMELS: [tensor.numel() for tensor in tensors]}, list(tensors), None
+
+
+async def _until_the_caller_closes() -> None:
+    """Keep a stream we answered open until the caller has read our last message and closed its end (hivemind
+    cancels the handler then), for :data:`LINGER_SECONDS` at most. Ended first, p2pd resets the stream, and a reset
+    drops whatever the caller's p2pd had not yet handed over: a follower that never reads the leader's
+    ``BEGIN_ALLREDUCE`` is left out of a group its leader averages with (seen in the e2e suite: the leader's round
+    waited for it and came out partial, the follower found no group). See ``galaxy/allreduce.py`` for the
+    all-reduce's streams."""
+    await asyncio.sleep(LINGER_SECONDS)
 
 
 def one_line_download_failures(record: logging.LogRecord) -> bool:
@@ -427,7 +443,11 @@ class HivemindAverager:
                 return None
             if state is not None and state[0]:
                 metadata, tensors = state
-                return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
+                announced = metadata.pop(STATE_NUMELS, None)  # (a peer before 2026-11-26 announces nothing)
+                if announced is None or announced == [tensor.numel() for tensor in tensors]:
+                    return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
+                log.warning("a state download came short (%s values of the %s announced): trying again",
+                            [tensor.numel() for tensor in tensors], announced)
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 

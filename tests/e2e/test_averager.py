@@ -7,6 +7,7 @@ gone: no p2pd daemon or averager may outlive a test. Processes are only ever end
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import math
@@ -86,6 +87,29 @@ def _send_garbage(fault: str) -> None:
     CanonicalAllReduce._generate_input_for_peer = garbage
 
 
+def _read_averages_slowly(seconds: float) -> None:
+    """Fault injection: this peer waits ``seconds`` before it reads each average a reducer sends it (a loaded
+    machine, a slow link), so the reducer has written them all long before they are read."""
+    from open_diloco.galaxy.allreduce import CountingStub
+
+    original = CountingStub.rpc_aggregate_part
+
+    async def slowly(self, inputs):
+        stream = (await original(self, inputs)).__aiter__()
+
+        async def averages():
+            while True:
+                await asyncio.sleep(seconds)
+                try:
+                    yield await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+
+        return averages()
+
+    CountingStub.rpc_aggregate_part = slowly
+
+
 def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
           fault=None):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
@@ -96,6 +120,8 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
         _crash_when_reducing()
     if fault in ("nan", "liar"):
         _send_garbage(fault)
+    if fault == "slow reader":
+        _read_averages_slowly(0.4)
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -337,6 +363,29 @@ def test_codec_rounds_are_bitwise_identical(galaxy, codec):
         assert sent == sum(r[3]["bytes_received"] for r in results)
         fp32_payload = 2 * (n - 1) * CODEC_NUMEL * 4
         assert fp32_payload / sent >= MIN_RATIO[codec], (fp32_payload, sent)
+
+
+def test_a_peer_slow_to_read_gets_every_average(galaxy):
+    """A reducer's stream ends only once its sender has read every average (the fix of the one-sided race, README
+    "Tests"): the sender holds its end open until then, the reducer waits for that end within hivemind's sender
+    timeout. Peer 1 here reads each average 0.4 s late (CODEC_NUMEL in fp32 is several parts per span), and still
+    gets them all, at once after the last. This checks the fix neither stalls nor cuts off a slow reader; it does
+    not reproduce the race (it passes on the code before the fix as well: `scripts/bench/stream_race.py` does)."""
+    rounds, n = 2, 2
+    barrier = CTX.Barrier(n + 1)
+    galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, rounds, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, fault="slow reader")
+    galaxy.wait_for("ready", n)
+    for round_id in range(rounds):
+        barrier.wait(60)
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]
+        assert not [m for m in galaxy.messages if m[0] == "round_error"]
+        for _, _, _, report, result in results:
+            assert report["group_size"] == n and report["complete"], report
+            assert result["rel_err"] < 1e-6, result
+        assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
+        assert sum(r[3]["bytes_sent"] for r in results) == sum(r[3]["bytes_received"] for r in results)
 
 
 def test_group_of_one_returns_at_once_unchanged(galaxy):

@@ -14,6 +14,7 @@ from open_diloco.model import build_model
 from open_diloco.trainer import model_fingerprint
 from tests.conftest import REPO, TINY_MODEL, kill_tree, read_metrics, trainer_env
 from tests.e2e.galaxy_harness import outer_records
+from tests.support.stranger import REFUSED
 
 pytestmark = pytest.mark.e2e
 
@@ -104,7 +105,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     stranger = subprocess.Popen(
         [sys.executable, "-m", "tests.support.stranger", "--initial-peers", galaxy.maddr, "--run-id", "open_diloco",
          "--numel", str(sum(p.numel() for p in model.parameters())), "--model-fingerprint", model_fingerprint(model),
-         "--rounds", "3"],
+         "--rounds", "3", "--log", str(stranger_log), "--max-rounds", "8"],
         cwd=REPO, env={**trainer_env(), "HIVEMIND_LOGLEVEL": "DEBUG"}, stdout=stranger_log.open("w"),
         stderr=subprocess.STDOUT,
     )
@@ -119,7 +120,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     said = [json.loads(line) for line in stranger_log.read_text().splitlines() if line.startswith("{")]
     assert said[0]["download"] is False, said  # refused: no state
     assert [s["group_size"] for s in said[1:]] and all(s["group_size"] <= 1 for s in said[1:]), said  # no group
-    assert "got rejected with PROTOCOL_VIOLATION" in stranger_log.read_text()  # its join requests were refused
+    assert REFUSED in stranger_log.read_text()  # its join requests were refused
     for rank in (0, 1):
         refused = [line for line in galaxy.log(f"cluster{rank}").splitlines() if "not on --hv.allowlist" in line]
         assert len(refused) == 1 and said[0]["peer_id"] in refused[0], refused  # named once

@@ -2,20 +2,28 @@
 the shard's size (so hivemind's matchmaking would group it with the members), but is on nobody's allowlist.
 
 It tries to download the state once, then to average ``--rounds`` rounds, and prints one JSON line per
-attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. It ends its averager, DHT and p2pd
-itself (the test checks by PID that nothing is left).
+attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. With ``--log`` (its own output, with
+hivemind's debug log on) it goes on for up to ``--max-rounds`` until that log shows a member refusing its join
+request. Its matchmaking time is longer than the members' (1 s in the tests), so it declares itself a leader for
+later than they do and asks to join them, rather than wait for them to ask it (they never would: its PeerID is not
+on their allowlist). It ends its averager, DHT and p2pd itself (the test checks by PID that nothing is left).
 
     python -m tests.support.stranger --initial-peers MADDR --run-id ID --numel N --model-fingerprint F [--rounds R]
+        [--log PATH --max-rounds M]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
 from open_diloco.galaxy.averager import start_shard_averager
+
+REFUSED = "got rejected with PROTOCOL_VIOLATION"
+"""hivemind's debug line when a leader refuses a join request (a member's allowlist: ``CanonicalAverager``)."""
 
 
 def main() -> None:
@@ -25,17 +33,21 @@ def main() -> None:
     parser.add_argument("--numel", type=int, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model-fingerprint", required=True, help="the members' (else the schema check tells)")
+    parser.add_argument("--log", help="this process's own output: go on until it shows a refused join request")
+    parser.add_argument("--max-rounds", type=int, default=10)
     args = parser.parse_args()
     averager = start_shard_averager(
         initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
         run_id=args.run_id, shard_index=0, numel=args.numel, galaxy_rank=7, galaxy_size=2,
-        matchmaking_time=1.0, averaging_timeout=8.0, join_timeout=10.0, compression="none", member_expiry=15.0,
+        matchmaking_time=3.0, averaging_timeout=10.0, join_timeout=10.0, compression="none", member_expiry=15.0,
         schema={"model_fingerprint": args.model_fingerprint, "ranks": 1, "codec": "none", "fragments": 1},
     )
     try:
         print(json.dumps({"peer_id": averager.peer_id, "download": averager.download_state(5.0) is not None}),
               flush=True)
-        for round_id in range(args.rounds):
+        for round_id in range(args.max_rounds if args.log else args.rounds):
+            if round_id >= args.rounds and REFUSED in Path(args.log).read_text():
+                break
             try:
                 report = averager.all_reduce(torch.randn(args.numel), round_id, {"param_hash": "stranger"})
                 print(json.dumps({"round": round_id, "group_size": report.group_size}), flush=True)
