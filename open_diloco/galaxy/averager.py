@@ -195,11 +195,11 @@ class CanonicalAverager(DecentralizedAverager):
 
 async def _until_the_caller_closes() -> None:
     """Keep a stream we answered open until the caller has read our last message and closed its end (hivemind
-    cancels the handler then), for :data:`LINGER_SECONDS` at most. Ended first, p2pd resets the stream, and a reset
-    drops whatever the caller's p2pd had not yet handed over: a follower that never reads the leader's
-    ``BEGIN_ALLREDUCE`` is left out of a group its leader averages with (seen in the e2e suite: the leader's round
-    waited for it and came out partial, the follower found no group). See ``galaxy/allreduce.py`` for the
-    all-reduce's streams."""
+    cancels the handler then), for :data:`LINGER_SECONDS` at most. A stream its answerer ends first can lose the
+    messages the caller had not read yet (the all-reduce's one-sided race, ``galaxy/allreduce.py``); here that
+    would be a follower that never reads the leader's ``BEGIN_ALLREDUCE`` and is left out of a group its leader
+    averages with (what one e2e failure on 2026-11-26 looked like: the leader's round waited for its follower and
+    came out partial, the follower found no group)."""
     await asyncio.sleep(LINGER_SECONDS)
 
 
