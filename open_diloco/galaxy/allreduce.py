@@ -42,6 +42,7 @@ Every codec must go through this copy-the-decoded-average path, or the hash chec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import torch
@@ -54,6 +55,8 @@ from hivemind.compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
@@ -306,47 +309,66 @@ class InPlaceParts(TensorPartContainer):
 
 
 class CountingStub:
-    """Wraps a reducer's stub: counts the parts we send it and the averages it returns, and keeps our end of the
-    stream open until we have read all ``expected`` averages (or the reducer said it is done with us, or went
-    silent for hivemind's reducer timeout). Our end's close is what lets the reducer close its own (see
-    :func:`_until_sender_read_all`): closed any earlier, averages still on their way could be dropped."""
+    """A reducer's stub for our parts: counts the parts we send it and the averages it returns, and keeps our end
+    of the stream open until we have read all ``expected`` averages (or the reducer said it is done with us, or
+    closed the stream, or went silent for hivemind's reducer timeout). Our end's close is what lets the reducer close
+    its own (see :func:`_until_sender_read_all`): closed any earlier, averages still on their way could be dropped.
+
+    It drives the stream itself, as hivemind's ``P2P._iterate_protobuf_stream_handler`` does, but for one thing:
+    a reducer that closes the stream early (nothing more to say) ends our wait at once, where hivemind's reader
+    would first wait for our writer, which waits for averages that never come."""
 
     def __init__(self, stub, runner: CanonicalAllReduce, expected: int):
         self._stub, self._runner, self._expected = stub, runner, expected
 
     async def rpc_aggregate_part(self, inputs):
-        runner, expected = self._runner, self._expected
+        stub, runner, expected = self._stub, self._runner, self._expected
+        if not hasattr(stub, "_p2p"):  # not a p2p stub (the allowlist's refusal): it answers by itself
+            return await stub.rpc_aggregate_part(inputs)
+        handle_name = runner._servicer_type._get_handle_name(stub._namespace, "rpc_aggregate_part")
+        _info, reader, writer = await stub._p2p.call_binary_stream_handler(stub._peer, handle_name)
         progress = asyncio.Event()
         read = {"averages": 0, "over": False}
 
-        async def counted_inputs():
+        async def write() -> None:
             async for msg in inputs:
                 runner.bytes_sent += msg.ByteSize()
-                yield msg
+                await P2P.send_protobuf(msg, writer)
             while not read["over"] and read["averages"] < expected:
                 progress.clear()
                 try:
                     await asyncio.wait_for(progress.wait(), runner.reducer_timeout or _READ_ALL_FALLBACK_SECONDS)
                 except asyncio.TimeoutError:
-                    return  # hivemind's own reading gives up on this reducer at the same time
+                    break  # hivemind's own reading gives up on this reducer at the same time
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
 
-        stream = await self._stub.rpc_aggregate_part(counted_inputs())
+        writing = asyncio.create_task(write())
 
-        async def counted_outputs():
-            try:
-                async for msg in stream:
-                    runner.bytes_received += msg.ByteSize()
-                    if msg.code == averaging_pb2.AVERAGED_PART:
-                        read["averages"] += 1
-                    else:  # the reducer is done with us (refused, dropped, failed): hivemind raises on it
-                        read["over"] = True
+        async def averages():
+            with contextlib.closing(writer):
+                try:
+                    while True:
+                        try:
+                            msg, err = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+                        except asyncio.IncompleteReadError:  # the reducer closed the stream
+                            break
+                        if err is not None:
+                            raise P2PHandlerError(f"the reducer {stub._peer} failed: {err.message}")
+                        runner.bytes_received += msg.ByteSize()
+                        if msg.code == averaging_pb2.AVERAGED_PART:
+                            read["averages"] += 1
+                        else:  # the reducer is done with us (refused, dropped, failed): hivemind raises on it
+                            read["over"] = True
+                        progress.set()
+                        yield msg
+                    if writing.done() and not writing.cancelled() and writing.exception() is not None:
+                        raise writing.exception()  # sending our parts failed: that, not a short stream, is news
+                finally:
+                    read["over"] = True
                     progress.set()
-                    yield msg
-            finally:
-                read["over"] = True
-                progress.set()
+                    writing.cancel()
 
-        return counted_outputs()
+        return averages()
 
 
 async def _until_sender_read_all(stream, num_parts: int):

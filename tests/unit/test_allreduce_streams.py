@@ -39,71 +39,92 @@ def test_a_reducer_lets_a_sender_go_after_its_last_part_at_the_sender_timeout():
 class _Runner:
     bytes_sent = bytes_received = 0
     reducer_timeout = 5.0
+    _servicer_type = None  # set below: the class whose handle names hivemind uses
 
 
-class _Reducer:
-    """A reducer's stub: answers each part with ``answers`` (messages), as the sender's inputs arrive; records when
-    the sender's input stream ended (the moment a real reducer may close)."""
-
-    def __init__(self, answers):
-        self.answers, self.inputs_ended_after = answers, None
-
-    async def rpc_aggregate_part(self, inputs):
-        consumed = asyncio.Event()
-        read = []
-
-        async def drain():
-            async for _ in inputs:
-                pass
-            self.inputs_ended_after = list(read)
-            consumed.set()
-
-        task = asyncio.get_running_loop().create_task(drain())
-
-        async def outputs():
-            for message in self.answers:
-                await asyncio.sleep(0.05)
-                read.append(message.code)
-                yield message
-            await asyncio.wait_for(consumed.wait(), 2.0)
-            await task
-
-        return outputs()
+class _Servicer:
+    @staticmethod
+    def _get_handle_name(namespace, method_name):
+        return f"{namespace}::{method_name}"
 
 
-def _exchange(answers, expected: int, runner=None):
-    reducer = _Reducer(answers)
+_Runner._servicer_type = _Servicer
+
+
+class _Stub:
+    """A p2p stub whose stream is one end of a socket pair; the reducer (:func:`_reducer`) holds the other."""
+
+    _namespace, _peer = "test", "reducer"
+
+    def __init__(self, ends):
+        self._p2p, self._ends = self, ends
+
+    async def call_binary_stream_handler(self, peer, handle_name):
+        reader, writer = self._ends
+        return None, reader, writer
+
+
+async def _reducer(reader, writer, answers, close_after: int | None = None) -> int | None:
+    """The reducer's side: reads the sender's messages, answers each of its two parts with the next of
+    ``answers`` (the rest after the second part), closes after ``close_after`` answers if given, else once the
+    sender ended its stream; returns how many answers had been written when the sender's end came (or None)."""
+    from hivemind.p2p import P2P
+
+    written = 0
+    for _ in range(2):
+        await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+    for answer in answers:
+        await asyncio.sleep(0.05)
+        await P2P.send_protobuf(answer, writer)
+        written += 1
+        if close_after is not None and written == close_after:
+            writer.close()
+            return None
+    _msg, err = await asyncio.wait_for(P2P.receive_protobuf(averaging_pb2.AveragingData, reader), 5.0)
+    assert err is not None  # hivemind's END_OF_STREAM: an empty RPCError
+    writer.close()
+    return written
+
+
+def _exchange(answers, expected: int, reducer_timeout: float = 5.0, close_after: int | None = None):
+    """Our parts (two) to a reducer over a real socket pair; returns (the codes we read, when our end came, the
+    seconds it took)."""
+    import socket
 
     async def run():
-        stub = CountingStub(reducer, runner or _Runner(), expected)
-        stream = await stub.rpc_aggregate_part(_parts(2))
-        return [msg.code async for msg in stream]
+        ours, theirs = socket.socketpair()
+        our_reader, our_writer = await asyncio.open_connection(sock=ours)
+        their_reader, their_writer = await asyncio.open_connection(sock=theirs)
+        reducer = asyncio.create_task(_reducer(their_reader, their_writer, answers, close_after))
+        runner = _Runner()
+        runner.reducer_timeout = reducer_timeout
+        start = asyncio.get_running_loop().time()
+        stream = await CountingStub(_Stub((our_reader, our_writer)), runner, expected).rpc_aggregate_part(_parts(2))
+        codes = [msg.code async for msg in stream]
+        return codes, await reducer, asyncio.get_running_loop().time() - start
 
-    return asyncio.run(run()), reducer.inputs_ended_after
+    return asyncio.run(run())
 
 
 def test_a_sender_ends_its_stream_only_after_reading_every_average():
-    codes, ended_after = _exchange([AVERAGE, AVERAGE, AVERAGE], expected=3)
+    codes, ended_after, _ = _exchange([AVERAGE, AVERAGE, AVERAGE], expected=3)
     assert codes == [averaging_pb2.AVERAGED_PART] * 3
-    assert len(ended_after) == 3  # not after its own last part (2 of them): after the third average
+    assert ended_after == 3  # not after its own last part: after the third average
 
 
 def test_a_sender_told_it_is_left_out_ends_its_stream_at_once():
     refused = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-    codes, ended_after = _exchange([refused], expected=3)
-    assert codes == [averaging_pb2.PROTOCOL_VIOLATION] and len(ended_after) == 1
+    codes, ended_after, _ = _exchange([refused], expected=3)
+    assert codes == [averaging_pb2.PROTOCOL_VIOLATION] and ended_after == 1
+
+
+def test_a_stream_the_reducer_cuts_short_ends_at_once():
+    # a reducer that closes after one of three averages (as a cut stream looks): no wait for the other two
+    codes, _, seconds = _exchange([AVERAGE, AVERAGE, AVERAGE], expected=3, close_after=1)
+    assert codes == [averaging_pb2.AVERAGED_PART] and seconds < 2.0
 
 
 def test_a_sender_gives_up_waiting_for_averages_at_the_reducer_timeout():
-    runner = _Runner()
-    runner.reducer_timeout = 0.3
-    reducer = _Reducer([AVERAGE])
-
-    async def run():
-        stub = CountingStub(reducer, runner, 3)  # two averages never come
-        stream = await stub.rpc_aggregate_part(_parts(2))
-        await stream.__aiter__().__anext__()
-        await asyncio.sleep(0.6)  # our end is released within the reducer timeout after the last average
-        return reducer.inputs_ended_after
-
-    assert asyncio.run(run()) == [averaging_pb2.AVERAGED_PART]
+    # a reducer that answers once of three, then neither answers nor closes: our end comes at the reducer timeout
+    codes, ended_after, seconds = _exchange([AVERAGE], expected=3, reducer_timeout=0.5)
+    assert codes == [averaging_pb2.AVERAGED_PART] and ended_after == 1 and 0.5 <= seconds < 3.0

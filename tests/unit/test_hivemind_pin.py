@@ -21,6 +21,8 @@ torch.multiprocessing.set_sharing_strategy(_sharing_strategy)
 from hivemind.averaging import DecentralizedAverager  # noqa: E402
 from hivemind.averaging.allreduce import AllReduceRunner  # noqa: E402
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer  # noqa: E402
+from hivemind.p2p import P2P  # noqa: E402
+from hivemind.p2p.servicer import ServicerBase, StubBase  # noqa: E402
 
 
 def changed(name: str) -> str:
@@ -80,6 +82,11 @@ SIGNATURES = [
         ],
     ),
     (TensorPartReducer, "accumulate_part", ["self", "sender_index", "part_index", "tensor_part", "weight"]),
+    # CountingStub (galaxy/allreduce.py) drives a reducer's stream itself
+    (P2P, "call_binary_stream_handler", ["self", "peer_id", "handler_name"]),
+    (P2P, "send_protobuf", ["protobuf", "writer"]),
+    (P2P, "receive_protobuf", ["input_protobuf_type", "reader"]),
+    (ServicerBase, "_get_handle_name", ["namespace", "method_name"]),
 ]
 
 
@@ -135,6 +142,8 @@ ATTRIBUTES = [
         ],
     ),
     (TensorPartReducer, ["num_parts"]),
+    (AllReduceRunner, ["_servicer_type"]),
+    (StubBase, ["_p2p", "_peer", "_namespace"]),
 ]
 
 
@@ -171,7 +180,14 @@ COPIED_BODIES = {
     ),
     "TensorPartContainer.register_processed_part": (TensorPartContainer.register_processed_part, "ff5ebad6141c"),
     "TensorPartContainer.iterate_output_tensors": (TensorPartContainer.iterate_output_tensors, "3bc3c7e743c4"),
+    "P2P._iterate_protobuf_stream_handler": (P2P._iterate_protobuf_stream_handler, "132d50ef5ecd"),  # CountingStub
 }
+
+
+def test_the_end_of_a_stream_is_still_an_empty_rpc_error():
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    assert P2P.END_OF_STREAM == RPCError(), changed("P2P.END_OF_STREAM")
 
 
 @pytest.mark.parametrize("name", COPIED_BODIES)
