@@ -343,6 +343,7 @@ class CountingStub:
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
 
         writing = asyncio.create_task(write())
+        writing.add_done_callback(lambda task: task.cancelled() or task.exception())  # (an error is read below)
 
         async def averages():
             with contextlib.closing(writer):
