@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.galaxy_harness import Galaxy, outer_records  # noqa: E402
+from tests.e2e.galaxy_harness import Galaxy, outer_records, round_was_clean  # noqa: E402
 
 REDUCER_ERROR = re.compile(r"exchange with peer \S+ failed: (.*) \(its span keeps our values\)")
 
@@ -64,8 +64,7 @@ def main() -> None:
 
 
 def _whole(record: dict) -> bool:
-    return (record["galaxy_peers"] == 2 and not record["retries"] and not record.get("resynced")
-            and record["in_sync"])
+    return record["galaxy_peers"] == 2 and round_was_clean(record)
 
 
 def _brief(record: dict) -> str:

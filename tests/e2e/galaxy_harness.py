@@ -162,3 +162,8 @@ class Galaxy:
 
 def outer_records(metrics: Path) -> dict[int, dict]:
     return {r["outer_step"]: r for r in read_metrics(metrics) if "outer_step" in r}
+
+
+def round_was_clean(record: dict) -> bool:
+    """A round's record says it went without a hitch here: no retry, no re-sync, in sync."""
+    return not record["retries"] and not record.get("resynced") and record["in_sync"]
