@@ -444,10 +444,11 @@ class HivemindAverager:
             if state is not None and state[0]:
                 metadata, tensors = state
                 announced = metadata.pop(STATE_NUMELS, None)  # (a peer before 2026-11-26 announces nothing)
-                if announced is None or announced == [tensor.numel() for tensor in tensors]:
+                sizes = [tensor.numel() for tensor in tensors]
+                if announced is None or announced == sizes:
                     return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
                 log.warning("a state download came short (%s values of the %s announced): trying again",
-                            [tensor.numel() for tensor in tensors], announced)
+                            sizes, announced)
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
