@@ -60,7 +60,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
-from open_diloco.outer.codecs import WireCodecs
+from open_diloco.outer.codecs import WireCodecs, all_finite
 from open_diloco.outer.guard import ClaimCheck
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class CanonicalAllReduce(AllReduceRunner):
             ):
                 # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer of
                 # ours sends weight 1; another weight would give one sender the say of many.
-                honest = bool(torch.isfinite(tensor_part).all()) and weight == 1.0
+                honest = all_finite(tensor_part) and weight == 1.0
                 if not honest or (claims is not None and not claims.within_claim(sender, tensor_part)):
                     self.rejected_senders.add(sender)
                     yield _REFUSED

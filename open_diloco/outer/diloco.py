@@ -19,7 +19,7 @@ import torch
 
 from open_diloco.errors import ConfigError, GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.codecs import build_compressor
+from open_diloco.outer.codecs import all_finite, build_compressor
 from open_diloco.outer.guard import NormHistory, wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
 from open_diloco.outer.protocols import (
@@ -422,7 +422,7 @@ class DiLoCo:
 
         try:
             with self.averager.buffer() as averaged:
-                finite = self.cluster.all_true(failed or bool(torch.isfinite(averaged).all()))
+                finite = self.cluster.all_true(failed or all_finite(averaged))
                 if not finite:
                     self.warn(
                         f"outer step {round_no}: the galaxy's average is not finite (a peer sent or reduced "

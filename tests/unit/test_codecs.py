@@ -16,6 +16,7 @@ from open_diloco.outer.codecs import (
     PseudoGradCompressor,
     ScoreCodec,
     SparseSelection,
+    all_finite,
     build_compressor,
     score_values,
     wire_codecs,
@@ -87,6 +88,25 @@ def test_non_finite_input_is_refused_not_encoded(name, bad):
         codec.encode(values)
     with pytest.raises(NonFiniteDelta):
         codec.round_trip_(values.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite_wherever_the_bad_value_sits(dtype):
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.zeros(5, dtype=dtype))
+    assert all_finite(torch.tensor([big, -big, 0.0, -0.0], dtype=dtype))  # the range's ends are finite
+    values = torch.randn(10_001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for where in (0, 5_000, 10_000):
+        for bad in (math.nan, math.inf, -math.inf):
+            spoiled = values.clone()
+            spoiled[where] = bad
+            assert not all_finite(spoiled), (where, bad)
+            assert all_finite(spoiled[:where]) == bool(torch.isfinite(spoiled[:where]).all())
+    both = values.clone()
+    both[[3, 7]] = torch.tensor([math.inf, -math.inf], dtype=dtype)  # min -inf and max +inf, no NaN
+    assert not all_finite(both)
+    assert all_finite(values)
 
 
 @pytest.mark.parametrize("name", NAMES)
