@@ -13,8 +13,9 @@ from tests.e2e.galaxy_harness import Galaxy, outer_records
 
 pytestmark = pytest.mark.e2e
 
-# H = 8, P = 4: a fragment syncs every 2 inner steps; its round is in flight for τ = 1 of them
-STREAMING = ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "1"]
+# H = 8, P = 4: a fragment syncs every 2 inner steps; its round is in flight for τ = 2 = H/P of them, so each
+# sync lands at the step the next one starts (the most a sync may overlap, and what the WAN runs use)
+STREAMING = ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "2"]
 SYNCS = 8  # two full cycles of the four fragments
 
 
@@ -39,8 +40,8 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
         a, b = rounds[0][sync], rounds[1][sync]
         assert a["fragment"] == b["fragment"] == (sync - 1) % 4
         assert 0.0 <= a["compute_utilization"] <= 1.0 and a["network_wait_seconds"] >= 0.0
-        # the round started at step 2·sync and landed one inner step later (the last one at once, at the end)
-        assert a["step"] == min(2 * sync + 1, 16)
+        # the round started at step 2·sync and landed two inner steps later (the last one at once, at the end)
+        assert a["step"] == min(2 * sync + 2, 16)
     # each sync carries a quarter of the shard: the whole model's bytes go over the wire once per cycle
     per_sync = [rounds[0][s]["bytes_sent"] for s in range(1, SYNCS + 1)]
     assert max(per_sync) < 1.1 * min(per_sync)
