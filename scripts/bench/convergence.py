@@ -71,7 +71,11 @@ from open_diloco.trainer import evaluate, inner_step, position_at  # noqa: E402
 from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
 
 STDLIB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
-MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh"}
+MODELS = {
+    "2m": REPO / "tests/models/llama-2m-fresh",
+    "25m": REPO / "configs/models/llama-25m-fresh",
+    "100m": REPO / "configs/models/llama-100m-fresh",
+}
 # (seq, DDP batch, steps, arms) per model and size; arms: all see the same total tokens
 SETTINGS = {
     ("2m", "quick"): (128, 16, 200, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 half:M=4 diloco:M=4,H=20"),
@@ -79,6 +83,8 @@ SETTINGS = {
     ("2m", "full"): (256, 32, 300, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"),
     ("25m", "quick"): (128, 8, 100, "ddp half:M=2 diloco:M=2,H=20"),
     ("25m", "full"): (128, 16, 200, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 diloco:M=4,H=20"),
+    # the 96M config (the third size shipped) is a GPU run (--device cuda): ~20 min per arm and seed on 2 cores
+    ("100m", "quick"): (128, 16, 400, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 half:M=4 diloco:M=4,H=20"),
 }
 PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs DDP), as quoted in issue 12
     1: "M=1 beats DDP",
@@ -87,7 +93,13 @@ PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs
 }
 TARGET = {2: 1.02, 4: 1.04}
 # seeds per setting: one seed moves a val_loss by up to ±3 % at the quick size, so a verdict needs several
-SEEDS = {("2m", "quick"): "0,1,2,3", ("2m", "full"): "0,1", ("25m", "quick"): "0,1", ("25m", "full"): "0"}
+SEEDS = {
+    ("2m", "quick"): "0,1,2,3",
+    ("2m", "full"): "0,1",
+    ("25m", "quick"): "0,1",
+    ("25m", "full"): "0",
+    ("100m", "quick"): "0,1",
+}
 
 
 def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> Config:
@@ -109,11 +121,12 @@ def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> C
         eval_steps=args.eval_steps,
         precision="32-true",
         torch_compile=False,
-        device="cpu",
+        device=args.device,
     )
 
 
 WORLD = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0, is_main=True)
+"""One rank per cluster; ``--device`` sets its device."""
 
 
 class Cluster:
@@ -123,7 +136,7 @@ class Cluster:
         config = make_config(args, batch, spec["lr"], spec["wd"])
         vocab = load_model_config(config.path_model).vocab_size
         self.plan = plan_data(config, vocab, 1, rank, size)
-        self.model = build_model(config.path_model, config.seed)
+        self.model = build_model(config.path_model, config.seed).to(WORLD.device)
         self.model.train()
         self.model.set_requires_gradient_sync = lambda flag: None  # what FSDP2 offers; a no-op unsharded
         self.optimizer = build_inner_optimizer(self.model, config.lr, config.weight_decay, config.adam_betas)
@@ -174,7 +187,8 @@ class ReferenceOuter:
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([s.reshape(-1) for s in local_shards(model)]).detach().clone()
+    """The model's values in host memory, where the outer state (θ_outer) lives on every device."""
+    return torch.cat([s.reshape(-1) for s in local_shards(model)]).detach().to("cpu", copy=True)
 
 
 def hv_of(spec: dict, rank: int) -> HvConfig:
@@ -414,6 +428,10 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=16)
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the clusters' models train (cuda: fp32 with TF32 matmuls, seeds "
+        "run as processes sharing the GPU); the outer state stays in host memory, as in the trainer"
+    )
     parser.add_argument("--out", default=None, help="JSON lines, one per arm and seed")
     parser.add_argument(
         "--ddp-val", type=float, default=None, help="DDP's final val_loss when no ddp arm runs (every seed)"
@@ -421,6 +439,8 @@ def main() -> None:
     parser.add_argument("--half-val", type=float, default=None, help="a half arm's final val_loss, ditto")
     args = parser.parse_args()
     size = "quick" if args.quick else "full"
+    if (args.model, size) not in SETTINGS:
+        parser.error(f"--model {args.model} has no {size} setting: add --quick")
     seq, batch, steps, arms = SETTINGS[(args.model, size)]
     for key, value in (("seq_length", seq), ("batch", batch), ("steps", steps), ("arms", arms)):
         if getattr(args, key) is None:
@@ -448,6 +468,9 @@ def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int, 
     long run that dies keeps the arms it finished."""
     args.seed = seed
     torch.set_num_threads(args.threads)
+    WORLD.device = torch.device(args.device)
+    if WORLD.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     eval_plan = plan_data(
         make_config(args, args.eval_batch, args.lr, args.weight_decay),

@@ -7,7 +7,9 @@
 # Steps (each bounded by `timeout`, a failed one does not stop the next): the seed-style trainer on one GPU (nccl,
 # bf16, FSDP2, torch.compile); the inner-loop ratio against a plain FSDP2 loop, eager; a local galaxy of two
 # 1-rank clusters sharing the GPU (bf16, int8 pseudo-gradients: θ_outer hashes must match every round); and what a
-# checkpoint costs a 96M cluster on the GPU (scripts/bench/checkpoint.py). GPU_BUDGET_S bounds the whole.
+# checkpoint costs a 96M cluster on the GPU (scripts/bench/checkpoint.py); the quality yardstick
+# (scripts/bench/convergence.py --device cuda) at sizes and lengths two CPU cores cannot run. GPU_BUDGET_S bounds
+# the whole.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 wheels=.gpu_wheels
@@ -24,6 +26,8 @@ blake3|mmh3)=="); do
   done
   # sdist-only on PyPI (hivemind carries its p2pd binary): the installed files travel as they are
   for pkg in hivemind varint.py prefetch_generator baseconv.py; do cp -r "$site/$pkg" "$wheels/site/"; done
+  # the yardstick's corpus (this machine's CPython standard library), so the GPU trains on the same text
+  mkdir -p "$wheels/corpus" && cp /root/.pyenv/versions/3.11.7/lib/python3.11/*.py "$wheels/corpus/"
   find "$wheels/site" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$wheels"
   exit 0
@@ -82,5 +86,40 @@ if want 5; then
   timeout 200 $py scripts/bench/inner_loop.py --nproc 1 --path-model "$model" --precision bf16-mixed \
     --seq-length 1024 --per-device 16 --total 64 --steps 25 --warmup 8 --repeats 1 --torch-compile 2>&1 \
     | tee "$out/inner_loop_compile.txt" | tail -6
+fi
+if want 6; then
+  # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
+  # finish (a timeout keeps what is done). Groups: the ~25M quick setting over 8 seeds, with the codecs of issue 16;
+  # the 96M config's quick setting (2 seeds, lr 1.5e-3); ~25M at H = 100 and 500 over 2,000 steps (2 seeds).
+  stamp "6. quality yardstick on the GPU"
+  left=$(( ${GPU_BUDGET_S:-540} - ($(date +%s) - started) - 15 ))
+  yard() { local name=$1; shift
+    timeout "$left" $py scripts/bench/convergence.py --device cuda --dataset-path "$wheels/corpus/*.py" \
+      --data-cache-dir /tmp/yard_cache --out "$out/yard_$name.jsonl" "$@" >"$out/yard_$name.log" 2>&1 &
+  }
+  if ! $py scripts/bench/convergence.py --device cuda --quick --model 2m --arms "ddp diloco:M=2,H=1" --steps 2 \
+    --eval-steps 1 --dataset-path "$wheels/corpus/*.py" --data-cache-dir /tmp/yard_cache --seeds 0 \
+    >"$out/yard_smoke.log" 2>&1; then
+    echo "yardstick smoke run failed:"; tail -20 "$out/yard_smoke.log"
+  else
+    for seed in 0 1 2 3 4 5 6 7; do
+      yard "25m_s$seed" --model 25m --quick --seeds "$seed" --threads 1 --arms "ddp half:M=2 diloco:M=2,H=20 \
+diloco:M=2,H=50 half:M=4 diloco:M=4,H=20 diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4 \
+diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
+    done
+    for seed in 0 1; do
+      yard "100m_m2_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
+        --arms "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"
+      yard "100m_m4_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 --arms "half:M=4 diloco:M=4,H=20"
+      yard "25m_long_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
+        --arms "ddp half:M=2"
+      yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
+        --arms "diloco:M=2,H=100 diloco:M=2,H=500"
+    done
+  fi
+  (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
+  wait
+  stamp "6. done"; cat "$out/yard_gpu_load.txt"
+  tail -n 3 "$out"/yard_*.log
 fi
 stamp "done"
