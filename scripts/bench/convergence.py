@@ -29,6 +29,7 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
     python scripts/bench/convergence.py --quick --seeds 0,1            # half of it: ~7 min, a coarser verdict
     python scripts/bench/convergence.py                                # seq 256, B 32, 300 steps, 2 seeds: ~40 min
     python scripts/bench/convergence.py --model 25m --quick            # the ~25M config's quick setting
+    python scripts/bench/convergence.py --model 100m --quick --device cuda --lr 1.5e-3   # 96M: a GPU run
     python scripts/bench/convergence.py --arms "ddp diloco:M=2,H=20,olr=0.5,mom=0.8"
     python scripts/bench/convergence.py --quick --arms "ddp diloco:M=2,H=20 diloco:M=2,H=20,codec=int2"
 
@@ -429,8 +430,11 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="where the clusters' models train (cuda: fp32 with TF32 matmuls, seeds "
-        "run as processes sharing the GPU); the outer state stays in host memory, as in the trainer"
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the clusters' models train (cuda: fp32 with TF32 matmuls, seeds run as processes sharing "
+        "the GPU); the outer state stays in host memory, as in the trainer",
     )
     parser.add_argument("--out", default=None, help="JSON lines, one per arm and seed")
     parser.add_argument(

@@ -26,8 +26,10 @@ blake3|mmh3)=="); do
   done
   # sdist-only on PyPI (hivemind carries its p2pd binary): the installed files travel as they are
   for pkg in hivemind varint.py prefetch_generator baseconv.py; do cp -r "$site/$pkg" "$wheels/site/"; done
-  # the yardstick's corpus (this machine's CPython standard library), so the GPU trains on the same text
-  mkdir -p "$wheels/corpus" && cp /root/.pyenv/versions/3.11.7/lib/python3.11/*.py "$wheels/corpus/"
+  # the yardstick's corpus (this machine's CPython standard library), packed here: the GPU trains on the same
+  # tokens, and its image lacks `datasets`, which packing raw text needs
+  .venv/bin/python scripts/bench/convergence.py --arms ddp --steps 1 --eval-steps 1 --seeds 0 >/dev/null \
+    && rm -rf "$wheels/packed" && cp -r outputs/data_cache/py-*/ "$wheels/packed"
   find "$wheels/site" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$wheels"
   exit 0
@@ -91,14 +93,18 @@ if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
   # finish (a timeout keeps what is done). Groups: the ~25M quick setting over 8 seeds, with the codecs of issue 16;
   # the 96M config's quick setting (2 seeds, lr 1.5e-3); ~25M at H = 100 and 500 over 2,000 steps (2 seeds).
+  # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
+  # DiLoCo arm ~180 s per 100 steps (its host-side outer step and the fp64 reference), so the 96M and H = 500 groups
+  # need about twice the 450 s one lease could give them. The device returns a few files only: one tarball.
   stamp "6. quality yardstick on the GPU"
+  mkdir -p "$out/yard"
   left=$(( ${GPU_BUDGET_S:-540} - ($(date +%s) - started) - 15 ))
   yard() { local name=$1; shift
-    timeout "$left" $py scripts/bench/convergence.py --device cuda --dataset-path "$wheels/corpus/*.py" \
-      --data-cache-dir /tmp/yard_cache --out "$out/yard_$name.jsonl" "$@" >"$out/yard_$name.log" 2>&1 &
+    timeout "$left" $py scripts/bench/convergence.py --device cuda --dataset-path "$wheels/packed" \
+      --data-cache-dir /tmp/yard_cache --out "$out/yard/$name.jsonl" "$@" >"$out/yard/$name.log" 2>&1 &
   }
   if ! $py scripts/bench/convergence.py --device cuda --quick --model 2m --arms "ddp diloco:M=2,H=1" --steps 2 \
-    --eval-steps 1 --dataset-path "$wheels/corpus/*.py" --data-cache-dir /tmp/yard_cache --seeds 0 \
+    --eval-steps 1 --dataset-path "$wheels/packed" --data-cache-dir /tmp/yard_cache --seeds 0 \
     >"$out/yard_smoke.log" 2>&1; then
     echo "yardstick smoke run failed:"; tail -20 "$out/yard_smoke.log"
   else
@@ -110,7 +116,8 @@ diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
     for seed in 0 1; do
       yard "100m_m2_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
         --arms "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"
-      yard "100m_m4_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 --arms "half:M=4 diloco:M=4,H=20"
+      yard "100m_m4_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
+        --arms "half:M=4 diloco:M=4,H=20"
       yard "25m_long_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
         --arms "ddp half:M=2"
       yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
@@ -120,6 +127,7 @@ diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
   (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
   wait
   stamp "6. done"; cat "$out/yard_gpu_load.txt"
-  tail -n 3 "$out"/yard_*.log
+  tail -n 3 "$out"/yard/*.log
+  tar czf "$out/yard.tgz" -C "$out" yard && rm -rf "$out/yard"
 fi
 stamp "done"
