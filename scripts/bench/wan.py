@@ -4,6 +4,7 @@ hivemind all-reduce of the same bytes over the same lab in the same run (issue 1
     python scripts/bench/wan.py                                   # continent + intercontinental, 2M, 2 clusters
     python scripts/bench/wan.py --profiles intercontinental --models 2m 100m --clusters 2 4
     python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs none bf16 int8 int4 int2 sparse
+    python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs sparse sparse,rule=random,density=0.0625
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
 namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
@@ -143,6 +144,19 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
     return [by_round[0][k] for k in range(steady[0] - 1, steady[-1] + 1)]
 
 
+def codec_flags(codec: str) -> list[str]:
+    """``NAME[,key=value...]`` as trainer flags: the name is ``--hv.compression``, each key ``--hv.sparse-<key>``
+    (``sparse,rule=random,density=0.0625``: the sparse codec with another rule and density)."""
+    name, *options = codec.split(",")
+    flags = ["--hv.compression", name]
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in ("rule", "density") or not value:
+            raise SystemExit(f"--codecs {codec}: options are rule=... and density=..., e.g. sparse,rule=random")
+        flags += [f"--hv.sparse-{key}", value]
+    return flags
+
+
 def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, matchmaking: float,
              workdir: Path, codec: str = "none") -> dict:
     numel = model_numel(MODELS[model])
@@ -150,7 +164,7 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
     steps = local_steps * (rounds + 2 + (clusters - 1) // 2)
     flags = ["--path-model", str(MODELS[model]), "--max-steps", str(steps), "--hv.local-steps", str(local_steps),
              "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(matchmaking),
-             "--seq-length", "64", "--hv.compression", codec]
+             "--seq-length", "64", *codec_flags(codec)]
     with Lab(clusters, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
@@ -199,12 +213,15 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--codecs", nargs="+", default=["none"],
-                        help="--hv.compression per case; 'none' runs first and is the ÷ fp32 yardstick")
+                        help="--hv.compression per case, NAME[,rule=R][,density=D] (sparse's options); 'none' runs "
+                        "first and is the ÷ fp32 yardstick")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
         return raw_peer(args)
     rows = []
+    for codec in args.codecs:
+        codec_flags(codec)  # a bad spec fails before any lab is built
     codecs = sorted(args.codecs, key=lambda codec: codec != "none")
     print(f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
           f"{'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}", flush=True)

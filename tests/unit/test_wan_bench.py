@@ -1,10 +1,11 @@
-"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady."""
+"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady, and how a
+case names its codec."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.bench.wan import steady_rounds
+from scripts.bench.wan import codec_flags, steady_rounds
 
 
 def _records(rounds: dict[int, tuple[int, str]], local_steps: int = 5) -> dict[int, dict]:
@@ -26,3 +27,12 @@ def test_too_few_whole_rounds_say_what_to_do():
     seen = [_records({1: (2, "a"), 2: (1, "b"), 3: (2, "c"), 4: (2, "d")}) for _ in range(2)]
     with pytest.raises(AssertionError, match="run more rounds"):
         steady_rounds(seen, clusters=2, rounds=3)
+
+
+def test_a_codec_case_passes_its_sparse_options_as_flags():
+    assert codec_flags("int8") == ["--hv.compression", "int8"]
+    assert codec_flags("sparse,rule=random,density=0.0625") == [
+        "--hv.compression", "sparse", "--hv.sparse-rule", "random", "--hv.sparse-density", "0.0625"
+    ]
+    with pytest.raises(SystemExit, match="options are rule=... and density="):
+        codec_flags("sparse,ruel=random")
