@@ -94,8 +94,9 @@ if want 6; then
   # finish (a timeout keeps what is done). Groups: the ~25M quick setting over 8 seeds, with the codecs of issue 16;
   # the 96M config's quick setting (2 seeds, lr 1.5e-3); ~25M at H = 100 and 500 over 2,000 steps (2 seeds).
   # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
-  # DiLoCo arm ~180 s per 100 steps (its host-side outer step and the fp64 reference), so the 96M and H = 500 groups
-  # need about twice the 450 s one lease could give them. The device returns a few files only: one tarball.
+  # DiLoCo arm ~180 s per 100 steps (its host-side outer step and the fp64 reference): the 96M groups need several
+  # times the 450 s one lease gave them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns
+  # a few files only: one tarball.
   stamp "6. quality yardstick on the GPU"
   mkdir -p "$out/yard"
   left=$(( ${GPU_BUDGET_S:-540} - ($(date +%s) - started) - 15 ))
