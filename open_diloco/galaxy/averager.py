@@ -235,7 +235,7 @@ class HivemindRound:
             return owner.lonely_report(self.metadata, self.start)
         except _Overtaken:
             return owner.lonely_report(self.metadata, self.start, overtaken=True)
-        except Exception as e:
+        except (Exception, asyncio.CancelledError) as e:  # hivemind can end a step cancelled: a BaseException
             if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
                 return owner.lonely_report(self.metadata, self.start)
             raise RoundFailed(f"round {round_id} failed: {e!r}") from e

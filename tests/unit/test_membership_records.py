@@ -4,6 +4,7 @@ makes of them."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -120,3 +121,18 @@ def test_a_peer_looking_for_a_group_the_galaxy_has_not_reached_waits_it_out(monk
     with pytest.raises(RoundFailed, match="did not finish"):
         pending.wait()
     assert control.cancelled
+
+
+class _EndedCancelled(_StillLooking):
+    """A hivemind step whose future ended with ``asyncio.CancelledError`` (seen by a refused stranger in the suite)."""
+
+    def result(self, timeout):
+        raise asyncio.CancelledError
+
+
+def test_a_step_hivemind_ended_cancelled_is_a_failed_round_not_a_crash(monkeypatch):
+    # asyncio.CancelledError is a BaseException: an `except Exception` let it out of the round as a traceback
+    pending, _ = _looking_round(monkeypatch, Membership(lead=3))
+    pending.control = _EndedCancelled()
+    with pytest.raises(RoundFailed, match="round 3 failed: CancelledError"):
+        pending.wait()
