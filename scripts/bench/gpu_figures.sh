@@ -91,8 +91,8 @@ if want 5; then
 fi
 if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
-  # finish (a timeout keeps what is done). Groups: the ~25M quick setting over 8 seeds, with the codecs of issue 16;
-  # the 96M config's quick setting (2 seeds, lr 1.5e-3); ~25M at H = 100 and 500 over 2,000 steps (2 seeds).
+  # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
+  # over 8 seeds, M=4 and the codecs of issue 16) or long (the 96M quick setting, ~25M at H = 100 and 500).
   # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
   # DiLoCo arm ~180 s per 100 steps (its host-side outer step and the fp64 reference): the 96M groups need several
   # times the 450 s one lease gave them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns
@@ -109,21 +109,30 @@ if want 6; then
     >"$out/yard_smoke.log" 2>&1; then
     echo "yardstick smoke run failed:"; tail -20 "$out/yard_smoke.log"
   else
-    for seed in 0 1 2 3 4 5 6 7; do
-      yard "25m_s$seed" --model 25m --quick --seeds "$seed" --threads 1 --arms "ddp half:M=2 diloco:M=2,H=20 \
-diloco:M=2,H=50 half:M=4 diloco:M=4,H=20 diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4 \
-diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
-    done
-    for seed in 0 1; do
-      yard "100m_m2_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
-        --arms "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"
-      yard "100m_m4_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
-        --arms "half:M=4 diloco:M=4,H=20"
-      yard "25m_long_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
-        --arms "ddp half:M=2"
-      yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
-        --arms "diloco:M=2,H=100 diloco:M=2,H=500"
-    done
+    case "${YARD_SET:-25m}" in
+      25m)  # issue 12's M=4 and issue 16's codecs at ~25M, 8 seeds; two processes per seed, each with the arms
+            # its ratios need (a codec ÷ dense DiLoCo of the same process)
+        for seed in 0 1 2 3 4 5 6 7; do
+          yard "25m_m4_s$seed" --model 25m --quick --seeds "$seed" --threads 1 \
+            --arms "ddp half:M=4 diloco:M=4,H=20"
+          yard "25m_codecs_s$seed" --model 25m --quick --seeds "$seed" --threads 1 --arms "diloco:M=2,H=20 \
+diloco:M=2,H=20,codec=sparse diloco:M=2,H=20,codec=sparse,density=0.12 diloco:M=2,H=20,codec=int2 \
+diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4"
+        done ;;
+      long)  # the 96M quick setting (2 seeds, lr 1.5e-3) and ~25M over 2,000 steps at H = 100 and 500: several
+             # times one lease (2026-11-26: the DiLoCo arms reached step 150 and 1,750 in 450 s)
+        for seed in 0 1; do
+          yard "100m_m2_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
+            --arms "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"
+          yard "100m_m4_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
+            --arms "half:M=4 diloco:M=4,H=20"
+          yard "25m_long_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" --threads 1 \
+            --arms "ddp half:M=2"
+          yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" \
+            --threads 1 --arms "diloco:M=2,H=100 diloco:M=2,H=500"
+        done ;;
+      *) echo "YARD_SET=${YARD_SET}: not a set (25m, long)" ;;
+    esac
   fi
   (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
   wait
