@@ -92,7 +92,8 @@ fi
 if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
   # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
-  # over 8 seeds, M=4 and the codecs of issue 16) or long (the 96M quick setting, ~25M at H = 100 and 500).
+  # over 8 seeds, M=4 and the codecs of issue 16) long (the 96M quick setting, ~25M at H = 100 and 500) or
+  # custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
   # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
   # DiLoCo arm ~180 s per 100 steps (its host-side outer step and the fp64 reference): the 96M groups need several
   # times the 450 s one lease gave them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns
@@ -131,7 +132,11 @@ diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4"
           yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" \
             --threads 1 --arms "diloco:M=2,H=100 diloco:M=2,H=500"
         done ;;
-      *) echo "YARD_SET=${YARD_SET}: not a set (25m, long)" ;;
+      custom)  # YARD_ARGS (convergence.py flags) and YARD_ARMS, one process per seed of YARD_SEEDS
+        for seed in ${YARD_SEEDS:-0 1}; do
+          yard "custom_s$seed" ${YARD_ARGS:-} --seeds "$seed" --threads 1 --arms "${YARD_ARMS:-ddp}"
+        done ;;
+      *) echo "YARD_SET=${YARD_SET}: not a set (25m, long, custom)" ;;
     esac
   fi
   (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
