@@ -72,6 +72,36 @@ def test_an_average_lost_on_its_way_costs_the_cluster_one_round_not_two(galaxy):
     assert "applied this round without this cluster while it looked for a group" in galaxy.log("cluster1")
 
 
+def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galaxy):
+    """2-rank clusters: only cluster 0's rank-1 averager (one shard pair) never sends the last average of round 2,
+    so cluster 1 has one shard whole and one partial — the start of the cascade in README "Tests", where a cluster
+    whose shards ended a round apart was left out at every later round. At H = 2 the retry meets the next round:
+    cluster 1 is left out of it and re-syncs; every round after that is in sync, with equal hashes."""
+    steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30"]
+    search_path = [
+        str(FAULTS / "lose_last_average"),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
+    fault = {
+        "PYTHONPATH": os.pathsep.join(search_path),
+        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2",
+        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK": "1",
+    }
+    metrics = [galaxy.start_cluster(0, 2, *steps, env=fault), galaxy.start_cluster(1, 2, *steps)]
+    for rank in (0, 1):
+        assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    rounds = [outer_records(m) for m in metrics]
+    shown = {s: [_round_line(r.get(s, {})) for r in rounds] for s in sorted(set(rounds[0]) | set(rounds[1]))}
+    assert not rounds[1].get(2, {}).get("in_sync"), shown  # the fault did hit: cluster 1's round 2 is not whole
+    assert any(r.get("resynced") for s, r in rounds[1].items() if s in (2, 3)), shown
+    later = range(4, 16)
+    assert all(s in rounds[0] and s in rounds[1] for s in later), shown
+    for s in later:
+        a, b = rounds[0][s], rounds[1][s]
+        assert a["in_sync"] and b["in_sync"] and a["galaxy_peers"] == b["galaxy_peers"] == 2, (s, shown)
+        assert a["param_hash"] == b["param_hash"], (s, shown)
+
+
 def test_galaxy_of_one(galaxy):
     metrics = galaxy.start_cluster(0, 1, "--max-steps", "6", "--hv.local-steps", "2")
     assert galaxy.wait("cluster0", 180) == 0, galaxy.log("cluster0")[-3000:]

@@ -1,7 +1,8 @@
 """Fault injection for the e2e tests, on the PYTHONPATH of one cluster only: in the all-reduce number
 ``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF`` (1-based, counted per averager process) this cluster's reducers never
 send the last average of their span, as a stream cut short did under load ("sent 2 parts, but we expected 3"):
-the round is whole here and partial at the other peer. Applied when ``open_diloco.galaxy.allreduce`` is first
+the round is whole here and partial at the other peer. With ``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK`` set, only
+that local rank's averager (that shard) loses it. Applied when ``open_diloco.galaxy.allreduce`` is first
 imported (the averager process is forked after that and inherits it); nothing else changes."""
 
 import importlib.abc
@@ -51,5 +52,6 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF"):
+_RANK = os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK")
+if os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF") and _RANK in (None, os.environ.get("LOCAL_RANK")):
     sys.meta_path.insert(0, _PatchOnImport())
