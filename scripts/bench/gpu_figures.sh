@@ -92,7 +92,8 @@ fi
 if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
   # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
-  # over 8 seeds, M=4 and the codecs of issue 16), long (the 96M quick setting, ~25M at H = 100 and 500) or
+  # over 8 seeds, M=4 and the codecs of issue 16), 2m (the same arms at
+  # 2M over 16 seeds), long (the 96M quick setting, ~25M at H = 100 and 500) or
   # custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
   # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
   # DiLoCo arm ~180 s per 100 steps (its host-side round work; a CPU profile at 25M put most of that in the bench's
@@ -121,6 +122,13 @@ if want 6; then
 diloco:M=2,H=20,codec=sparse diloco:M=2,H=20,codec=sparse,density=0.12 diloco:M=2,H=20,codec=int2 \
 diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4"
         done ;;
+      2m)  # the 2M quick setting over 16 seeds, issue 12's arms and issue 16's codecs: on two CPU cores one seed moves a
+           # ratio by ±3 % and 16 seeds of all arms take hours; here one process per seed
+        for seed in $(seq 0 15); do
+          yard "2m_s$seed" --model 2m --quick --seeds "$seed" --threads 1 --arms "ddp half:M=2 diloco:M=2,H=20 \
+diloco:M=2,H=50 half:M=4 diloco:M=4,H=20 diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4 \
+diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
+        done ;;
       long)  # the 96M quick setting (2 seeds, lr 1.5e-3) and ~25M over 2,000 steps at H = 100 and 500: several
              # times one lease (2026-11-26: the DiLoCo arms reached step 150 and 1,750 in 450 s)
         for seed in 0 1; do
@@ -137,7 +145,7 @@ diloco:M=2,H=20,codec=int8 diloco:M=2,H=20,codec=int4"
         for seed in ${YARD_SEEDS:-0 1}; do
           yard "custom_s$seed" ${YARD_ARGS:-} --seeds "$seed" --threads 1 --arms "${YARD_ARMS:-ddp}"
         done ;;
-      *) echo "YARD_SET=${YARD_SET}: not a set (25m, long, custom)" ;;
+      *) echo "YARD_SET=${YARD_SET}: not a set (25m, 2m, long, custom)" ;;
     esac
   fi
   (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
