@@ -196,6 +196,8 @@ def drift(locals_: list[torch.Tensor]) -> float:
     """How far apart the clusters' models are: ‖std over clusters‖, i.e. sqrt(Σ‖θ_m − mean‖² / (M − 1)).
     Summed a cluster at a time: ``torch.stack(...).std(0)`` reduces across a strided dimension and took 3.2 s of a
     25M round on a CPU core (more than the rest of the round's outer work together)."""
+    if len(locals_) < 2:  # one cluster (an M=1 arm): no spread to measure, as torch.std says
+        return float("nan")
     mean_theta = sum(locals_) / len(locals_)
     total = sum(float(torch.sub(theta, mean_theta).square_().sum(dtype=torch.float64)) for theta in locals_)
     return math.sqrt(total / (len(locals_) - 1))

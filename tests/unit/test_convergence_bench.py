@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -19,3 +21,7 @@ def test_drift_is_the_norm_of_the_std_over_clusters(clusters):
 def test_equal_clusters_have_no_drift():
     theta = torch.randn(4096)
     assert drift([theta.clone(), theta.clone()]) == 0.0
+
+
+def test_one_cluster_has_no_drift_to_measure():
+    assert math.isnan(drift([torch.randn(16)]))
