@@ -92,14 +92,12 @@ fi
 if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
   # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
-  # over 8 seeds, M=4 and the codecs of issue 16), 2m (the same arms at
-  # 2M over 16 seeds), long (the 96M quick setting, ~25M at H = 100 and 500) or
-  # custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
+  # over 8 seeds, M=4 and the codecs of issue 16), 2m (the same arms at 2M over 16 seeds), long (the 96M quick
+  # setting, ~25M at H = 100 and 500) or custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
   # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
   # DiLoCo arm ~180 s per 100 steps (its host-side round work; a CPU profile at 25M put most of that in the bench's
-  # drift statistic, 6x cheaper since 2026-11-27): the 96M groups needed several
-  # times the 450 s one lease gave them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns
-  # a few files only: one tarball.
+  # drift statistic, 6x cheaper since 2026-11-27): the 96M groups needed several times the 450 s one lease gave
+  # them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns a few files only: one tarball.
   stamp "6. quality yardstick on the GPU"
   mkdir -p "$out/yard"
   left=$(( ${GPU_BUDGET_S:-540} - ($(date +%s) - started) - 15 ))

@@ -49,14 +49,12 @@ def test_an_average_lost_on_its_way_costs_the_cluster_one_round_not_two(galaxy):
     # H = 40: cluster 0's next round is seconds away, as in real runs, so the retry's membership poll (every 2 s)
     # comes first; with H = 10 here the retry could meet that next round before its first poll
     steps = ["--max-steps", "120", "--hv.local-steps", "40", "--hv.averaging-timeout", "30"]
-    search_path = [str(FAULTS / "lose_last_average"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    fault = {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2"}
+    fault = _losing_last_average(of_round=2)
     metrics = [galaxy.start_cluster(0, 2, *steps, nproc=1, env=fault), galaxy.start_cluster(1, 2, *steps, nproc=1)]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]
-    # every round of both clusters, for a failure to show (pytest cuts whole records short)
-    shown = {s: [_round_line(r.get(s, {})) for r in rounds] for s in sorted(set(rounds[0]) | set(rounds[1]))}
+    shown = _both_clusters_rounds(rounds)
     assert sorted(rounds[0]) == sorted(rounds[1]) == [1, 2, 3], shown
     whole, partial = rounds[0][2], rounds[1][2]
     assert whole["galaxy_peers"] == 2 and whole["galaxy_complete"], shown
@@ -78,20 +76,12 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
     whose shards ended a round apart was left out at every later round. At H = 2 the retry meets the next round:
     cluster 1 is left out of it and re-syncs; every round after that is in sync, with equal hashes."""
     steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30"]
-    search_path = [
-        str(FAULTS / "lose_last_average"),
-        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
-    ]
-    fault = {
-        "PYTHONPATH": os.pathsep.join(search_path),
-        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": "2",
-        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK": "1",
-    }
-    metrics = [galaxy.start_cluster(0, 2, *steps, env=fault), galaxy.start_cluster(1, 2, *steps)]
+    metrics = [galaxy.start_cluster(0, 2, *steps, env=_losing_last_average(of_round=2, local_rank=1)),
+               galaxy.start_cluster(1, 2, *steps)]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]
-    shown = {s: [_round_line(r.get(s, {})) for r in rounds] for s in sorted(set(rounds[0]) | set(rounds[1]))}
+    shown = _both_clusters_rounds(rounds)
     assert not rounds[1].get(2, {}).get("in_sync"), shown  # the fault did hit: cluster 1's round 2 is not whole
     assert any(r.get("resynced") for s, r in rounds[1].items() if s in (2, 3)), shown
     later = range(4, 16)
@@ -100,6 +90,21 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
         a, b = rounds[0][s], rounds[1][s]
         assert a["in_sync"] and b["in_sync"] and a["galaxy_peers"] == b["galaxy_peers"] == 2, (s, shown)
         assert a["param_hash"] == b["param_hash"], (s, shown)
+
+
+def _losing_last_average(of_round: int, local_rank: int | None = None) -> dict[str, str]:
+    """The environment of a cluster whose reducers never send the last average of all-reduce ``of_round``
+    (``faults/lose_last_average``), in every averager or only in ``local_rank``'s."""
+    search_path = [str(FAULTS / "lose_last_average"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(of_round)}
+    if local_rank is not None:
+        env["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK"] = str(local_rank)
+    return env
+
+
+def _both_clusters_rounds(rounds: list[dict[int, dict]]) -> dict[int, list[dict]]:
+    """Every round of both clusters, side by side, for a failed assertion to show (pytest cuts whole records short)."""
+    return {s: [_round_line(r.get(s, {})) for r in rounds] for s in sorted(set(rounds[0]) | set(rounds[1]))}
 
 
 def test_galaxy_of_one(galaxy):
