@@ -83,15 +83,17 @@ done
 [ -n "$maddr" ] || { echo "the DHT did not start within 30 s; see $workdir/dht.log" >&2; exit 1; }
 echo "DHT bootstrap peer: $maddr  (logs and metrics in $workdir)"
 
-# the demo's model, batch and flags, each dropped where the trainer flags after `--` set it again (the CLI refuses
-# a flag given twice)
+# the demo's model, batch, schedule and flags, each dropped where the trainer flags after `--` set it again (the CLI
+# refuses a flag given twice): `-- --num-workers 2` or `-- --max-steps 100` wins over the script's own
 user=" $* "
 defaults=(--path-model tests/models/llama-2m-fresh --seq-length 128 --per-device-train-batch-size 4 --lr 1e-2
-          --warmup-steps 5)
+          --warmup-steps 5 --max-steps "$steps" --log-interval 5 --num-workers 0 --hv.local-steps "$local_steps"
+          --hv.matchmaking-time 1.0)
 [[ "$user" == *" --per-device-train-batch-size "* ]] || defaults+=(--total-batch-size $((4 * ranks)))
 demo_defaults=(--fake-data)
 for ((i = 0; i < ${#defaults[@]}; i += 2)); do
-  [[ "$user" == *" ${defaults[i]} "* ]] || demo_defaults+=("${defaults[i]}" "${defaults[i + 1]}")
+  flag="${defaults[i]}"
+  [[ "$user" == *" $flag "* || "$user" == *" $flag="* ]] || demo_defaults+=("$flag" "${defaults[i + 1]}")
 done
 [[ "$user" == *"-torch-compile "* ]] || demo_defaults+=(--no-torch-compile)
 # a per-device batch of the caller's makes the default total (no gradient accumulation) follow it
@@ -106,10 +108,9 @@ for rank in $(seq 0 $((clusters - 1))); do
   # shellcheck disable=SC2046
   $(place "cluster$rank") "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
     "${demo_defaults[@]}" \
-    --max-steps "$steps" --log-interval 5 --num-workers 0 \
     --metric-logger-type jsonl --metrics-path "$workdir/cluster$rank.jsonl" --run-name "cluster$rank" \
     --hv.initial-peers "$maddr" --hv.galaxy-size "$clusters" --hv.world-rank "$rank" \
-    --hv.local-steps "$local_steps" --hv.matchmaking-time 1.0 "${listen[@]}" "$@" \
+    "${listen[@]}" "$@" \
     > >(grep --line-buffered -v '^W[0-9]' | sed -u "s/^/[cluster $rank] /" | tee "$workdir/cluster$rank.log") 2>&1 &
   pids+=($!)
 done
