@@ -1,0 +1,170 @@
+"""Membership ages on the reader's own clock (galaxy/status.py ``RecordAges``): whether a cluster counts as alive
+must not depend on two sites' clocks agreeing (issue 34, point 8)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from open_diloco.galaxy import status
+from open_diloco.galaxy.status import RecordAges, StatusPublisher, departed, is_live, read_records
+
+EXPIRY = 15.0
+WALL = 1_000_000.0  # the reader's wall clock (get_dht_time) when its monotonic clock reads 0
+
+
+class Reader:
+    """A reader with a clock of its own: monotonic ``now``, wall clock ``WALL + now``."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.ages = RecordAges(clock=lambda: self.now)
+
+    def read(self, *records: dict) -> dict[int, dict]:
+        stamped = self.ages.stamp([dict(record) for record in records], wall_now=WALL + self.now)
+        return {record["galaxy_rank"]: record for record in stamped}
+
+
+class Publisher:
+    """A cluster that republishes its record, its wall clock ``skew`` seconds ahead of the reader's."""
+
+    def __init__(self, rank: int = 2, skew: float = 0.0, started_at: float = 0.0):
+        self.rank, self.skew, self.seq = rank, skew, 0
+        self.started_at = WALL + skew + started_at
+        self.record: dict = {}
+
+    def publish(self, at: float) -> dict:
+        """Publish at ``at`` on the reader's monotonic clock."""
+        self.seq += 1
+        self.record = {"galaxy_rank": self.rank, "state": "training", "started_at": self.started_at,
+                       "seq": self.seq, "published_at": WALL + at + self.skew}
+        return self.record
+
+
+@pytest.mark.parametrize("skew", [-100.0, 100.0, 0.0])
+def test_a_record_that_keeps_changing_stays_live_whatever_its_publishers_clock_says(skew):
+    reader, cluster = Reader(), Publisher(skew=skew)
+    reader.read(cluster.publish(at=0.0))  # the first sighting: its age is its publisher-clock age (documented)
+    for second in range(1, 120):  # eight times the expiry, a fresh version before every read
+        reader.now = float(second)
+        seen = reader.read(cluster.publish(at=second - 0.5))[2]
+        assert is_live(seen, EXPIRY), (second, seen)
+        assert seen["last_seen_seconds"] <= 1.0
+    one_shot = read_ages_as_of_old(cluster.record, reader.now)
+    assert (one_shot > EXPIRY) == (skew < -EXPIRY)  # the old rule: 100 s behind looked gone for good
+
+
+def read_ages_as_of_old(record: dict, now: float) -> float:
+    """What a reader without history (``read_records(..., ages=None)``) makes of ``record``."""
+    return RecordAges(clock=lambda: now).stamp([dict(record)], wall_now=WALL + now)[0]["last_seen_seconds"]
+
+
+@pytest.mark.parametrize("skew", [-100.0, 100.0, 0.0])
+def test_a_record_that_stops_changing_is_departed_after_the_expiry_on_the_readers_clock(skew):
+    reader, cluster = Reader(), Publisher(skew=skew)
+    for second in range(10):
+        reader.now = float(second)
+        reader.read(cluster.publish(at=second - 0.5))
+    last = cluster.record  # published at 8.5 on the reader's clock; the cluster dies
+    # the reader places it at 9 (the read at 8 showed the one before, published 1 s earlier by its publisher's
+    # clock): between two reads a reader errs on the alive side, by at most the time between them
+    reader.now = 9.0 + EXPIRY
+    assert departed([reader.read(last)[2]], EXPIRY) == set()
+    reader.now = 9.0 + EXPIRY + 0.1
+    assert departed([reader.read(last)[2]], EXPIRY) == {2}  # 100 s ahead: the old rule kept it 100 s longer
+
+
+def test_a_cluster_that_died_just_after_a_read_is_gone_on_time_however_far_apart_reads_are():
+    reader, dead, live = Reader(), Publisher(rank=1, skew=-100.0), Publisher(rank=2, skew=100.0)
+    reader.read(dead.publish(at=0.0), live.publish(at=0.0))
+    reader.now = 60.0  # one round later; cluster 1 published twice more (heartbeats at 5 s) and died
+    dead.publish(at=5.0)
+    seen = reader.read(dead.publish(at=10.0), live.publish(at=59.0))
+    assert seen[1]["last_seen_seconds"] == pytest.approx(50.0)  # by the publisher's clock differences: no skew
+    assert departed(list(seen.values()), EXPIRY) == {1}
+
+
+def test_an_older_copy_served_again_does_not_revive_a_dead_cluster():
+    reader, cluster = Reader(), Publisher()
+    older, newer = dict(cluster.publish(at=0.0)), dict(cluster.publish(at=1.0))
+    reader.read(older)
+    for second in range(1, 40):  # two DHT nodes answer in turn, one of them lagging: the cluster itself is gone
+        reader.now = float(second)
+        seen = reader.read(newer if second % 2 else older)[2]
+    assert seen["last_seen_seconds"] == pytest.approx(38.0) and departed([seen], EXPIRY) == {2}
+
+
+def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
+    reader, first = Reader(), Publisher(skew=0.0)
+    reader.read(first.publish(at=0.0))
+    reader.now = 30.0
+    restarted = Publisher(skew=-100.0, started_at=25.0)  # another host; its record's dates are older than the last
+    seen = reader.read(restarted.publish(at=29.0))[2]
+    assert seen["last_seen_seconds"] <= 30.0  # not older than the read that did not show it yet
+    reader.now = 31.0
+    assert reader.read(restarted.publish(at=30.5))[2]["last_seen_seconds"] == pytest.approx(0.0)
+
+
+def test_a_skewed_publisher_is_named_in_one_warning_line(caplog):
+    reader, behind, ahead, right = Reader(), Publisher(1, skew=-31.2), Publisher(2, skew=40.0), Publisher(3, 0.5)
+    with caplog.at_level(logging.WARNING, logger=status.__name__):
+        for second in range(30):
+            reader.now = float(second)
+            reader.read(*(cluster.publish(at=second - 0.5) for cluster in (behind, ahead, right)))
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines  # one per skewed cluster, however many reads show it; none for half a second
+    # each published 0.5 s before a read; what one read proves is a range that holds the true skew
+    assert lines[0].startswith("cluster 1's clock is 27.7 to 31.7 s behind this one's (a record it published at "
+                               "most 4.0 s ago is dated 31.7 s ago)"), lines[0]
+    assert lines[1].startswith("cluster 2's clock is 39.5 to 43.5 s ahead of this one's (a record it published "
+                               "at most 4.0 s ago is dated 39.5 s in the future)"), lines[1]
+    assert all("keep every site on NTP; membership ages here do not depend on it" in line for line in lines)
+
+
+class FakeDHT:
+    """hivemind's DHT face that the publisher and the reader use (store and get of subkeyed records)."""
+
+    def __init__(self, publisher_skew: float = 0.0):
+        self.values: dict[int, SimpleNamespace] = {}
+        self.skew, self.stored = publisher_skew, threading.Event()
+
+    def store(self, key, value, expiration_time, subkey, return_future):
+        self.values[subkey] = SimpleNamespace(value={**value, "published_at": value["published_at"] + self.skew})
+        self.stored.set()
+        return _done(True)
+
+    def get(self, key, latest, return_future):
+        return _done(SimpleNamespace(value=dict(self.values)))
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def test_a_publishers_records_are_aged_by_the_reader_that_keeps_its_ages():
+    dht = FakeDHT(publisher_skew=-100.0)  # this publisher's clock is 100 s behind
+    identity = {"galaxy_rank": 1, "host": "h", "peer_id": "QmA", "shard_peer_ids": ["QmA"]}
+    publisher = StatusPublisher(dht, "run", identity, heartbeat_seconds=0.02, expiry_seconds=EXPIRY)
+    try:
+        ages = RecordAges()
+        assert dht.stored.wait(5.0)
+        first = read_records(dht, status.status_key("run"), 1.0, ages)
+        assert first[0]["last_seen_seconds"] > EXPIRY  # a first sighting: by the publisher's clock
+        seqs = [first[0]["seq"]]
+        for _ in range(3):
+            while dht.values[1].value["seq"] == seqs[-1]:
+                threading.Event().wait(0.01)
+            (record,) = read_records(dht, status.status_key("run"), 1.0, ages)
+            seqs.append(record["seq"])
+            assert record["last_seen_seconds"] < 1.0 and is_live(record, EXPIRY), record
+        assert seqs == sorted(set(seqs))  # a counter per publication
+        assert {"started_at", "published_at", "heartbeat_seconds", "member_expiry_seconds", "peer_id"} <= set(record)
+        assert read_records(dht, status.status_key("run"), 1.0)[0]["last_seen_seconds"] > EXPIRY  # no ages: as before
+    finally:
+        publisher.close()
