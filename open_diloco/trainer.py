@@ -29,7 +29,14 @@ from open_diloco.outer.streaming import fragment_length
 from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
-from open_diloco.world import World, describe_world, env_flag, join_process_group, leave_process_group
+from open_diloco.world import (
+    World,
+    describe_world,
+    env_flag,
+    join_process_group,
+    leave_process_group,
+    process_group_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ def train(config: Config) -> None:
     ensure_run_outputs_writable(config, world.is_main)
 
     guard = StopGuard().install()
-    join_process_group(world)
+    join_process_group(world, process_group_timeout(config.hv))
     metrics = build_metrics(
         config.metric_logger_type,
         world.is_main,

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from open_diloco.config import ConfigError
+from open_diloco.config import ConfigError, HvConfig
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,37 @@ def describe_world(device: str = "auto", backend: str = "auto") -> World:
     )
 
 
-def join_process_group(world: World, timeout_s: float = 600.0) -> None:
-    """Form the cluster's process group. A single process gets a one-rank group over an in-memory store, so
-    FSDP2 and collectives run the same code path with one rank as with many."""
+PROCESS_GROUP_FLOOR_SECONDS = 600.0
+"""The least a collective may wait for a sibling rank (the fixed timeout of old): a rank also waits outside rounds
+(a checkpoint write, a slow data read) and those waits have no flag to derive from."""
+PROCESS_GROUP_MARGIN = 1.5
+"""Over the longest wait a round's flags allow: the round's own work (outer step, hashes, membership reads)."""
+BUFFER_LOCK_GRACE_SECONDS = 1.0
+"""What a rank waits for its averager's buffer lock beyond ``--hv.averaging-timeout`` (``galaxy/averager.py``)."""
+
+
+def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOOR_SECONDS) -> float:
+    """Seconds a collective of the cluster waits for a sibling rank before the cluster dies: at least ``floor``,
+    and the margin over the longest wait the galaxy flags allow one rank in one round while its siblings sit
+    in a collective. Why: the ranks of a cluster average their shards each on their own, so one rank can wait on
+    the network far longer than another; a fixed timeout below that (it was 600 s) killed a healthy cluster
+    whose link is slow (a 7B int8 round at 100 Mbit/s takes ~10 min). Each attempt of a round
+    (1 + ``--hv.max-retries``) waits for the buffer lock (``--hv.averaging-timeout`` + 1 s) and then for the
+    all-reduce (``--hv.averaging-timeout``, matchmaking included); a re-sync downloads for up to
+    ``--hv.join-timeout``, and a round may gather once more (``--hv.matchmaking-time``). A wait added to a
+    round must be added here. ``floor`` is a parameter for tests only (a short stand-in for 600 s): no flag,
+    since raising the round's own flags raises this with them and a separate one could only fall out of step."""
+    if hv is None:
+        return floor
+    attempt = hv.averaging_timeout + BUFFER_LOCK_GRACE_SECONDS + hv.averaging_timeout
+    round_wait = (1 + hv.max_retries) * attempt + hv.join_timeout + hv.matchmaking_time
+    return max(floor, PROCESS_GROUP_MARGIN * round_wait)
+
+
+def join_process_group(world: World, timeout_s: float = PROCESS_GROUP_FLOOR_SECONDS) -> None:
+    """Form the cluster's process group, whose collectives wait ``timeout_s`` for a late rank (see
+    :func:`process_group_timeout`). A single process gets a one-rank group over an in-memory store, so FSDP2 and
+    collectives run the same code path with one rank as with many."""
     if dist.is_initialized():
         return
     if world.device.type == "cuda":
