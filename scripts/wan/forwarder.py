@@ -11,6 +11,10 @@ delivers a frame itself; rate limits are tbf qdiscs on the veths, outside this p
 
 Packet order is kept in each direction (a packet's release time is never before its predecessor's), as on a
 real path without reordering. On SIGTERM it prints its counters to stderr and exits.
+
+Loss can change while it runs: ``control_file`` (scripts/wan/control.py writes it) holds ``{"loss_pct": X,
+"loss_in_pct": Y}`` for packets sent and received; without the file, the profile's loss one way. A burst of loss
+is a fault the chaos soak injects, and restarting a forwarder to change it would cut every connection through it.
 """
 
 from __future__ import annotations
@@ -55,12 +59,46 @@ class Stop(BaseException):
     pass
 
 
+class LossControl:
+    """The loss of each direction, read again from ``path`` whenever it changes (polled, cheap: one stat every
+    0.2 s); no file: ``loss`` outbound and none inbound, the profile's figures."""
+
+    def __init__(self, path: str | None, loss: float):
+        self.path, self.base = path, loss
+        self.out, self.into = loss, 0.0
+        self._seen: int | None = None
+        self._next = 0.0
+
+    def poll(self, now: float) -> None:
+        if not self.path or now < self._next:
+            return
+        self._next = now + 0.2
+        try:
+            seen = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            seen = None
+        if seen == self._seen:
+            return
+        self._seen = seen
+        values = {}
+        if seen is not None:
+            try:
+                with open(self.path) as f:
+                    values = json.load(f)
+            except (OSError, ValueError):  # replaced under us: read it again at the next poll
+                self._seen = None
+                return
+        self.out = values.get("loss_pct", self.base * 100) / 100
+        self.into = values.get("loss_in_pct", 0.0) / 100
+        print(f"loss now {self.out:.2%} out, {self.into:.2%} in", file=sys.stderr, flush=True)
+
+
 def run(config: dict) -> dict:
     """Forward until SIGTERM; return the counters."""
     delay_out = config["delay_ms"] / 2e3
     delay_in = config["delay_ms"] / 2e3
     jitter = config.get("jitter_ms", 0.0) / 1e3
-    loss = config.get("loss_pct", 0.0) / 100
+    control = LossControl(config.get("control_file"), config.get("loss_pct", 0.0) / 100)
     macs = {socket.inet_aton(ip): bytes.fromhex(mac.replace(":", "")) for ip, mac in config["macs"].items()}
     ifname = config.get("link", "eth0")
     rng = random.Random(config.get("seed"))
@@ -68,7 +106,7 @@ def run(config: dict) -> dict:
     link = open_link(ifname)
     outq: collections.deque = collections.deque()  # (release, packet, mac)
     inq: collections.deque = collections.deque()  # (release, packet)
-    stats = dict(sent=0, received=0, lost=0, unroutable=0, queue_full=0, max_held=0)
+    stats = dict(sent=0, received=0, lost=0, lost_in=0, unroutable=0, queue_full=0, max_held=0)
     last_out = 0.0
 
     def stop(*_):
@@ -82,6 +120,7 @@ def run(config: dict) -> dict:
     try:
         while True:
             now = time.monotonic()
+            control.poll(now)
             while outq and outq[0][0] <= now:
                 _, packet, mac = outq.popleft()
                 try:
@@ -107,7 +146,7 @@ def run(config: dict) -> dict:
                     if mac is None:
                         stats["unroutable"] += 1
                         continue
-                    if loss and rng.random() < loss:
+                    if control.out and rng.random() < control.out:
                         stats["lost"] += 1
                         continue
                     release = now + delay_out + (rng.uniform(-jitter, jitter) if jitter else 0.0)
@@ -119,8 +158,12 @@ def run(config: dict) -> dict:
                         packet, addr = link.recvfrom(65536)
                     except BlockingIOError:
                         break
-                    if addr[2] != PACKET_OUTGOING:
-                        inq.append((now + delay_in, packet))
+                    if addr[2] == PACKET_OUTGOING:
+                        continue
+                    if control.into and rng.random() < control.into:
+                        stats["lost_in"] += 1
+                        continue
+                    inq.append((now + delay_in, packet))
     except Stop:
         pass
     return stats

@@ -233,8 +233,8 @@ class Lab:
         for i, name in enumerate(self.endpoints):
             ready = self.workdir / f"{name}.ready"
             ready.unlink(missing_ok=True)
-            config = dict(delay_ms=p.delay_ms, jitter_ms=p.jitter_ms, loss_pct=p.loss_pct, macs=macs,
-                          ready_file=str(ready), seed=i)
+            config = dict(delay_ms=p.delay_ms, jitter_ms=p.jitter_ms, loss_pct=p.loss_pct, macs=macs, seed=i,
+                          ready_file=str(ready), control_file=str(self.workdir / f"{name}.control"))
             self.forwarders[name] = subprocess.Popen(
                 [*self.exec_prefix(name), self.python, "-m", "scripts.wan.forwarder", json.dumps(config)],
                 cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
