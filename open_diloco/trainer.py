@@ -116,9 +116,9 @@ def train(config: Config) -> None:
             }
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps)
             for earlier in syncs[:-1]:  # two syncs ended at this step (--hv.sync-delay = H/P): a line for each
-                metrics.log({**record, **earlier})
-            record.update(syncs[-1] if syncs else {})
-            if any(False in (sync.get("pseudo_grad_finite"), sync.get("pseudo_grad_in_bound")) for sync in syncs):
+                metrics.log({**record, **earlier.metrics()})
+            record.update(syncs[-1].metrics() if syncs else {})
+            if any(sync.diverged for sync in syncs):
                 optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
             galaxy_step = outer.inner_step_of_galaxy()
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up

@@ -24,9 +24,11 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
-from hivemind.p2p import P2PContext
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_tensor_stream
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
 
 from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
@@ -184,6 +186,37 @@ class CanonicalAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in time.
+
+        hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one cluster
+        could then assemble a θ_outer from two clusters. A re-sync names its source instead (``outer/adoption.py``)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
+        try:
+            return future.result(timeout=timeout + _GRACE)
+        except TimeoutError:
+            return None
+
+    async def _download_state_from(self, peer: str, timeout: float, future: MPFuture) -> None:
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+            metadata: list[bytes] = []
+
+            async def parts():
+                async for message in aiter_with_timeout(stream, timeout=timeout):
+                    if message.metadata:
+                        metadata.append(message.metadata)
+                    yield [message.tensor_part]
+
+            tensors = await asyncio.wait_for(deserialize_tensor_stream(parts()), timeout)
+            future.set_result((self.serializer.loads(metadata[0]), tensors) if metadata else None)
+        except Exception as err:  # unreachable, gone, refused, slow: the caller tries again or elsewhere
+            log.warning("state download from %s failed: %r", peer, err)
+            if not future.done():
+                future.set_result(None)
+
     def get_current_state(self):
         """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``, and
         the size of every tensor, so the downloader can tell a download cut short (see ``download_state``)."""
@@ -235,6 +268,8 @@ class HivemindRound:
             return owner.lonely_report(self.metadata, self.start)
         except _Overtaken:
             return owner.lonely_report(self.metadata, self.start, overtaken=True)
+        except _MovedOn:
+            return owner.lonely_report(self.metadata, self.start, moved_on=True)
         except (Exception, asyncio.CancelledError) as e:  # hivemind can end a step cancelled: a BaseException
             if _NO_GROUP in str(e):  # nobody else showed up before the deadline: a group of one
                 return owner.lonely_report(self.metadata, self.start)
@@ -289,10 +324,23 @@ class HivemindRound:
             if view.lead > self.metadata["round_id"]:
                 control.cancel()
                 raise _Overtaken
+            if self._everyone_moved_on(view):
+                control.cancel()
+                raise _MovedOn
+
+    def _everyone_moved_on(self, view: Membership) -> bool:
+        """Every other live cluster started a later attempt of this round (or a later round): nobody will come."""
+        round_no, attempt = self.metadata["round_id"] + 1, self.metadata.get("attempt", 0)
+        others = {rank: started for rank, started in view.attempts.items() if rank != self.owner.galaxy_rank}
+        return bool(others) and all(started > (round_no, attempt) for started in others.values())
 
 
 class _LeftAlone(Exception):
     """Every other cluster left while this peer looked for a group."""
+
+
+class _MovedOn(Exception):
+    """Every other cluster left this attempt of the round while this peer looked for a group."""
 
 
 class _Overtaken(Exception):
@@ -352,13 +400,17 @@ class HivemindAverager:
         finally:
             lock.release()
 
-    def start_round(self, round_id: int, fingerprint: dict[str, Any]) -> HivemindRound:
+    def start_round(self, round_id: int, fingerprint: dict[str, Any], attempt: int = 0) -> HivemindRound:
         """Matchmaking waits ``--hv.matchmaking-time`` for the whole galaxy, then goes with whoever came (at
-        least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer unchanged)."""
+        least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer unchanged).
+
+        The round and the attempt are in the matchmaking key (:func:`round_key_bits`): a retry of a round can
+        never meet the galaxy's next round, nor a shard late for one attempt the group of the next."""
         start = time.monotonic()
-        metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id}
+        metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
+        self.averager.set_group_bits(round_key_bits(round_id, attempt))
         control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False)
         return HivemindRound(self, control, metadata, start)
 
@@ -382,8 +434,14 @@ class HivemindAverager:
                                         [peer for rank, peer in peers.items() if rank not in gone])
         lead = lead_outer_step(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
+        live = [record for record in records if record["galaxy_rank"] not in gone]
         return Membership(departed=gone, lead=lead, silent=quiet,
-                          lead_inner_step=lead_step, lead_seen_seconds=lead_seen)
+                          lead_inner_step=lead_step, lead_seen_seconds=lead_seen,
+                          steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in live},
+                          sources={record["galaxy_rank"]: peer for record in live
+                                   if (peer := shard_peer(record, self.shard_index))},
+                          attempts={record["galaxy_rank"]: (int(attempt[0]), int(attempt[1])) for record in live
+                                    if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2})
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``
@@ -400,9 +458,10 @@ class HivemindAverager:
         others = set(range(self.galaxy_size)) - {self.galaxy_rank}
         return others <= view.departed
 
-    def lonely_report(self, metadata: dict[str, Any], start: float, overtaken: bool = False) -> RoundReport:
-        return RoundReport(group_size=1, complete=True, peers={self.galaxy_rank: metadata},
-                           seconds=time.monotonic() - start, overtaken=overtaken)
+    def lonely_report(self, metadata: dict[str, Any], start: float, overtaken: bool = False,
+                      moved_on: bool = False) -> RoundReport:
+        return RoundReport(group_size=1, complete=not moved_on, peers={self.galaxy_rank: metadata},
+                           seconds=time.monotonic() - start, overtaken=overtaken, moved_on=moved_on)
 
     def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any]) -> RoundReport:
         """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the
@@ -431,14 +490,19 @@ class HivemindAverager:
         self.averager.get_state = get_state
         self.averager.allow_state_sharing = True
 
-    def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download ``(metadata, tensors)`` from a peer serving this shard; ``None`` if none answers in time.
+    def download_state(self, timeout: float, source: str | None = None
+                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download ``(metadata, tensors)`` from ``source`` (a PeerID), or any peer serving this shard; ``None``
+        if none answers in time.
 
         Retries until ``timeout``: a serving peer's DHT declaration may not have propagated yet."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
-                state = self.averager.load_state_from_peers(timeout=left)
+                if source is not None:
+                    state = self.averager.download_state_from(source, left)
+                else:
+                    state = self.averager.load_state_from_peers(timeout=left)
             except TimeoutError:
                 return None
             if state is not None and state[0]:
@@ -488,6 +552,17 @@ class HivemindAverager:
             end_child(self.averager)
         finally:
             shutdown_dht(self.dht)
+
+
+ROUND_BITS, ATTEMPT_BITS = 40, 8
+
+
+def round_key_bits(round_id: int, attempt: int) -> str:
+    """hivemind's group bits for (round, attempt): its matchmaking key is ``{prefix}.0b{bits}``, so only peers of
+    the same round and attempt can ever form a group. Attempts past 255 wrap (a round is never retried that often:
+    ``--hv.max-retries``)."""
+    return format(round_id % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + format(attempt % (1 << ATTEMPT_BITS),
+                                                                           f"0{ATTEMPT_BITS}b")
 
 
 def start_shard_averager(

@@ -1,27 +1,28 @@
 """DiLoCo's outer loop for one shard of one cluster, as two halves: :meth:`DiLoCo.start_round` computes the
-pseudo-gradient and launches the galaxy average; :meth:`DiLoCo.finish_round` waits for it, lets the round
-policy decide, and applies the outer step. :meth:`DiLoCo.after_inner_step` drives them on the schedule of
-``outer/streaming.py``: back to back every H inner steps by default, or one fragment of the model every H/P steps
-with the round in flight for ``--hv.sync-delay`` inner steps while training goes on.
+pseudo-gradient and launches the galaxy average; :meth:`DiLoCo.finish_round` waits for it and commits it, or
+adopts it from a cluster that did, or runs it again (``outer/round.py`` has the rule). :meth:`DiLoCo.after_inner_step`
+drives them on the schedule of ``outer/streaming.py``: back to back every H inner steps by default, or one fragment
+of the model every H/P steps with the round in flight for ``--hv.sync-delay`` inner steps while training goes on.
 
-Cluster-level decisions (retry a partial round, re-sync after a mismatch) are agreed by all local ranks
-through :class:`ClusterComm`, so every shard of a cluster follows the same path.
+Cluster-level decisions (commit, retry, adopt) are agreed by all local ranks through :class:`ClusterComm`, so
+every shard of a cluster follows the same path, through the same collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from open_diloco.errors import ConfigError, GalaxyError, GalaxyMismatch, RoundFailed
+from open_diloco.outer.adoption import Downloaded, StateAdoption
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import all_finite, build_compressor
 from open_diloco.outer.guard import NormHistory, wire_norm
-from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
+from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy
 from open_diloco.outer.protocols import (
     AloneRound,
     Averager,
@@ -30,45 +31,12 @@ from open_diloco.outer.protocols import (
     RoundReport,
     StatusBoard,
 )
+from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
 from open_diloco.outer.state import OuterState, combine_hashes
 from open_diloco.outer.streaming import SyncSchedule
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
-
-
-@dataclass
-class RoundInFlight:
-    """A started round: what :meth:`DiLoCo.finish_round` needs to judge and apply it."""
-
-    pending: PendingRound | None
-    """The all-reduce in flight; ``None`` when it could not even start."""
-    own_hash: str
-    """Hash of this shard's θ_outer when the round started."""
-    local_sq: float
-    """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
-    alive: int
-    """Clusters alive when the round started (membership), this one included; agreed by the cluster's ranks."""
-    attempts: int = 0
-    start_error: str | None = None
-    diverged: bool = False
-    """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
-    bound: float | None = None
-    """The largest ‖Δ‖ this shard could send this round: the tighter of ``--hv.delta-norm-bound`` × the galaxy's
-    recent median and ``guard.THETA_FACTOR`` × ‖θ_outer‖ (``guard.NormHistory``); ``None``: the check is off."""
-    out_of_bound: bool = False
-    """Δ is finite but out of bound on some rank of this cluster: nothing was sent (it sits the round out)."""
-    lead: int = -1
-    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
-    this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
-    silent: int = 0
-    """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
-    lands_at: int = 0
-    """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
-
-    @property
-    def sits_out(self) -> bool:
-        return self.pending is None and self.start_error is None
 
 
 class DiLoCo:
@@ -122,6 +90,8 @@ class DiLoCo:
             sync_alpha=hv.sync_alpha,
         )
         self.averager.serve_state(self._served_state)
+        self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
+        self._joined_from = self.outer_step
 
     @property
     def outer_step(self) -> int:
@@ -137,22 +107,40 @@ class DiLoCo:
 
     # -- joining --------------------------------------------------------------------------------------------
     def join_galaxy(self) -> int:
-        """Adopt the galaxy's outer state if a peer serves a newer one than this cluster holds (a late joiner,
-        or a resume from an older checkpoint); return the inner step to continue after. All local ranks must
-        agree, else the shards would mix two galaxy states, so the state is adopted on every rank or none."""
+        """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late joiner, or a
+        resume from an older checkpoint); return the inner step to continue after. Nothing is downloaded when no
+        cluster is ahead: the records carry each cluster's outer step. The state comes from one source cluster,
+        every rank's shard from it (``outer/adoption.py``), or is not taken at all."""
         wanted = self.hv.galaxy_size > 1 and not self.hv.skip_load_from_peers
-        downloaded = self.averager.download_state(self.hv.join_timeout) if wanted else None
-        newer = downloaded is not None and int(downloaded[0].get("outer_step", -1)) > self.outer_step
-        if self.cluster.all_true(newer):
-            previous = self.outer_step
-            self.state.adopt(*downloaded)
+        got = self._find_and_take_newer() if wanted else None
+        if got is not None:
             self.warn(
-                f"the galaxy is at outer step {self.outer_step} (this cluster was at {previous}): "
-                "downloaded θ_outer and the outer momentum from a peer"
+                f"the galaxy is at outer step {got.step} (this cluster was at {self._joined_from}): downloaded "
+                f"θ_outer and the outer momentum from cluster {got.source}"
             )
         elif self.state.local_at_start is not None:  # a checkpoint taken with a round in flight: send it again
             self._resume_round_in_flight()
         return self.inner_step_of_galaxy()
+
+    def _find_and_take_newer(self) -> Downloaded | None:
+        """Wait (up to ``--hv.join-timeout``) for the records of the other clusters to show up: a cluster that
+        starts beside running ones must not train alone from scratch because the DHT had not answered yet. Once
+        any other cluster's record is seen, download only if one of them is ahead."""
+        self._joined_from = self.outer_step
+        deadline = time.monotonic() + self.hv.join_timeout
+        while True:
+            view = self.averager.membership()
+            others = [step for rank, step in view.steps.items() if rank != self.galaxy_rank]
+            known = -self.cluster.min_int(-len(others))
+            ahead = -self.cluster.min_int(-max(others, default=-1)) > self.outer_step
+            if ahead:
+                got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
+                if got is not None:
+                    self.state.adopt(got.metadata, got.tensors)
+                return got
+            if known or not self.cluster.all_true(time.monotonic() + 1.0 < deadline):
+                return None
+            time.sleep(1.0)
 
     def _resume_round_in_flight(self) -> None:
         """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step does
@@ -229,37 +217,37 @@ class DiLoCo:
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
         """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests, benches)."""
-        records = self.syncs_after_inner_step(inner_step, last)
-        return records[-1] if records else {}
+        results = self.syncs_after_inner_step(inner_step, last)
+        return results[-1].metrics() if results else {}
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
         """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the schedule
-        (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns the metrics of
-        every round that landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step the
-        next starts and that one ends at once too (sat out, or at the run's end)."""
+        (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns every round that
+        landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step the next starts and
+        that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
         if self._window_start is None:
             self._window_start = began
-        records: list[dict[str, Any]] = []
+        results: list[RoundResult] = []
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
-            records.append(self.finish_round(flight))
+            results.append(self.finish_round(flight))
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it already)
-        skip = bool(records) and self.inner_step_of_galaxy() >= inner_step
-        if self.schedule.starts_sync(inner_step) and not skip and (record := self._start_sync(inner_step, last)):
-            records.append(record)
+        skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
+        if self.schedule.starts_sync(inner_step) and not skip and (result := self._start_sync(inner_step, last)):
+            results.append(result)
         self._held += time.perf_counter() - began
-        if records:
+        if results:
             window = time.perf_counter() - self._window_start
             # the share of the wall time since the last round's metrics that the trainer was not held by the
             # outer loop (Δ, matchmaking and all-reduce waits, the outer step): 1.0 when the network is hidden
             utilization = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
-            for record in records:
-                record["compute_utilization"] = utilization
+            for result in results:
+                result.compute_utilization = utilization
             self._window_start, self._held = time.perf_counter(), 0.0
-        return records
+        return results
 
-    def _start_sync(self, inner_step: int, last: bool) -> dict[str, Any]:
+    def _start_sync(self, inner_step: int, last: bool) -> RoundResult | None:
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""
         delay = 0 if last else self.schedule.sync_delay
         self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=delay > 0)
@@ -268,55 +256,72 @@ class DiLoCo:
             return self.finish_round(flight)
         return self._hold(flight, inner_step + delay)
 
-    def _hold(self, flight: RoundInFlight, lands_at: int) -> dict[str, Any]:
-        """Keep a started round in flight until inner step ``lands_at``, or sit it out at once (its metrics)."""
+    def _hold(self, flight: RoundInFlight, lands_at: int) -> RoundResult | None:
+        """Keep a started round in flight until inner step ``lands_at``, or sit it out at once."""
         if flight.sits_out:
             return self.sit_out(flight)
         flight.lands_at, self.in_flight = lands_at, flight
-        return {}
+        return None
 
     def step(self) -> dict[str, Any]:
         """One blocking outer step of the next fragment: start the round and finish it (or sit it out, see
-        :meth:`sit_out`)."""
+        :meth:`sit_out`); its metrics."""
         self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=False)
         flight = self.start_round()
-        return self.sit_out(flight) if flight.sits_out else self.finish_round(flight)
+        return (self.sit_out(flight) if flight.sits_out else self.finish_round(flight)).metrics()
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
-        """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it."""
+        """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it (attempt
+        ``attempts`` of the round). Every rank runs the same collectives whatever happens on it."""
         own_hash = self.state.hash()
-        alive, lead, silent = self._membership()
+        alive, lead, silent, galaxy_attempt = self._membership()
+        attempts = max(attempts, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
+        self.status.update({"round_attempt": [self.outer_step + 1, attempts]})
         if lead > self.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
             return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead, silent=silent)
+        with contextlib.ExitStack() as held:
+            pseudo_grad = self._locked_buffer(held)
+            if pseudo_grad is None:
+                error = "the averager is still busy with a previous round"
+                return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=error, silent=silent)
+            local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
+            finite = math.isfinite(local_sq)
+            # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
+            claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
+        if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
+            return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead, silent=silent)
+        theta_norm = math.sqrt(self.state.sq_norm())
+        bound = self.norm_history.bound(theta_norm)
+        if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
+            return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
+                                 lead=lead, silent=silent)
+        fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim,
+                       "theta_norm": theta_norm, "committed_by": len(self.state.committed_group)}
         try:
-            with self.averager.buffer() as pseudo_grad:
-                local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
-                finite = math.isfinite(local_sq)
-                # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
-                claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
-            if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
-                return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead,
-                                     silent=silent)
-            theta_norm = math.sqrt(self.state.sq_norm())
-            bound = self.norm_history.bound(theta_norm)
-            if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
-                return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
-                                     lead=lead, silent=silent)
-            fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim,
-                           "theta_norm": theta_norm}
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
             else:
-                pending = self.averager.start_round(self.outer_step, fingerprint)
-        except RoundFailed as err:
-            return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=str(err), silent=silent)
+                pending = self.averager.start_round(self.outer_step, fingerprint, attempts)
+        except RoundFailed as err:  # the round fails on this rank: its wait reports it, at the same collectives
+            return RoundInFlight(None, own_hash, local_sq, alive, attempts, start_error=str(err), bound=bound,
+                                 silent=silent)
         return RoundInFlight(pending, own_hash, local_sq, alive, attempts, bound=bound, silent=silent)
 
-    def _membership(self) -> tuple[int, int, int]:
-        """(clusters alive, the galaxy's lead outer step, other clusters gone silent), the same on every rank of
-        this cluster.
+    def _locked_buffer(self, held: contextlib.ExitStack) -> torch.Tensor | None:
+        """The averager's buffer, locked until ``held`` closes; ``None`` on every rank when any rank could not
+        lock it in time (a round that outlived its timeout still writes there), so no rank skips a collective its
+        siblings enter."""
+        try:
+            buffer = held.enter_context(self.averager.buffer())
+        except RoundFailed:
+            buffer = None
+        return buffer if self.cluster.all_true(buffer is not None) else None
+
+    def _membership(self) -> tuple[int, int, int, int]:
+        """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of the next
+        round a live cluster started), the same on every rank of this cluster.
 
         Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
         any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
@@ -327,12 +332,14 @@ class DiLoCo:
         gone = {rank for rank in view.departed if rank != self.galaxy_rank and rank in ours}
         silent = {rank for rank in view.silent if rank != self.galaxy_rank and rank in ours}
         alive = -self.cluster.min_int(-(self.hv.galaxy_size - len(gone)))
-        return alive, -self.cluster.min_int(-view.lead), -self.cluster.min_int(-len(silent))
+        attempt = -self.cluster.min_int(-view.attempt_of(self.outer_step + 1))
+        return alive, -self.cluster.min_int(-view.lead), -self.cluster.min_int(-len(silent)), attempt
 
     @torch.no_grad()
-    def finish_round(self, flight: RoundInFlight) -> dict[str, Any]:
-        """Wait for the round, decide with the policy (retrying as it says), apply the outer step, copy θ_outer
-        into the model, and return the round's metrics."""
+    def finish_round(self, flight: RoundInFlight) -> RoundResult:
+        """Wait for the round and commit it (``outer/round.py``): apply the average when every shard got it whole
+        from the same clusters, else take the round from a cluster that committed it, else run it again under the
+        next attempt; a round the policy calls partial runs again too (``--hv.on-partial-round``)."""
         round_no = self.outer_step + 1
         self.bad_rounds = 0
         network_wait = 0.0
@@ -340,136 +347,166 @@ class DiLoCo:
             waited = time.perf_counter()
             report, failed = self._wait(flight, round_no)
             network_wait += time.perf_counter() - waited
-            overtaken = not self.cluster.all_true(not report.overtaken)  # any shard: a cluster never half-adopts
-            if overtaken and flight.attempts <= self.hv.max_retries:
-                self.warn(f"outer step {round_no}: the galaxy applied this round without this cluster while it "
-                          "looked for a group: it adopts the galaxy's state rather than wait for the next round")
-                flight = self.start_round(flight.attempts + 1)  # reads the records again: the lead is past us
-                if flight.sits_out:
-                    return self.sit_out(flight)
-                continue  # the records said otherwise this time: a round like any other
             self._check_peers(report)
-            rejected = self._ranks_by_any_rank(report.rejected)
-            # peers that started from another round or θ_outer: left out by every reducer, they re-sync
-            stale = self._ranks_by_any_rank(report.stale)
-            left_out = self.galaxy_rank in stale
-            clusters = self.cluster.min_int(report.group_size - len(rejected) - len(stale) if report.complete else 1)
-            # within the cohort: those left out cannot spoil the average. A cluster left out itself is not in sync
-            # even when every other peer was left out too (by another shard's reducers): nothing was compared
-            in_sync = self.cluster.all_true(
-                not left_out and all(meta.get("param_hash") == flight.own_hash for rank, meta in report.peers.items()
-                                     if rank not in stale or rank == self.galaxy_rank)
-            )
-            reference = most_advanced(report.peers, self.outer_step, self.galaxy_rank)
-            behind = not self.cluster.all_true(reference <= (self.outer_step, -self.galaxy_rank))
-            outcome = RoundOutcome(  # a rejected cluster's Δ is garbage: waiting or retrying for it is no use
-                clusters=clusters,
-                alive=flight.alive - len(rejected) - len(stale),
-                in_sync=in_sync,
-                behind=behind,
-                attempts=flight.attempts,
-                left_out=left_out,
-            )
-            decision = self.policy.decide(outcome)
-            if decision is not Decision.RETRY:
+            view = RoundView.agree(self.cluster, report, failed, flight.own_hash, self.galaxy_rank, self.outer_step)
+            if view.overtaken:
+                self.warn(f"outer step {round_no}: the galaxy applied this round without this cluster while it "
+                          "looked for a group: it takes the galaxy's state rather than wait for the next round")
+                return self._take_round(flight, view, report, network_wait)
+            if view.left_out:
+                self.warn(f"outer step {round_no}: this cluster started the round from another θ_outer than the "
+                          "galaxy's most advanced cluster: its Δ was left out, it takes that cluster's state")
+                return self._take_round(flight, view, report, network_wait)
+            clusters = len(view.group) - len(view.rejected) - len(view.stale)
+            alive = flight.alive - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
+            if not view.committable or (clusters < alive and self.policy.on_partial_round == "retry"):
+                if self._committed_elsewhere(round_no):  # whoever committed it has our Δ if we were in its group
+                    return self._take_round(flight, view, report, network_wait)
+            decision = Decision.RETRY if not view.committable else self.policy.decide(RoundOutcome(
+                clusters=clusters, alive=alive, in_sync=view.in_sync, behind=view.behind, attempts=flight.attempts))
+            if decision is not Decision.RETRY or flight.attempts >= self.hv.max_retries:
                 break
-            self.warn(
-                f"outer step {round_no}: partial round ({clusters} of {flight.alive} live clusters): "
-                f"retry {flight.attempts + 1}/{self.hv.max_retries}"
-            )
+            self._say_why_again(round_no, view, clusters, flight)
             flight = self.start_round(flight.attempts + 1)
             if flight.sits_out:  # the galaxy moved on meanwhile: adopt its state rather than meet its next round
                 return self.sit_out(flight)
 
-        size = self.hv.galaxy_size
         if decision is Decision.STOP:
             raise GalaxyError(
                 f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
                 "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
             )
-        if rejected:
+        alone = None if view.committable else ("no attempt came out whole and no cluster committed the round")
+        return self._commit(flight, view, report, network_wait, clusters, alive, decision, alone)
+
+    def _say_why_again(self, round_no: int, view: RoundView, clusters: int, flight: RoundInFlight) -> None:
+        what = (f"partial round ({clusters} of {flight.alive} live clusters)" if view.committable else
+                "an average did not arrive whole on every shard" if not view.whole else
+                "its shards met different groups")
+        self.warn(f"outer step {round_no}: {what}: nothing applied; attempt {flight.attempts + 1}/"
+                  f"{self.hv.max_retries}")
+
+    def _committed_elsewhere(self, round_no: int) -> bool:
+        """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state now."""
+        return -self.cluster.min_int(-max(self.averager.membership().steps.values(), default=-1)) >= round_no
+
+    def _commit(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float,
+                clusters: int, alive: int, decision: Decision, alone: str | None = None) -> RoundResult:
+        """Apply the round: the galaxy's average, or with ``alone`` (why) this cluster's own Δ alone, which keeps
+        its progress and which the next round's hash check repairs; then land it in the model."""
+        round_no = self.outer_step + 1
+        galaxy_average = alone is None
+        if view.rejected:
             self.warn(
-                f"outer step {round_no}: left cluster(s) {rejected} out of the average: their pseudo-gradient "
+                f"outer step {round_no}: left cluster(s) {view.rejected} out of the average: their pseudo-gradient "
                 f"was not finite, larger than they claimed, or above --hv.delta-norm-bound={self.hv.delta_norm_bound}"
                 " times ours"
             )
-        if stale and not left_out:
-            self.warn(
-                f"outer step {round_no}: left cluster(s) {stale} out of the average: they started this round from "
-                "another round or θ_outer; they re-sync"
-            )
-        if left_out:
-            self.warn(f"outer step {round_no}: this cluster started the round from another round or θ_outer than "
-                      "the galaxy's most advanced cluster: its Δ was left out, it re-syncs")
-            failed = True  # the buffer holds the cohort's average, taken from another θ_outer: never applied here
-        self.norm_history.record(
-            meta.get("delta_norm") for rank, meta in report.peers.items() if rank not in rejected and rank not in stale
-        )
-        if flight.alive != self._alive_before:
-            self.warn(
-                f"outer step {round_no}: {flight.alive} of {size} clusters alive (were {self._alive_before}): "
-                "rounds now wait for these"
-            )
-            self._alive_before = flight.alive
-        if clusters < flight.alive:
+        if view.stale:
+            self.warn(f"outer step {round_no}: left cluster(s) {view.stale} out of the average: they started this "
+                      "round from another θ_outer; they take the galaxy's state")
+        if galaxy_average:
+            self.norm_history.record(meta.get("delta_norm") for rank, meta in report.peers.items()
+                                     if rank not in view.rejected and rank not in view.stale)
+        self._note_alive(round_no, flight.alive)
+        if clusters < flight.alive and galaxy_average:
             retried = f" after {flight.attempts} retries" if flight.attempts else ""
             self.warn(f"outer step {round_no}: proceeding with {clusters} of {flight.alive} live clusters{retried}")
-        reference_round = -self.cluster.min_int(-reference[0])
-        wanted_step = reference_round + 1
-        # a peer already in a later round may be stuck in it (waiting on us, say): its state at that round's start
-        # is the galaxy's too, and far better than keeping our own
-        fallback_step = reference_round if reference_round > round_no - 1 else None
-
-        try:
-            with self.averager.buffer() as averaged:
-                finite = self.cluster.all_true(failed or all_finite(averaged))
-                if not finite:
-                    self.warn(
-                        f"outer step {round_no}: the galaxy's average is not finite (a peer sent or reduced "
-                        "garbage): it is not applied, this cluster takes its own pseudo-gradient this round"
-                    )
-                if failed or not finite:  # the buffer holds a dead round's leftovers or garbage: our own Δ again
-                    self.state.pseudo_grad_for_wire_into(averaged)
-                self.state.apply(averaged)
-        except RoundFailed as err:  # a round that outlived its timeout still holds the buffer: nothing to apply
-            raise GalaxyError(
-                f"outer step {round_no}: {err} past --hv.averaging-timeout; stopping (resume from the last "
-                "checkpoint)"
-            ) from None
+        elif not galaxy_average:
+            self.warn(f"outer step {round_no}: {alone}: this cluster applies its own pseudo-gradient alone (the "
+                      "next round's hash check re-syncs it)")
+        with contextlib.ExitStack() as held:
+            averaged = self._locked_buffer(held)
+            if averaged is None:
+                raise GalaxyError(f"outer step {round_no}: the averager is still busy with a previous round past "
+                                  "--hv.averaging-timeout; stopping (resume from the last checkpoint)")
+            finite = self.cluster.all_true(not galaxy_average or all_finite(averaged))
+            if not finite:
+                self.warn(
+                    f"outer step {round_no}: the galaxy's average is not finite (a peer sent or reduced "
+                    "garbage): it is not applied, this cluster takes its own pseudo-gradient this round"
+                )
+            if not (galaxy_average and finite):  # our own Δ again, never a partial or poisoned average
+                self.state.pseudo_grad_for_wire_into(averaged)
+            self.state.apply(averaged)
+        averaged_over = view.group - set(view.rejected) - set(view.stale) if galaxy_average and finite else {
+            self.galaxy_rank}
+        self.state.committed_group = sorted(averaged_over)
         fragment = self.state.fragment
-        complete = self.cluster.all_true(bool(report.complete))  # every shard's span: one failed part spoils it
-        resynced = self._resync(wanted_step, fallback_step=fallback_step) if decision is Decision.RESYNC else False
-        if not resynced:  # a re-sync already put the adopted θ_outer into the whole model
+        taken = None
+        if decision is Decision.RESYNC:  # the galaxy's reference was ahead of us: applied, now take its state
+            taken = self._resync(view.reference_round, "θ_outer differed from the galaxy")
+        if taken is None:
             self.state.land()
+        in_sync = (view.in_sync and galaxy_average and not view.stale and clusters >= alive
+                   and not (clusters == 1 and flight.silent))
+        return self._result(
+            "resynced" if taken is not None else "applied", flight, report, network_wait,
+            state_source=None if taken is None else taken.source, in_sync=in_sync, average_finite=finite,
+            galaxy_complete=view.whole, rejected_peers=view.rejected, fragment=fragment,
+        )
 
-        return {
-            "outer_step": self.outer_step,
-            "fragment": fragment,
-            "fragment_hash": combine_hashes(self.cluster.gather_strings(self.state.fragment_hash(fragment))),
-            "network_wait_seconds": network_wait,
-            "galaxy_peers": report.group_size,
-            "galaxy_alive": flight.alive,
-            "galaxy_complete": complete,
-            "allreduce_seconds": report.seconds,
-            "bytes_sent": report.bytes_sent,
-            "bytes_received": report.bytes_received,
-            "retries": flight.attempts,
-            # every live cluster took part and all started from this θ_outer: with one missing, nobody can tell.
-            # Alone while some cluster fell silent (crashed, or cut off and training on), nothing was compared
-            "in_sync": in_sync and not stale and clusters >= outcome.alive and not (clusters == 1 and flight.silent),
-            "resynced": resynced,
-            "pseudo_grad_finite": True,
-            "pseudo_grad_in_bound": True,
-            "pseudo_grad_bound": self._cluster_bound(flight.bound),
-            "average_finite": finite,
-            "rejected_peers": rejected,
-            "pseudo_grad_norm": self._cluster_norm(flight.local_sq),
-            "param_checksum": self.cluster.sum_float(self.state.sq_norm()),
-            "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
-        }
+    def _note_alive(self, round_no: int, alive: int) -> None:
+        if alive != self._alive_before:
+            self.warn(f"outer step {round_no}: {alive} of {self.hv.galaxy_size} clusters alive (were "
+                      f"{self._alive_before}): rounds now wait for these")
+            self._alive_before = alive
+
+    def _take_round(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float
+                    ) -> RoundResult:
+        """Take the round's result from a cluster that committed it, instead of applying anything of our own.
+        When this cluster is in the group the round was committed with (the served state says), that average
+        holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
+        commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a re-sync."""
+        round_no = self.outer_step + 1
+        got = self.adoption.download(round_no, self.hv.join_timeout, exact=round_no)
+        fragment = self.state.fragment
+        if got is not None and got.step == round_no and self.galaxy_rank in got.metadata.get("committed_group", ()):
+            self.state.adopt_round(got.metadata, got.tensors)
+            self.state.land()
+            outcome = "adopted"
+        elif got is not None:
+            self.state.adopt(got.metadata, got.tensors)
+            self.warn(f"outer step {round_no - 1}: took cluster {got.source}'s state at outer step {got.step}")
+            self._catch_up()
+            outcome = "resynced"
+        else:  # nobody served it in time: our own Δ alone keeps our progress; the next round's check repairs it
+            return self._commit(flight, view, report, network_wait, 1, flight.alive, Decision.PROCEED,
+                                alone="no cluster served the round's state within --hv.join-timeout")
+        # adopted: our Δ is in the round, which its committer checked started from our θ_outer (else it would
+        # have left us out of the group it committed with): in sync when that group is every live cluster
+        in_sync = outcome == "adopted" and len(self.state.committed_group) >= flight.alive
+        return self._result(outcome, flight, report, network_wait, fragment=fragment,
+                            state_source=None if got is None else got.source, galaxy_complete=view.whole,
+                            in_sync=in_sync)
+
+    def _result(self, outcome: str, flight: RoundInFlight, report: RoundReport | None = None,
+                network_wait: float = 0.0, fragment: int | None = None, **fields: Any) -> RoundResult:
+        """The round's :class:`RoundResult`; the hashes and norms are the cluster's (every shard's, combined)."""
+        fragment = self.state.fragment if fragment is None else fragment
+        if outcome in ("applied", "adopted"):
+            fields["fragment_hash"] = combine_hashes(self.cluster.gather_strings(self.state.fragment_hash(fragment)))
+        if report is not None:
+            fields.update(galaxy_peers=report.group_size, allreduce_seconds=report.seconds,
+                          bytes_sent=report.bytes_sent, bytes_received=report.bytes_received)
+        return RoundResult(
+            outcome=outcome,
+            outer_step=self.outer_step,
+            fragment=fragment,
+            attempt=flight.attempts,
+            network_wait_seconds=network_wait,
+            galaxy_alive=flight.alive,
+            pseudo_grad_finite=not flight.diverged,
+            pseudo_grad_in_bound=not flight.out_of_bound,
+            pseudo_grad_bound=self._cluster_bound(flight.bound),
+            pseudo_grad_norm=self._cluster_norm(flight.local_sq),  # None when not finite (JSON has no NaN)
+            param_checksum=self.cluster.sum_float(self.state.sq_norm()),
+            param_hash=combine_hashes(self.cluster.gather_strings(self.state.hash())),
+            **fields,
+        )
 
     @torch.no_grad()
-    def sit_out(self, flight: RoundInFlight) -> dict[str, Any]:
+    def sit_out(self, flight: RoundInFlight) -> RoundResult:
         """Send nothing this round, then adopt the galaxy's θ_outer once the round is applied, when:
 
         - the galaxy is ahead (``flight.lead``): this cluster's Δ was taken from an older θ_outer than the
@@ -500,34 +537,20 @@ class DiLoCo:
                 "comes from an older θ_outer, so it sends nothing and adopts the galaxy's state"
             )
             why, wanted = "the galaxy was ahead", flight.lead
-        adopted = self.hv.galaxy_size > 1 and self._resync(wanted, why)
-        if adopted and not (flight.diverged or flight.out_of_bound):
-            self._catch_up_step = self._catch_up_target()
-            if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
-                self.warn(f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
-                          f"this cluster goes on from inner step {self._catch_up_step} to meet it there")
+        taken = self._resync(wanted, why) if self.hv.galaxy_size > 1 else None
+        if taken is not None and not (flight.diverged or flight.out_of_bound):
+            self._catch_up()
         self.state.scatter_into_model()
         self.state.local_at_start = None  # the whole model is θ_outer again: nothing of the fragment's to keep
-        return {
-            "outer_step": self.outer_step,
-            "fragment": self.state.fragment,
-            "network_wait_seconds": 0.0,
-            "galaxy_peers": 0,
-            "galaxy_alive": flight.alive,
-            "galaxy_complete": False,
-            "allreduce_seconds": 0.0,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-            "retries": 0,
-            "in_sync": False,
-            "resynced": adopted,
-            "pseudo_grad_finite": not flight.diverged,
-            "pseudo_grad_in_bound": not flight.out_of_bound,
-            "pseudo_grad_bound": self._cluster_bound(flight.bound),
-            "pseudo_grad_norm": self._cluster_norm(flight.local_sq),  # None when not finite (JSON has no NaN)
-            "param_checksum": self.cluster.sum_float(self.state.sq_norm()),
-            "param_hash": combine_hashes(self.cluster.gather_strings(self.state.hash())),
-        }
+        return self._result("resynced" if taken is not None else "sat_out", flight,
+                            state_source=None if taken is None else taken.source)
+
+    def _catch_up(self) -> None:
+        """After taking the state of a galaxy that trains past it, go on where it is (:meth:`_catch_up_target`)."""
+        self._catch_up_step = self._catch_up_target()
+        if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
+            self.warn(f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
+                      f"this cluster goes on from inner step {self._catch_up_step} to meet it there")
 
     def _cluster_norm(self, local_sq: float) -> float | None:
         """‖Δ‖ of the whole cluster (every shard); ``None`` when not finite (or never computed)."""
@@ -538,12 +561,6 @@ class DiLoCo:
         """The sender-side bound for the whole cluster's ‖Δ‖ (each shard's bound, combined like norms)."""
         total = self.cluster.sum_float(bound**2 if bound is not None else float("nan"))
         return total**0.5 if math.isfinite(total) else None
-
-    def _ranks_by_any_rank(self, ranks: list[int]) -> list[int]:
-        """Galaxy ranks some shard's report names (left out as garbage, or out of the cohort), the same list on
-        every rank of the cluster."""
-        gathered = self.cluster.gather_strings(",".join(map(str, ranks)))
-        return sorted({int(rank) for ranks in gathered for rank in ranks.split(",") if rank})
 
     def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:
         """The round's report, or a group of one (``failed``) when it produced no result."""
@@ -564,37 +581,17 @@ class DiLoCo:
                     "every cluster must train the same model config with the same number of ranks"
                 )
 
-    def _resync(self, wanted_step: int, why: str = "θ_outer differed from the galaxy",
-                fallback_step: int | None = None) -> bool:
-        """Adopt the outer state (θ_outer, momentum, round counter) of the galaxy's most advanced cluster after
-        a hash mismatch, and say whether it worked.
-
-        The peer may still be applying the round we want, so an older state is refused and asked for again,
-        for at most ``--hv.join-timeout`` in all; then a state at ``fallback_step`` or later, if one came, is
-        taken instead (the cluster is a round behind and catches up at its next round, as a late joiner does).
-        Every local rank takes part and all must end on the same round, else the cluster keeps its own state on
-        every shard (never a mix)."""
-        deadline = time.monotonic() + self.hv.join_timeout
-        downloaded = fallback = None
-        while (left := deadline - time.monotonic()) > 0:
-            downloaded = self.averager.download_state(left)
-            step = int(downloaded[0].get("outer_step", -1)) if downloaded is not None else -1
-            if step >= wanted_step:
-                break
-            if fallback_step is not None and step >= fallback_step:
-                fallback = downloaded
-            downloaded = None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        downloaded = downloaded or fallback
-        step = int(downloaded[0]["outer_step"]) if downloaded is not None else -1
-        ok = step >= 0 and self.cluster.min_int(step) == step == -self.cluster.min_int(-step)
-        if ok:
+    def _resync(self, at_least: int, why: str) -> Downloaded | None:
+        """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later, within
+        ``--hv.join-timeout`` (from one source, ``outer/adoption.py``); ``None`` (state kept) when none came."""
+        got = self.adoption.download(at_least, self.hv.join_timeout)
+        if got is not None:
             previous = self.outer_step
-            self.state.adopt(*downloaded)
-            self.warn(f"outer step {previous}: {why}: adopted a peer's state at outer step {self.outer_step}")
+            self.state.adopt(got.metadata, got.tensors)
+            self.warn(f"outer step {previous}: {why}: adopted cluster {got.source}'s state at outer step {got.step}")
         else:
             self.warn(f"outer step {self.outer_step}: {why} and re-sync failed")
-        return ok
+        return got
 
     def report(self, record: dict[str, Any]) -> None:
         if isinstance(seconds := record.get("step_seconds"), float) and seconds > 0:

@@ -76,8 +76,11 @@ class NormHistory:
         return min(bounds, default=None)
 
     def record(self, claims: Iterable[object]) -> None:
-        """Add one round: the claims of the clusters whose Δ entered the average."""
-        values = [claim for claim in map(valid_claim, claims) if claim is not None]
+        """Add one round: the claims of the clusters whose Δ entered the average. A claim of exactly 0 says
+        nothing of the galaxy's scale (a cluster that sends a fragment it has just taken from the galaxy, with no
+        inner step since): counted, a few of them made the median, and so the bound, 0, and every healthy Δ after
+        it "out of bound" until the cluster stopped as diverging."""
+        values = [claim for claim in map(valid_claim, claims) if claim is not None and claim > 0]
         if values:
             self._medians.append(statistics.median(values))
 

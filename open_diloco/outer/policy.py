@@ -6,6 +6,7 @@ Kept apart from the mechanics so every rule is a line to read and a unit test to
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,9 +39,6 @@ class RoundOutcome:
     """A peer is more advanced (later round, or same round and lower galaxy rank)."""
     attempts: int
     """Retries already spent on this round."""
-    left_out: bool = False
-    """Some reducer left this cluster out: it started the round from another round or θ_outer than the round's most
-    advanced peer. Retrying cannot help (the next Δ comes from the same θ_outer); it must adopt that peer's state."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,6 @@ class RoundPolicy:
     max_retries: int = 2
 
     def decide(self, outcome: RoundOutcome) -> Decision:
-        if outcome.left_out:
-            return Decision.RESYNC
         partial = outcome.clusters < outcome.alive
         if partial and self.on_partial_round == "fail":
             return Decision.STOP
@@ -62,17 +58,22 @@ class RoundPolicy:
 
 
 def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
-    """The peers of a round that did not start it where its most advanced peer did: another round id (a retry
-    that met the next round, a cluster that fell behind) or another θ_outer (hash). The most advanced peer is the
-    one :func:`most_advanced` names (latest round, then lowest galaxy rank); the others of its round and hash form
-    the round's cohort. Every peer of a group holds the same gathered metadata, so every reducer leaves out the
-    same peers, and the cohort's average stays bitwise identical and free of Δs taken from another θ_outer (or,
-    with fragments, of another fragment). A peer without the keys is left to the claim checks."""
+    """The peers of a round that did not start it where its reference peer did: another round id or another
+    θ_outer (hash: two sides of a partition that each trained on). The reference starts from the latest round,
+    then from the θ_outer most peers of the group hold, then from the one committed by the most clusters
+    (``committed_by``), then has the lowest galaxy rank: the state the galaxy has, not whichever rank is lowest.
+    The others of its round and hash form the round's cohort. Every peer of a group holds the same gathered
+    metadata, so every reducer leaves out the same peers, and the cohort's average stays bitwise identical and free
+    of Δs taken from another θ_outer (or, with fragments, of another fragment). A peer without the keys is left to
+    the claim checks."""
     valid = {key: meta for key, meta in metadata.items()
              if isinstance(meta, dict) and "round_id" in meta and "param_hash" in meta}
     if not valid:
         return set()
-    reference = max(valid.values(), key=lambda meta: (int(meta["round_id"]), -int(meta.get("galaxy_rank", 0))))
+    holders = Counter(meta["param_hash"] for meta in valid.values())
+    reference = max(valid.values(), key=lambda meta: (
+        int(meta["round_id"]), holders[meta["param_hash"]], int(meta.get("committed_by", 0)),
+        -int(meta.get("galaxy_rank", 0))))
     cohort = (reference["round_id"], reference["param_hash"])
     return {key for key, meta in valid.items() if (meta["round_id"], meta["param_hash"]) != cohort}
 

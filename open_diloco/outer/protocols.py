@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from open_diloco.outer.round import RoundResult
 
 
 @dataclass
@@ -32,6 +35,9 @@ class RoundReport:
     stale: list[int] = field(default_factory=list)
     """Galaxy ranks outside the round's cohort (``policy.out_of_cohort``: they started from another round or
     θ_outer), left out by every reducer; they re-sync."""
+    moved_on: bool = False
+    """While this peer looked for a group, every other live cluster it could meet started a later attempt of the
+    round: nobody is left in this one. The round is not whole; the next attempt joins theirs."""
     overtaken: bool = False
     """While this peer still looked for a group, the galaxy applied this very round without it (the membership
     records show a later outer step): a retry after a part was lost on its way, say. Nobody is left to average
@@ -55,6 +61,17 @@ class Membership:
     the next round the galaxy is, for a cluster that just adopted the lead state (``DiLoCo._catch_up_target``)."""
     lead_seen_seconds: float = 0.0
     """How long ago that cluster reported ``lead_inner_step`` (its record's age): it has trained on since."""
+    steps: dict[int, int] = field(default_factory=dict)
+    """The outer step each live cluster's record shows, by galaxy rank: who can serve a round's state."""
+    sources: dict[int, str] = field(default_factory=dict)
+    """The PeerID of this shard's averager in each live cluster, by galaxy rank: where to download it from."""
+    attempts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins the
+    galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""
+
+    def attempt_of(self, round_no: int) -> int:
+        """The latest attempt of round ``round_no`` a live cluster started (0 when none did)."""
+        return max((attempt for rnd, attempt in self.attempts.values() if rnd == round_no), default=0)
 
 
 class AloneRound:
@@ -90,8 +107,10 @@ class Averager(Protocol):
         outlived its timeout may still be writing, and the lock waits for it (bounded; ``RoundFailed``)."""
         ...
 
-    def start_round(self, round_id: int, fingerprint: dict[str, Any]) -> PendingRound:
-        """Begin averaging the buffer's current contents; ``fingerprint`` travels to every peer."""
+    def start_round(self, round_id: int, fingerprint: dict[str, Any], attempt: int = 0) -> PendingRound:
+        """Begin attempt ``attempt`` of averaging the buffer's current contents for the round that starts from
+        outer step ``round_id``; ``fingerprint`` travels to every peer. Peers of other rounds or attempts never
+        meet it."""
         ...
 
     def membership(self) -> Membership:
@@ -103,8 +122,10 @@ class Averager(Protocol):
         """Let late joiners download the outer state: ``get_state()`` returns ``(metadata, tensors)``."""
         ...
 
-    def download_state(self, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Fetch ``(metadata, tensors)`` from a peer serving this shard; ``None`` when none answers in time."""
+    def download_state(self, timeout: float, source: str | None = None
+                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving this
+        shard; ``None`` when none answers in time."""
         ...
 
     def shutdown(self, finished: bool = False) -> None:
@@ -126,7 +147,7 @@ class OuterLoop(Protocol):
         """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
         ...
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
         """Land the sync in flight when its delay is over (or, with ``last``, at once), start a sync if
         ``inner_step`` (1-based) is on the schedule; return the metrics of every round that ended, oldest first
         (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands a sync at the step the
@@ -219,7 +240,7 @@ class NullOuterLoop:
     def inner_step_of_galaxy(self) -> int:
         return 0
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[dict[str, Any]]:
+    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
         return []
 
     def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:

@@ -187,6 +187,10 @@ class OuterState:
         """The galaxy's block scores of each fragment from its last round, which pick what its next round sends:
         shared state, identical in every cluster like θ_outer (averaged in the round itself, part of
         :meth:`hash`, of snapshots and of checkpoints)."""
+        self.committed_group: list[int] = []
+        """The galaxy ranks whose Δ went into the last round this state holds (as its committing cluster saw it;
+        empty when unknown, e.g. after a resume): a cluster that sent its Δ to that round and takes this state
+        from a peer knows from it whether its own Δ is in (:meth:`adopt_round`) or not (:meth:`adopt`)."""
         self.gather_local_into(self.params)
 
     @property
@@ -364,14 +368,8 @@ class OuterState:
         with self.lock:
             region = self.region()
             averaged = averaged_pseudo_grad[: region.stop - region.start]
-            selection = None
-            if self.keeps_unsent:
-                selection = self._selection()
-                residual = self._sparse_residual(selection) if self.error_feedback else None
-                self._sparse_landing = (selection, residual)
+            selection = self._settle_own_round()
             if self.compressor is not None:
-                if self.error is not None:
-                    self._commit_error_feedback()
                 self.compressor.from_wire_(averaged, selection)
             if self.sparse_scores is not None:  # the galaxy's scores pick what this fragment's next round sends
                 self.sparse_scores[self.fragment].copy_(averaged_pseudo_grad[self.wire_numel : self.wire_buffer_numel])
@@ -391,6 +389,28 @@ class OuterState:
                 self.momentum_buffer = momentum_buffer  # one fragment: the buffer SGD made (None without momentum)
             self.outer_step += 1
             self._hash = self._sq_norm = None
+
+    def _settle_own_round(self) -> Selection | None:
+        """What applying this cluster's round changes besides θ_outer, all from its own Δ (θ_outer, θ_local and
+        ``e`` are unchanged since the round started): a sparse round's selection and residual for the landing, and
+        the error feedback. Returns the selection (``None`` unless sparse)."""
+        selection = None
+        if self.keeps_unsent:
+            selection = self._selection()
+            residual = self._sparse_residual(selection) if self.error_feedback else None
+            self._sparse_landing = (selection, residual)
+        if self.compressor is not None and self.error is not None:
+            self._commit_error_feedback()
+        return selection
+
+    def adopt_round(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Take a committed cluster's state after the round this cluster sent its Δ to (its Δ is in that average)
+        as if this cluster had applied the round itself: the error feedback and a sparse landing follow its own Δ,
+        exactly as :meth:`apply` would leave them, and the round's landing (:meth:`land`) keeps the inner steps
+        taken while it was in flight. Nothing this cluster did is lost: this is a commit, not a re-sync."""
+        with self.lock:
+            self._settle_own_round()
+            self._take(metadata, tensors)
 
     def hparams(self, round_no: int) -> tuple[float, float]:
         """(outer lr, outer momentum) of outer step ``round_no`` (1-based), warm-up included."""
@@ -430,10 +450,23 @@ class OuterState:
                 tensors.append(self.momentum_buffer.clone())
             if self.sparse_scores is not None:
                 tensors.append(self.sparse_scores.clone())
-            return {"outer_step": self.outer_step, "sparse_scores": self.sparse_scores is not None}, tensors
+            metadata = {"outer_step": self.outer_step, "sparse_scores": self.sparse_scores is not None,
+                        "shard_hash": self.hash(), "committed_group": list(self.committed_group)}
+            return metadata, tensors
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        """Take a peer's outer state and push θ_outer into the model."""
+        """Take a peer's outer state and push θ_outer into the model: a re-sync or a join, onto another
+        trajectory, so what this cluster kept of its own (a round in flight, the error feedback) is dropped."""
+        with torch.no_grad(), self.lock:
+            self._take(metadata, tensors)
+            self.local_at_start = None  # a round in flight, if any, belonged to the trajectory we just left
+            if self.error is not None:
+                self.error.zero_()  # what we dropped belonged to the trajectory we just left
+        self.scatter_into_model()
+
+    @torch.no_grad()
+    def _take(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """θ_outer, the momentum, the block scores and the round counter from a peer's :meth:`snapshot`."""
         from open_diloco.errors import GalaxyMismatch
 
         if tensors[0].numel() != self.numel:
@@ -443,20 +476,16 @@ class OuterState:
             )
         tensors = list(tensors)
         scores = tensors.pop() if metadata.get("sparse_scores") else None
-        with torch.no_grad(), self.lock:
-            self.params.copy_(tensors[0])
-            self._hash = self._sq_norm = None
-            self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
-            if self.sparse_scores is not None:  # the same --hv.compression everywhere (the schema): they match
-                if scores is None:
-                    self.sparse_scores.zero_()
-                else:
-                    self.sparse_scores.copy_(scores.view_as(self.sparse_scores))
-            self.outer_step = int(metadata["outer_step"])
-            self.local_at_start = None  # a round in flight, if any, belonged to the trajectory we just left
-            if self.error is not None:
-                self.error.zero_()  # what we dropped belonged to the trajectory we just left
-        self.scatter_into_model()
+        self.params.copy_(tensors[0])
+        self._hash = self._sq_norm = None
+        self.momentum_buffer = tensors[1].clone() if len(tensors) > 1 else None
+        if self.sparse_scores is not None:  # the same --hv.compression everywhere (the schema): they match
+            if scores is None:
+                self.sparse_scores.zero_()
+            else:
+                self.sparse_scores.copy_(scores.view_as(self.sparse_scores))
+        self.outer_step = int(metadata["outer_step"])
+        self.committed_group = [int(rank) for rank in metadata.get("committed_group", [])]
 
     def error_feedback_pieces(self) -> list[torch.Tensor] | None:
         """The error feedback split and shaped like this rank's parameter shards (views, no copy); ``None``: off."""

@@ -164,6 +164,12 @@ def outer_records(metrics: Path) -> dict[int, dict]:
     return {r["outer_step"]: r for r in read_metrics(metrics) if "outer_step" in r}
 
 
+def repaired(record: dict) -> bool:
+    """This cluster did not apply its own average this round but took the state of a cluster that committed it:
+    the round itself (its Δ included: ``adopted``) or another trajectory (``resynced``)."""
+    return bool(record.get("resynced")) or record.get("round_outcome") == "adopted"
+
+
 def round_was_clean(record: dict) -> bool:
     """A round's record says it went without a hitch here: no retry, no re-sync, in sync."""
     return not record["retries"] and not record.get("resynced") and record["in_sync"]

@@ -13,7 +13,7 @@ import pytest
 from open_diloco.model import build_model
 from open_diloco.trainer import model_fingerprint
 from tests.conftest import REPO, TINY_MODEL, kill_tree, read_metrics, trainer_env
-from tests.e2e.galaxy_harness import outer_records
+from tests.e2e.galaxy_harness import outer_records, repaired
 from tests.support.stranger import REFUSED
 
 pytestmark = pytest.mark.e2e
@@ -43,11 +43,11 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
     # as incomplete, healed by a re-sync within two rounds; every other round is checked in full below
     incident = [r for r in range(killed_at_round + 2, 10) if r not in rounds[0] or r not in rounds[1]
                 or not (rounds[0][r]["galaxy_complete"] and rounds[1][r]["galaxy_complete"])
-                or rounds[0][r]["resynced"] or rounds[1][r]["resynced"]]
+                or repaired(rounds[0][r]) or repaired(rounds[1][r])]
     if incident:
         shown = [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(incident[0], incident[-1] + 1)]
         assert incident[-1] - incident[0] <= 1, shown
-        assert any(rounds[side].get(r, {}).get("resynced") for side in (0, 1) for r in incident), shown
+        assert any(repaired(rounds[side].get(r, {})) for side in (0, 1) for r in incident), shown
     assert set(rounds[0]) | set(incident) == set(range(1, 16)) and max(rounds[0]) == 15
     assert set(rounds[1]) | set(incident) == set(range(1, 10)) and max(rounds[1]) == 9
     before = [rounds[0][r]["allreduce_seconds"] for r in range(1, killed_at_round + 1)]
@@ -133,7 +133,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     # retries (`retries`) or, once the other side's record shows the round applied, ends by adopting its state
     # (`resynced`, peers 0; seen once, 2026-11-26). Either is reported, and neither is the stranger's doing: it
     # costs a round its peers or its pace, never splits the galaxy.
-    retried = [r for r in during if any(side[r]["retries"] or side[r].get("resynced") for side in rounds)]
+    retried = [r for r in during if any(side[r]["retries"] or repaired(side[r]) for side in rounds)]
     assert len(retried) <= 1, [(r, rounds[0][r], rounds[1][r]) for r in retried]
     for r in during:
         a, b = rounds[0][r], rounds[1][r]

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from tests.conftest import kill_tree, read_metrics
-from tests.e2e.galaxy_harness import Galaxy, outer_records
+from tests.e2e.galaxy_harness import Galaxy, outer_records, repaired
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
         assert len(split) <= 3 and split == list(range(split[0], split[0] + len(split))), incident
         assert not (rounds[0][split[0]]["galaxy_complete"] and rounds[1][split[0]]["galaxy_complete"]), incident
         if split[-1] < SYNCS:  # (an incident in the last syncs has no time left to heal; the unit tests pin that)
-            assert any(r[sync]["resynced"] for r in rounds for sync in split), incident
+            assert any(repaired(r[sync]) for r in rounds for sync in split), incident
     for sync in range(1, SYNCS + 1):
         a, b = rounds[0][sync], rounds[1][sync]
         assert a["fragment"] == b["fragment"] == (sync - 1) % 4

@@ -67,13 +67,14 @@ class InProcessGalaxy:
 
 
 class InProcessRound:
-    def __init__(self, averager: InProcessAverager, round_id: int, fingerprint: dict):
-        self.averager, self.round_id, self.fingerprint = averager, round_id, fingerprint
+    def __init__(self, averager: InProcessAverager, round_id: int, fingerprint: dict, attempt: int = 0):
+        self.averager, self.round_id, self.fingerprint, self.attempt = averager, round_id, fingerprint, attempt
 
     def wait(self) -> RoundReport:
         av, galaxy = self.averager, self.averager.galaxy
         galaxy.buffers[av.rank] = av.values.clone()
-        galaxy.meta[av.rank] = {"galaxy_rank": av.rank, "round_id": self.round_id, **self.fingerprint}
+        galaxy.meta[av.rank] = {"galaxy_rank": av.rank, "round_id": self.round_id, "attempt": self.attempt,
+                                **self.fingerprint}
         galaxy.barrier.wait()
         if av.rank in galaxy.drop:
             present = [av.rank]
@@ -114,23 +115,29 @@ class InProcessAverager:
     def buffer(self) -> Iterator[torch.Tensor]:
         yield self.values
 
-    def start_round(self, round_id: int, fingerprint: dict) -> InProcessRound:
+    def start_round(self, round_id: int, fingerprint: dict, attempt: int = 0) -> InProcessRound:
         self.calls += 1
-        return InProcessRound(self, round_id, fingerprint)
+        return InProcessRound(self, round_id, fingerprint, attempt)
 
     def membership(self) -> Membership:
+        """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its served
+        state) and its averager, by galaxy rank (``sources``), when the galaxy serves state."""
+        serving = {rank: other for rank, other in self.galaxy.averagers.items()
+                   if self.galaxy.serve_state and other.get_state is not None and rank not in self.galaxy.departed}
+        steps = {rank: int(other.get_state()[0]["outer_step"]) for rank, other in serving.items()}
         return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
                           silent=frozenset(self.galaxy.silent), lead_inner_step=self.galaxy.lead_progress[0],
-                          lead_seen_seconds=self.galaxy.lead_progress[1])
+                          lead_seen_seconds=self.galaxy.lead_progress[1], steps=steps,
+                          sources={rank: str(rank) for rank in serving})
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state
 
-    def download_state(self, timeout: float):
+    def download_state(self, timeout: float, source: str | None = None):
         if not self.galaxy.serve_state:
             return None
         for rank, other in sorted(self.galaxy.averagers.items()):
-            if rank != self.rank and other.get_state is not None:
+            if rank != self.rank and other.get_state is not None and source in (None, str(rank)):
                 metadata, tensors = other.get_state()
                 return metadata, [tensor.clone() for tensor in tensors]
         return None

@@ -13,7 +13,7 @@ from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError, RoundFailed
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.policy import out_of_cohort
-from open_diloco.outer.protocols import RoundReport
+from open_diloco.outer.protocols import Membership, RoundReport
 from open_diloco.outer.state import combine_hashes, outer_sgd_step_
 from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
 
@@ -198,7 +198,7 @@ def test_a_diverged_cluster_sends_nothing_and_adopts_the_galaxy_state():
     assert record["pseudo_grad_finite"] is False and record["resynced"] and record["outer_step"] == 1
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))  # healed: the galaxy's θ_outer
     assert record["param_hash"] == results[0][0]["param_hash"]
-    assert "pseudo-gradient is not finite" in warnings[0] and "adopted a peer's state" in warnings[1]
+    assert "pseudo-gradient is not finite" in warnings[0] and "adopted cluster 0's state" in warnings[1]
 
 
 def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
@@ -294,8 +294,8 @@ def test_a_good_round_resets_the_count_of_diverged_rounds():
 
 def test_a_non_finite_average_is_never_applied():
     class GarbageAverage(InProcessAverager):  # a peer reduced our span into NaN
-        def start_round(self, round_id, fingerprint):
-            pending = super().start_round(round_id, fingerprint)
+        def start_round(self, round_id, fingerprint, attempt=0):
+            pending = super().start_round(round_id, fingerprint, attempt)
             wait = pending.wait
 
             def poisoned():
@@ -357,12 +357,18 @@ class ScriptedRound(InProcessAverager):
     stale: list = []
     served = None
 
-    def start_round(self, round_id, fingerprint):
+    def start_round(self, round_id, fingerprint, attempt=0):
         own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
         report = RoundReport(group_size=2, complete=True, peers={**self.peers, self.rank: own}, stale=self.stale)
         return types.SimpleNamespace(wait=lambda: report)
 
-    def download_state(self, timeout):
+    def membership(self):
+        """The serving cluster (galaxy rank 1) at the outer step of the state it serves."""
+        if self.served is None:
+            return super().membership()
+        return Membership(steps={1: int(self.served[0]["outer_step"])}, sources={1: "1"})
+
+    def download_state(self, timeout, source=None):
         return self.served
 
 
@@ -408,7 +414,7 @@ class LosesAPartThenIsOvertaken(ScriptedRound):
     there, and that cluster applies it. Our retry then looks for a group nobody else looks for, until the
     membership poll sees that cluster's record at outer step 1 (``RoundReport.overtaken``)."""
 
-    def start_round(self, round_id, fingerprint):
+    def start_round(self, round_id, fingerprint, attempt=0):
         self.calls += 1
         own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
         if self.calls == 1:
@@ -419,6 +425,9 @@ class LosesAPartThenIsOvertaken(ScriptedRound):
             report = RoundReport(group_size=1, complete=True, peers={0: own}, overtaken=True)
         return types.SimpleNamespace(wait=lambda: report)
 
+    def membership(self):
+        return super().membership() if self.calls >= 2 else Membership()  # the record is not out yet
+
 
 def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once():
     # Seen in the e2e suite (test_two_clusters_stay_bitwise_identical[fp16], under load): the retry waited for
@@ -426,14 +435,17 @@ def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once(
     averager = LosesAPartThenIsOvertaken(InProcessGalaxy(1), 0, 2)
     reference = DiLoCo(_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), _hv(), warn=lambda *_: None)
     reference.state.outer_step = 1  # applied the round whose last part we did not get
+    reference.state.committed_group = [0, 1]  # ... with our Δ in it
     averager.served = reference._served_state()
     warnings: list[str] = []
     outer = DiLoCo(_model([1.0, 2.0]), averager, _hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append)
     record = outer.after_inner_step(1)
     assert averager.calls == 2, warnings  # the round and one retry: no third round started
-    assert record["resynced"] is True and record["outer_step"] == 1 and record["in_sync"] is False
+    # our Δ is in the round the other cluster committed: taking its result is our commit too, nothing re-synced
+    assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], warnings
+    assert record["outer_step"] == 1 and record["state_source"] == 1
     assert outer.state.hash() == reference.state.hash()
-    assert "retry 1/" in warnings[0] and "applied this round without this cluster" in warnings[1], warnings
+    assert "attempt 1/" in warnings[0] and "applied this round without this cluster" in warnings[1], warnings
 
 
 def test_out_of_cohort_names_who_started_elsewhere():
@@ -444,6 +456,14 @@ def test_out_of_cohort_names_who_started_elsewhere():
     assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {**same, "param_hash": "cc", "galaxy_rank": 1}}) == {1}
     assert out_of_cohort({k: {**same, "galaxy_rank": k} for k in range(3)}) == set()
     assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"galaxy_rank": 1}}) == set()  # no claim: the guard's
+    # two sides of a healed partition at one round: the θ_outer most clusters hold is the reference, not rank 0's
+    three = {0: {**same, "param_hash": "lone", "galaxy_rank": 0}, 1: {**same, "galaxy_rank": 1},
+             2: {**same, "galaxy_rank": 2}}
+    assert out_of_cohort(three) == {0}
+    # a tie of holders: the θ_outer committed by more clusters wins over the lower rank
+    two = {0: {**same, "param_hash": "lone", "committed_by": 1, "galaxy_rank": 0},
+           1: {**same, "committed_by": 3, "galaxy_rank": 1}}
+    assert out_of_cohort(two) == {0}
 
 
 def test_a_cluster_that_started_elsewhere_is_left_out_and_the_cohort_averages_exactly():

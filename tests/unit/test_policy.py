@@ -7,9 +7,8 @@ import pytest
 from open_diloco.outer.policy import Decision, RoundOutcome, RoundPolicy, most_advanced
 
 
-def _outcome(clusters=2, in_sync=True, behind=False, attempts=0, alive=2, left_out=False) -> RoundOutcome:
-    return RoundOutcome(clusters=clusters, in_sync=in_sync, behind=behind, attempts=attempts, alive=alive,
-                        left_out=left_out)
+def _outcome(clusters=2, in_sync=True, behind=False, attempts=0, alive=2) -> RoundOutcome:
+    return RoundOutcome(clusters=clusters, in_sync=in_sync, behind=behind, attempts=attempts, alive=alive)
 
 
 @pytest.mark.parametrize(
@@ -30,9 +29,6 @@ def _outcome(clusters=2, in_sync=True, behind=False, attempts=0, alive=2, left_o
         ("fail", _outcome(clusters=1, alive=1), Decision.APPLY),
         ("retry", _outcome(clusters=2, alive=3), Decision.RETRY),
         ("retry", _outcome(clusters=3, alive=3), Decision.APPLY),
-        # left out by a reducer (started elsewhere): a retry would send a Δ from the same θ_outer again
-        ("retry", _outcome(clusters=0, in_sync=False, behind=True, left_out=True), Decision.RESYNC),
-        ("fail", _outcome(clusters=0, in_sync=False, behind=True, left_out=True), Decision.RESYNC),
     ],
 )
 def test_decision(policy, outcome, decision):

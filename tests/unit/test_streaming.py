@@ -58,7 +58,7 @@ def _run(size: int, steps: int, compression: str = "none", models=None, on_step=
             syncs = outer.syncs_after_inner_step(step, last=step == steps)
             if on_step is not None:
                 on_step(rank, step, before, outer, syncs, _flat(model).clone())
-            records.extend({**record, "step": step} for record in syncs)
+            records.extend({**record.metrics(), "step": step} for record in syncs)
         results[rank] = (records, outer, model)
 
     threads = [threading.Thread(target=cluster, args=(rank,)) for rank in range(size)]
@@ -201,7 +201,7 @@ def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
         records = []
         for step in range(first, last + 1):
             _inner_step(model, generator)
-            records.extend({**record, "step": step} for record in outer.syncs_after_inner_step(step, step == steps))
+            records.extend({**record.metrics(), "step": step} for record in outer.syncs_after_inner_step(step, step == steps))
         if restore is None:
             assert outer.in_flight is not None and outer.state.fragment == 0
             saved[rank], generators[rank] = _checkpoint(outer, model), generator.get_state()

@@ -1,0 +1,102 @@
+"""Taking the galaxy's outer state from one cluster: the one path for joining, re-syncing and adopting a round
+that another cluster committed.
+
+Why one source: each rank of a cluster downloads its own shard. Left to hivemind, each rank takes whichever peer
+its DHT lists first, so after two clusters ended up with different θ at the same step a cluster could assemble a
+θ that no cluster holds. Here rank 0 picks one source cluster from the membership records and every rank
+downloads its shard from *that* cluster's averager of the same shard, checks the bytes against the hash the
+source sent with them, and the ranks agree that all of them got the same step before anyone takes it. Every
+branch runs the same collectives on every rank, so a rank whose download fails can never leave its siblings in a
+collective it skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.protocols import Averager, Membership
+from open_diloco.outer.state import fingerprint_bytes
+
+RETRY_SECONDS = 0.5
+"""Pause between two tries of a download (a source still applying the round, a record not yet propagated)."""
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    """A state every rank of the cluster holds, from one source cluster, at one outer step."""
+
+    source: int
+    """The galaxy rank of the cluster it came from."""
+    step: int
+    metadata: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+
+def choose_source(view: Membership, own_rank: int, at_least: int, exact: int | None = None) -> tuple[int, int] | None:
+    """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
+    later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to the
+    lowest galaxy rank, so clusters that re-sync at once pick the same source. ``None``: no live cluster qualifies
+    (or none whose record names this shard's averager)."""
+    candidates = [(rank, step) for rank, step in view.steps.items()
+                  if rank != own_rank and step >= at_least and rank in view.sources]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda item: (item[1] != exact, -item[1], item[0]))
+
+
+def served_hash(metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
+    """The hash of a downloaded state as its server computed it (``OuterState.hash``: θ_outer, then the sparse
+    block scores when it sent them)."""
+    shared = [tensors[0]] + ([tensors[-1].reshape(-1)] if metadata.get("sparse_scores") else [])
+    return fingerprint_bytes(*shared)
+
+
+class StateAdoption:
+    """Downloads of one cluster's shards, agreed by its ranks (see the module docstring)."""
+
+    def __init__(self, averager: Averager, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]):
+        self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
+
+    def download(self, at_least: int, timeout: float, exact: int | None = None,
+                 refuse: Callable[[int], bool] | None = None) -> Downloaded | None:
+        """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact`` first),
+        tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
+
+        ``refuse(step)``: a state the caller would rather wait for a better one than take (the step is agreed
+        before it is asked), e.g. a step past ``exact`` while ``exact`` may still come."""
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.averager.membership()
+            pick = choose_source(view, self.galaxy_rank, at_least, exact)
+            chosen = self.cluster.gather_strings("" if pick is None else str(pick[0]))[0]  # rank 0's pick
+            got = self._fetch(int(chosen), view.sources.get(int(chosen)), deadline) if chosen else None
+            step = -1 if got is None else int(got[0].get("outer_step", -1))
+            whole = self.cluster.all_true(got is not None and step >= at_least)
+            agreed = whole and self.cluster.min_int(step) == -self.cluster.min_int(-step)
+            if agreed and not (refuse is not None and refuse(step)):
+                return Downloaded(int(chosen), step, *got)
+            if not self.cluster.all_true(time.monotonic() + RETRY_SECONDS < deadline):
+                return None
+            time.sleep(RETRY_SECONDS)
+
+    def _fetch(self, source: int, peer: str | None, deadline: float
+               ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """This rank's shard of ``source``'s state (from ``peer``, that cluster's averager of this shard), its bytes
+        checked against the hash the source sent with them."""
+        left = deadline - time.monotonic()
+        if peer is None or left <= 0:
+            return None
+        got = self.averager.download_state(left, source=peer)
+        if got is None:
+            return None
+        metadata, tensors = got
+        if "shard_hash" in metadata and served_hash(metadata, tensors) != metadata["shard_hash"]:
+            self.warn(f"a state download from cluster {source} does not match the hash it came with: trying again")
+            return None
+        return metadata, tensors

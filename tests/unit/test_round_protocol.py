@@ -1,0 +1,155 @@
+"""The round protocol with clusters of two ranks (threads sharing a real gather, ``tests/support/thread_cluster``):
+the commit rule (a cluster applies a round only when every shard's average came whole from the same clusters), a
+round taken from the cluster that committed it, state from one source, the round in the matchmaking key."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from open_diloco.config import HvConfig
+from open_diloco.galaxy.averager import round_key_bits
+from open_diloco.outer.adoption import StateAdoption, choose_source
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.guard import NormHistory
+from open_diloco.outer.protocols import Membership, RoundReport
+from open_diloco.outer.round import RoundView
+from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
+from tests.support.thread_cluster import ThreadCluster
+
+
+def _report(group: list[int], complete: bool = True, stale: list[int] | None = None, own_hash: str = "h"):
+    peers = {rank: {"galaxy_rank": rank, "round_id": 0, "param_hash": own_hash} for rank in group}
+    return RoundReport(group_size=len(group), complete=complete, peers=peers, stale=stale or [])
+
+
+def _views(reports: list[RoundReport]) -> list[RoundView]:
+    return ThreadCluster(len(reports)).run(
+        lambda rank, comm: RoundView.agree(comm, reports[rank], False, "h", galaxy_rank=0, outer_step=0))
+
+
+def test_a_round_is_committable_only_when_every_shard_got_it_whole_from_the_same_clusters():
+    whole = _views([_report([0, 1]), _report([0, 1])])
+    assert all(view.committable and view.group == {0, 1} for view in whole)
+    short = _views([_report([0, 1]), _report([0, 1], complete=False)])  # one shard's last average never came
+    assert all(not view.whole and not view.committable for view in short)
+    split = _views([_report([0, 1, 2]), _report([0, 1])])  # three clusters at the matchmaking edge
+    assert all(view.whole and not view.same_group and not view.committable for view in split)
+
+
+def test_a_cluster_left_out_by_one_shard_is_left_out_on_every_rank():
+    views = _views([_report([0, 1]), _report([0, 1], stale=[0])])
+    assert all(view.left_out and view.stale == [0] and not view.in_sync for view in views)
+
+
+def test_the_round_and_the_attempt_are_in_the_matchmaking_key():
+    keys = {round_key_bits(round_id, attempt) for round_id in range(40) for attempt in range(4)}
+    assert len(keys) == 160 and all(set(key) <= {"0", "1"} for key in keys)
+
+
+def test_zero_claims_never_make_the_bound_zero():
+    # after a re-sync a cluster may send a fragment with no inner step since: ‖Δ‖ = 0. Counted, the median (and
+    # the bound) became 0 and every healthy Δ after it was "out of bound" (2 clusters stopped, 2026-11-27)
+    history = NormHistory(factor=10.0)
+    history.record([1.0, 2.0])
+    for _ in range(5):
+        history.record([0.0, 0.0, 3.0])
+    assert history.bound() == 30.0  # the median of the rounds' medians of the positive claims (3.0), times 10
+    history.record([0.0])
+    assert history.bound() > 0
+
+
+class ShardPeer(InProcessAverager):
+    """One rank's averager in a cluster of two ranks: its round reports what the test says; the membership shows
+    the clusters ``served`` names (galaxy rank → (metadata, tensors)) and downloads answer with them."""
+
+    def __init__(self, numel: int, reports: list[RoundReport], served: dict, membership_after: int = 0):
+        super().__init__(InProcessGalaxy(1), 0, numel)
+        self.reports, self.served, self.membership_after = reports, served, membership_after
+        self.sources_asked: list[str] = []
+
+    def start_round(self, round_id, fingerprint, attempt=0):
+        self.calls += 1
+        report = self.reports[min(self.calls, len(self.reports)) - 1]
+        own = {"galaxy_rank": 0, "round_id": round_id, "attempt": attempt, **fingerprint}
+        report.peers = {rank: {**own, "galaxy_rank": rank} for rank in report.peers}
+        return types.SimpleNamespace(wait=lambda: report)
+
+    def membership(self):
+        if self.calls < self.membership_after:
+            return Membership()
+        steps = {rank: int(meta["outer_step"]) for rank, (meta, _) in self.served.items()}
+        return Membership(steps=steps, sources={rank: str(rank) for rank in self.served})
+
+    def download_state(self, timeout, source=None):
+        self.sources_asked.append(source)
+        meta, tensors = self.served[int(source)]
+        return dict(meta), [tensor.clone() for tensor in tensors]
+
+
+def _served(values: list[float], step: int, group: list[int]):
+    """What a cluster's shard serves after committing round ``step`` with ``group``."""
+    donor = DiLoCo(_model(values), InProcessGalaxy(1).averager(1, len(values)), _hv(), warn=lambda *_: None)
+    donor.state.outer_step, donor.state.committed_group = step, group
+    return donor._served_state()
+
+
+def _model(values: list[float]) -> torch.nn.Module:
+    model = torch.nn.Linear(len(values), 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([values]))
+    return model
+
+
+def _hv(**overrides) -> HvConfig:
+    settings = dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, galaxy_size=2, world_rank=0, join_timeout=2.0)
+    return HvConfig(**{**settings, **overrides})
+
+
+def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_round_on_every_shard():
+    # Cluster 0, two ranks. Round 1: rank 0's shard got its average whole from {0, 1}; rank 1's last average never
+    # came (a lost stream). Cluster 1 got everything and committed. Before: rank 1 applied what had arrived, rank 0
+    # the whole average: a model no cluster held, repaired a round later. Now neither rank applies anything of its
+    # own; both take round 1 from cluster 1 (one source), and since cluster 0's Δ is in it, it is a commit.
+    served = [{1: _served([0.25, 0.5], step=1, group=[0, 1])}, {1: _served([0.75, 1.0], step=1, group=[0, 1])}]
+    peers = [ShardPeer(2, [_report([0, 1])], served[0], membership_after=2),
+             ShardPeer(2, [_report([0, 1], complete=False), _report([0])], served[1], membership_after=2)]
+    warnings: list[str] = []
+
+    def rank(local: int, comm):
+        model = _model([1.0, 2.0] if local == 0 else [3.0, 4.0])
+        outer = DiLoCo(model, peers[local], _hv(), cluster=comm, warn=warnings.append)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # an inner step's progress
+        return outer.after_inner_step(1), outer.state.params.clone()
+
+    (record0, params0), (record1, params1) = ThreadCluster(2).run(rank)
+    for record in (record0, record1):
+        assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], warnings
+        assert record["outer_step"] == 1 and record["state_source"] == 1 and record["attempt"] == 1
+    torch.testing.assert_close(params0, torch.tensor([0.25, 0.5]))  # cluster 1's bytes, not a partial average
+    torch.testing.assert_close(params1, torch.tensor([0.75, 1.0]))
+    assert peers[0].sources_asked == peers[1].sources_asked == ["1"]
+
+
+def test_every_rank_downloads_its_shard_from_rank_0s_choice_and_agrees_on_the_step():
+    # rank 1's records say cluster 2 is further ahead; rank 0 picks cluster 1: both ranks take cluster 1's shards
+    # (a θ_outer that cluster holds whole), never one shard of each
+    ahead = {1: ({"outer_step": 5}, [torch.ones(2)]), 2: ({"outer_step": 5}, [torch.zeros(2)])}
+    further = {1: ({"outer_step": 5}, [torch.ones(2)]), 2: ({"outer_step": 6}, [torch.zeros(2)])}
+    peers = [ShardPeer(2, [], ahead), ShardPeer(2, [], further)]
+    got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(peers[rank], comm, 0, print).download(5, 2.0))
+    assert [d.source for d in got] == [1, 1] and [d.step for d in got] == [5, 5]
+    # and shards at different steps are never taken: cluster 1 serves step 5 to rank 0 and step 6 to rank 1
+    torn = [ShardPeer(2, [], {1: ({"outer_step": 5}, [torch.ones(2)])}),
+            ShardPeer(2, [], {1: ({"outer_step": 6}, [torch.ones(2)])})]
+    got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(torn[rank], comm, 0, print).download(5, 1.0))
+    assert got == [None, None]
+
+
+def test_the_source_is_the_exact_round_first_then_the_most_advanced_then_the_lowest_rank():
+    view = Membership(steps={0: 9, 1: 4, 2: 5, 3: 5}, sources={0: "a", 1: "b", 2: "c", 3: "d"})
+    assert choose_source(view, own_rank=0, at_least=4, exact=4) == (1, 4)
+    assert choose_source(view, own_rank=0, at_least=4) == (2, 5)
+    assert choose_source(view, own_rank=0, at_least=6) is None  # only this cluster's own (old) record is ahead
