@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from open_diloco.galaxy import status
-from open_diloco.galaxy.status import RecordAges, StatusPublisher, departed, is_live, read_records
+from open_diloco.galaxy import record_ages, status
+from open_diloco.galaxy.record_ages import RecordAges
+from open_diloco.galaxy.status import StatusPublisher, departed, is_live, read_records
 
 EXPIRY = 15.0
 WALL = 1_000_000.0  # the reader's wall clock (get_dht_time) when its monotonic clock reads 0
@@ -20,9 +21,9 @@ WALL = 1_000_000.0  # the reader's wall clock (get_dht_time) when its monotonic 
 class Reader:
     """A reader with a clock of its own: monotonic ``now``, wall clock ``WALL + now``."""
 
-    def __init__(self):
+    def __init__(self, expiry: float | None = EXPIRY):
         self.now = 0.0
-        self.ages = RecordAges(clock=lambda: self.now)
+        self.ages = RecordAges(expiry, clock=lambda: self.now)
 
     def read(self, *records: dict) -> dict[int, dict]:
         stamped = self.ages.stamp([dict(record) for record in records], wall_now=WALL + self.now)
@@ -41,26 +42,32 @@ class Publisher:
         """Publish at ``at`` on the reader's monotonic clock."""
         self.seq += 1
         self.record = {"galaxy_rank": self.rank, "state": "training", "started_at": self.started_at,
-                       "seq": self.seq, "published_at": WALL + at + self.skew}
+                       "seq": self.seq, "published_at": WALL + at + self.skew, "heartbeat_seconds": 1.0}
         return self.record
 
 
 @pytest.mark.parametrize("skew", [-100.0, 100.0, 0.0])
 def test_a_record_that_keeps_changing_stays_live_whatever_its_publishers_clock_says(skew):
     reader, cluster = Reader(), Publisher(skew=skew)
-    reader.read(cluster.publish(at=0.0))  # the first sighting: its age is its publisher-clock age (documented)
-    for second in range(1, 120):  # eight times the expiry, a fresh version before every read
+    for second in range(120):  # eight times the expiry, a fresh version before every read
         reader.now = float(second)
         seen = reader.read(cluster.publish(at=second - 0.5))[2]
-        assert is_live(seen, EXPIRY), (second, seen)
-        assert seen["last_seen_seconds"] <= 1.0
-    one_shot = read_ages_as_of_old(cluster.record, reader.now)
-    assert (one_shot > EXPIRY) == (skew < -EXPIRY)  # the old rule: 100 s behind looked gone for good
+        assert is_live(seen, EXPIRY), (second, seen)  # from the first read on (a first sighting is capped)
+        assert seen["last_seen_seconds"] <= 1.0 or second == 0
+    one_shot = Reader(expiry=None)  # what read_records(..., ages=None) makes of it: the old rule
+    one_shot.now = reader.now
+    assert (one_shot.read(cluster.record)[2]["last_seen_seconds"] > EXPIRY) == (skew < -EXPIRY)  # gone for good
 
 
-def read_ages_as_of_old(record: dict, now: float) -> float:
-    """What a reader without history (``read_records(..., ages=None)``) makes of ``record``."""
-    return RecordAges(clock=lambda: now).stamp([dict(record)], wall_now=WALL + now)[0]["last_seen_seconds"]
+def test_a_first_sighting_gets_one_heartbeat_to_show_it_is_alive():
+    dead = Publisher(skew=0.0).publish(at=-3600.0)  # a cluster that died an hour ago (its record lingers)
+    rounds, status_board = Reader(), Reader(expiry=None)
+    assert is_live(rounds.read(dead)[2], EXPIRY)  # might be a live cluster whose clock is an hour behind
+    rounds.now = 1.0 + record_ages.PUBLISH_DELAY_SECONDS + 0.1  # its heartbeat (1 s) and the publish delay passed
+    assert departed([rounds.read(dead)[2]], EXPIRY) == {2}
+    assert departed([status_board.read(dead)[2]], EXPIRY) == {2}  # open-diloco status: silent at once
+    just_now = Publisher(skew=0.0).publish(at=-2.0)
+    assert Reader().read(just_now)[2]["last_seen_seconds"] == pytest.approx(2.0)  # clocks agree: exact, as before
 
 
 @pytest.mark.parametrize("skew", [-100.0, 100.0, 0.0])
@@ -111,7 +118,7 @@ def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
 
 def test_a_skewed_publisher_is_named_in_one_warning_line(caplog):
     reader, behind, ahead, right = Reader(), Publisher(1, skew=-31.2), Publisher(2, skew=40.0), Publisher(3, 0.5)
-    with caplog.at_level(logging.WARNING, logger=status.__name__):
+    with caplog.at_level(logging.WARNING, logger=record_ages.__name__):
         for second in range(30):
             reader.now = float(second)
             reader.read(*(cluster.publish(at=second - 0.5) for cluster in (behind, ahead, right)))
@@ -152,7 +159,7 @@ def test_a_publishers_records_are_aged_by_the_reader_that_keeps_its_ages():
     identity = {"galaxy_rank": 1, "host": "h", "peer_id": "QmA", "shard_peer_ids": ["QmA"]}
     publisher = StatusPublisher(dht, "run", identity, heartbeat_seconds=0.02, expiry_seconds=EXPIRY)
     try:
-        ages = RecordAges()
+        ages = RecordAges()  # as open-diloco status keeps it: the first read by the publisher's clock
         assert dht.stored.wait(5.0)
         first = read_records(dht, status.status_key("run"), 1.0, ages)
         assert first[0]["last_seen_seconds"] > EXPIRY  # a first sighting: by the publisher's clock
