@@ -329,10 +329,15 @@ class HivemindRound:
                 raise _MovedOn
 
     def _everyone_moved_on(self, view: Membership) -> bool:
-        """Every other live cluster started a later attempt of this round (or a later round): nobody will come."""
-        round_no, attempt = self.metadata["round_id"] + 1, self.metadata.get("attempt", 0)
-        others = {rank: started for rank, started in view.attempts.items() if rank != self.owner.galaxy_rank}
-        return bool(others) and all(started > (round_no, attempt) for started in others.values())
+        return everyone_moved_on(view, self.owner.galaxy_rank, self.metadata["round_id"] + 1,
+                                 self.metadata.get("attempt", 0))
+
+
+def everyone_moved_on(view: Membership, galaxy_rank: int, round_no: int, attempt: int) -> bool:
+    """Every other live cluster with a record of its attempts started a later attempt of round ``round_no`` (or a
+    later round) than ``attempt``: nobody will come to this one. A cluster still at an earlier round may yet come."""
+    others = [started for rank, started in view.attempts.items() if rank != galaxy_rank]
+    return bool(others) and all(started > (round_no, attempt) for started in others)
 
 
 class _LeftAlone(Exception):

@@ -153,3 +153,39 @@ def test_the_source_is_the_exact_round_first_then_the_most_advanced_then_the_low
     assert choose_source(view, own_rank=0, at_least=4, exact=4) == (1, 4)
     assert choose_source(view, own_rank=0, at_least=4) == (2, 5)
     assert choose_source(view, own_rank=0, at_least=6) is None  # only this cluster's own (old) record is ahead
+
+
+def test_a_download_whose_bytes_do_not_match_the_served_hash_is_never_taken():
+    # a state read while its server was applying a round (or cut short, or garbled) must not become θ_outer
+    meta, tensors = _served([0.5, 0.5], step=3, group=[1])
+    torn = [ShardPeer(2, [], {1: (meta, [tensors[0] + 1.0])}), ShardPeer(2, [], {1: (meta, tensors)})]
+    got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(torn[rank], comm, 0, lambda *_: None).download(3, 1.0))
+    assert got == [None, None]  # one rank's shard is bad: neither rank takes anything
+
+
+def test_a_cluster_starting_a_round_joins_the_attempt_the_galaxy_is_in():
+    # three clusters at the matchmaking edge: clusters 1 and 2 retried round 1 (attempt 1) while this one's shard
+    # still looked for a group in attempt 0. Its next start joins attempt 1, not an attempt nobody is in.
+    class InAttempt(ShardPeer):
+        def membership(self):
+            return Membership(attempts={1: (1, 1), 2: (1, 1), 0: (1, 0)})
+
+    peer = InAttempt(1, [_report([0, 1, 2])], {})
+    outer = DiLoCo(_model([1.0]), peer, _hv(galaxy_size=3), warn=lambda *_: None)
+    started: list[int] = []
+    start = peer.start_round
+    peer.start_round = lambda round_id, fingerprint, attempt=0: started.append(attempt) or start(
+        round_id, fingerprint, attempt)
+    record = outer.after_inner_step(1)
+    assert started == [1] and record["attempt"] == 1 and record["round_outcome"] == "applied"
+
+
+def test_a_peer_looking_for_a_group_moves_on_only_when_every_other_live_cluster_has():
+    from open_diloco.galaxy.averager import everyone_moved_on
+
+    view = Membership(attempts={0: (4, 0), 1: (4, 1), 2: (4, 2)})
+    assert everyone_moved_on(view, galaxy_rank=0, round_no=4, attempt=0)
+    assert not everyone_moved_on(view, galaxy_rank=1, round_no=4, attempt=1)  # cluster 0 may still come to 1
+    assert not everyone_moved_on(Membership(attempts={0: (4, 0), 1: (3, 2)}), 0, 4, 0)  # 1 is behind: it comes
+    assert everyone_moved_on(Membership(attempts={0: (4, 0), 1: (5, 0)}), 0, 4, 0)  # 1 is past the round
+    assert not everyone_moved_on(Membership(), 0, 4, 0)  # nothing known: keep looking
