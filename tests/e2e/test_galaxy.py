@@ -72,14 +72,20 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
     assert "applied this round without this cluster while it looked for a group" in galaxy.log("cluster1")
 
 
-def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galaxy):
+@pytest.mark.parametrize("schedule", [
+    pytest.param([], id="blocking"),
+    # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started beside
+    # it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
+    pytest.param(["--hv.fragments", "2", "--hv.sync-delay", "1"], id="streaming"),
+])
+def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galaxy, schedule):
     """2-rank clusters: only cluster 0's rank-1 averager (one shard pair) never sends the last average of round 2,
     so cluster 1 has one shard whole and one partial — the start of the cascade where a cluster whose shards ended
     a round apart was left out at every later round. Now cluster 1 commits nothing of either shard: both its ranks
     take round 2 from cluster 0 (their Δs are in it), and every round after that is in sync, with equal hashes.
     At H = 2 cluster 0 is already in round 3 when cluster 1 retries round 2: the round in the matchmaking key keeps
     the two apart (before, the retry met round 3, was left out of it and re-synced)."""
-    steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30"]
+    steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30", *schedule]
     metrics = [galaxy.start_cluster(0, 2, *steps, env=_losing_last_average(of_round=2, local_rank=1)),
                galaxy.start_cluster(1, 2, *steps)]
     for rank in (0, 1):
