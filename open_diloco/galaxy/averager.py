@@ -364,7 +364,8 @@ class HivemindAverager:
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
                  averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
                  allowlist: Allowlist | None = None, compression: str = "none", sparse_rule: str = "random",
-                 initial_peers: Sequence[str] = (), shard_index: int = 0, wire_buffer: torch.Tensor | None = None):
+                 initial_peers: Sequence[str] = (), shard_index: int = 0, wire_buffer: torch.Tensor | None = None,
+                 join_timeout: float = FINISH_DRAIN_SECONDS):
         self.dht, self.averager = dht, averager
         self.wire_buffer = averager._averaged_tensors[0] if wire_buffer is None else wire_buffer
         """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``) the
@@ -373,7 +374,7 @@ class HivemindAverager:
         self.shard_index = shard_index
         """Which shard of the cluster this averager serves: it averages with the same shard of every other cluster."""
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
-        self.averaging_timeout = averaging_timeout
+        self.averaging_timeout, self.join_timeout = averaging_timeout, join_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
         self.schema = schema
         """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
@@ -446,7 +447,9 @@ class HivemindAverager:
                           sources={record["galaxy_rank"]: peer for record in live
                                    if (peer := shard_peer(record, self.shard_index))},
                           attempts={record["galaxy_rank"]: (int(attempt[0]), int(attempt[1])) for record in live
-                                    if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2})
+                                    if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2},
+                          reported={record["galaxy_rank"]: (int(record.get("outer_step", -1)), record.get("param_hash"),
+                                                            record["galaxy_rank"] not in gone) for record in records})
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``
@@ -550,7 +553,9 @@ class HivemindAverager:
         if self._closed:
             return
         self._closed = True
-        self._let_last_averages_drain(FINISH_DRAIN_SECONDS if finished else DRAIN_SECONDS)
+        # a finished run serves the last round's state until the others took it (or join_timeout at most): a
+        # cluster whose last average never came takes the round from us (outer/diloco.py)
+        self._let_last_averages_drain(max(FINISH_DRAIN_SECONDS, self.join_timeout) if finished else DRAIN_SECONDS)
         try:
             if self.averager.is_alive():
                 self.averager.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates
@@ -655,6 +660,7 @@ def start_shard_averager(
         initial_peers=initial_peers,
         shard_index=shard_index,
         wire_buffer=wire_buffer,
+        join_timeout=join_timeout,
     )
 
 

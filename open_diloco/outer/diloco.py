@@ -38,6 +38,9 @@ from open_diloco.outer.streaming import SyncSchedule
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
 
+FINAL_CHECK_SECONDS = 15.0
+"""How long a finished cluster waits for the others' records to reach its last outer step (:meth:`verify_final`)."""
+
 
 class DiLoCo:
     """The outer loop of one shard: θ_outer and momentum in :class:`OuterState`, rounds through an
@@ -92,6 +95,8 @@ class DiLoCo:
         self.averager.serve_state(self._served_state)
         self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
         self._joined_from = self.outer_step
+        self._final_hash: str | None = None
+        """``param_hash`` of the last round this cluster ended, for :meth:`verify_final`."""
 
     @property
     def outer_step(self) -> int:
@@ -244,6 +249,7 @@ class DiLoCo:
             utilization = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
             for result in results:
                 result.compute_utilization = utilization
+            self._final_hash = results[-1].param_hash
             self._window_start, self._held = time.perf_counter(), 0.0
         return results
 
@@ -599,8 +605,35 @@ class DiLoCo:
         self.status.update(record)
         self._finished = record.get("state") == "finished"
 
+    def verify_final(self, param_hash: str, seconds: float = FINAL_CHECK_SECONDS) -> list[int] | None:
+        """At the end of a finished run, compare this cluster's final θ_outer (``param_hash``) with every other
+        cluster that ends at the same outer step, as their records show them: wait (``seconds`` at most) until
+        every cluster still training is at least this far, then name the ones whose hash differs in one warning.
+        The hash check of a round compares where rounds *start*, so without this a last round that came out
+        differently in two clusters would go unnoticed. Returns the clusters compared equal (``None``: none)."""
+        if self.hv.galaxy_size == 1:
+            return None
+        deadline = time.monotonic() + seconds
+        while True:
+            reported = {rank: seen for rank, seen in self.averager.membership().reported.items()
+                        if rank != self.galaxy_rank}
+            waiting = [rank for rank, (step, _, live) in reported.items() if live and step < self.outer_step]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        same = [rank for rank, (step, theirs, _) in reported.items() if step == self.outer_step and theirs == param_hash]
+        differ = [rank for rank, (step, theirs, _) in reported.items()
+                  if step == self.outer_step and theirs is not None and theirs != param_hash]
+        if differ:
+            self.warn(f"the run ends at outer step {self.outer_step} with a θ_outer unlike that of cluster(s) "
+                      f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from the "
+                      "checkpoint of the cluster you trust, or compare their exports")
+        return same or None
+
     def close(self) -> None:
         try:
+            if self._finished and self._final_hash and not isinstance(self.status, NullStatusBoard):
+                self.verify_final(self._final_hash)  # the cluster's rank 0 (it publishes, so it may read)
             self.status.close()  # while the DHT still runs
         finally:  # a finished run may wait for the peers of its last round to take their averages; a stop may not
             self.averager.shutdown(finished=self._finished)

@@ -69,6 +69,10 @@ class Membership:
     """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins the
     galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""
 
+    reported: dict[int, tuple[int, str | None, bool]] = field(default_factory=dict)
+    """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
+    rank: what a cluster at the end of its run compares its final θ_outer with."""
+
     def attempt_of(self, round_no: int) -> int:
         """The latest attempt of round ``round_no`` a live cluster started (0 when none did)."""
         return max((attempt for rnd, attempt in self.attempts.values() if rnd == round_no), default=0)

@@ -189,3 +189,17 @@ def test_a_peer_looking_for_a_group_moves_on_only_when_every_other_live_cluster_
     assert not everyone_moved_on(Membership(attempts={0: (4, 0), 1: (3, 2)}), 0, 4, 0)  # 1 is behind: it comes
     assert everyone_moved_on(Membership(attempts={0: (4, 0), 1: (5, 0)}), 0, 4, 0)  # 1 is past the round
     assert not everyone_moved_on(Membership(), 0, 4, 0)  # nothing known: keep looking
+
+
+def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_step():
+    # the per-round check compares where rounds start: a last round that came out differently would go unseen
+    class Ended(ShardPeer):
+        def membership(self):
+            return Membership(reported={0: (7, "mine", False), 1: (7, "mine", False), 2: (7, "other", True),
+                                        3: (5, "old", False)})
+
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0]), Ended(1, [], {}), _hv(galaxy_size=4), warn=warnings.append)
+    outer.state.outer_step = 7
+    assert outer.verify_final("mine", seconds=1.0) == [1]
+    assert len(warnings) == 1 and "unlike that of cluster(s) [2]" in warnings[0]
