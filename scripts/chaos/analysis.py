@@ -1,0 +1,138 @@
+"""Judging a soak from its records: per cluster, per fault, and against issue 34's acceptance targets.
+
+Words as the figures use them:
+- a **good** sync: ``in_sync`` and its ``param_hash`` equal to every other cluster's at the same outer step;
+- a fault's **repair**: from the fault's end to a cluster's first good sync after it, in that cluster's syncs
+  (1: its very next sync is good) and seconds; the fault's repair is the slowest cluster's;
+- a sync is **due to a fault** while the fault lasts (a kill until the victim's first sync after its restart,
+  a late joiner from the soak's start to its first sync) and for the syncs after it until the cluster's repair,
+  at most ``REPAIR_LIMIT``; everything else happened with no fault to blame.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from scripts.chaos.plan import Fault
+
+REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
+RESYNC_SHARE_LIMIT = 0.01  # re-synced syncs with no fault to blame
+
+
+@dataclass
+class Window:
+    fault: int
+    start: float
+    end: float  # the fault's end (repairs count from here)
+    settled: float  # until here every cluster's syncs are the fault's (>= end)
+
+
+def hashes_by_step(syncs: list[list[dict]]) -> dict[int, dict[int, str]]:
+    """outer step -> {cluster: param_hash} (a cluster's last record of that step)."""
+    table: dict[int, dict[int, str]] = {}
+    for cluster, records in enumerate(syncs):
+        for record in records:
+            table.setdefault(record["outer_step"], {})[cluster] = record.get("param_hash")
+    return table
+
+
+def is_good(record: dict, cluster: int, table: dict[int, dict[int, str]]) -> bool:
+    if not record.get("in_sync"):
+        return False
+    others = table.get(record["outer_step"], {})
+    return all(h == record.get("param_hash") for c, h in others.items() if c != cluster)
+
+
+def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:
+    """The fired faults' spans; a kill or a late join lasts until the cluster's first sync after its launch
+    (a restart spends tens of seconds loading before it can take part: its absence is still the fault, and a
+    galaxy that waits for a member it was told of is waiting because of it)."""
+    spans = []
+    for f in faults:
+        if not f.fired:
+            continue
+        settled = f.end
+        if f.kind in ("kill_restart", "late_join"):
+            settled = max(f.end, next((s["time"] for s in syncs[f.cluster] if s["time"] > f.end), f.end))
+        spans.append(Window(f.index, f.start, f.end, settled))
+    return spans
+
+
+def repair(after: float, records: list[dict], cluster: int, table: dict) -> tuple[int, float] | None:
+    """(syncs, seconds) from ``after`` to the cluster's first good sync; None if it never had one."""
+    later = [r for r in records if r["time"] > after]
+    for i, record in enumerate(later, 1):
+        if is_good(record, cluster, table):
+            return i, record["time"] - after
+    return None
+
+
+def fault_figures(faults: list[Fault], syncs: list[list[dict]], table: dict) -> list[dict]:
+    """Each fault with its repair: per cluster, the target's, and the galaxy's (the slowest cluster)."""
+    out = []
+    for f in faults:
+        row = f.to_json()
+        if f.fired:
+            per = {c: repair(f.end, records, c, table) for c, records in enumerate(syncs)
+                   if any(r["time"] > f.end for r in records)}
+            row["repair_by_cluster"] = {str(c): (list(r) if r else None) for c, r in per.items()}
+            row["repair_target"] = per.get(f.cluster) and list(per[f.cluster])
+            healed = [r for r in per.values() if r is not None]
+            row["repaired"] = bool(per) and len(healed) == len(per)
+            row["repair_syncs"] = max((r[0] for r in healed), default=None) if row["repaired"] else None
+            row["repair_seconds"] = max((r[1] for r in healed), default=None) if row["repaired"] else None
+            row["syncs_after"] = bool(per)
+        out.append(row)
+    return out
+
+
+def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window], repairs: dict) -> bool:
+    """Whether cluster ``cluster``'s sync at ``t`` (``times``: all its syncs' times, sorted) falls in a fault
+    or among the syncs after it up to the cluster's repair (at most ``REPAIR_LIMIT``)."""
+    for w in spans:
+        if w.start <= t <= w.settled:
+            return True
+        if t > w.settled:
+            nth_after = bisect_right(times, t) - bisect_right(times, w.settled)
+            if nth_after <= min(repairs.get((w.fault, cluster)) or REPAIR_LIMIT, REPAIR_LIMIT):
+                return True
+    return False
+
+
+def cluster_figures(cluster: int, records: list[dict], spans: list[Window], repairs: dict, table: dict) -> dict:
+    """Counts and streaks of one cluster's syncs; ``repairs``: (fault, cluster) -> repair in syncs or None."""
+    times = sorted(r["time"] for r in records)
+    longest = run = after_run = longest_after = 0
+    for r in records:
+        if r.get("in_sync"):
+            run = after_run = 0
+            continue
+        run += 1
+        longest = max(longest, run)
+        if not any(w.start <= r["time"] <= w.settled for w in spans):  # in a fault it is the fault's doing
+            after_run += 1
+            longest_after = max(longest_after, after_run)
+    free = [r for r in records if not due_to_fault(r["time"], cluster, times, spans, repairs)]
+    resynced_free = sum(bool(r.get("resynced")) for r in free)
+    sat_out = [r for r in records if r.get("galaxy_peers") == 0]
+    bad = [r for r in records if r.get("pseudo_grad_finite") is False or r.get("pseudo_grad_in_bound") is False]
+    last = records[-1] if records else {}
+    return {
+        "syncs": len(records),
+        "out_of_sync": sum(not r.get("in_sync") for r in records),
+        "longest_out_of_sync_run": longest,
+        "longest_out_of_sync_run_after_faults": longest_after,
+        "resynced": sum(bool(r.get("resynced")) for r in records),
+        "syncs_without_fault": len(free),
+        "resynced_without_fault": resynced_free,
+        "resynced_share_without_fault": resynced_free / len(free) if free else 0.0,
+        "sat_out": len(sat_out),
+        "sat_out_without_fault": sum(not due_to_fault(r["time"], cluster, times, spans, repairs) for r in sat_out),
+        "sat_out_bad_pseudo_grad": len(bad),
+        "retries": sum(r.get("retries") or 0 for r in records),
+        "split_syncs": sum(not is_good({**r, "in_sync": True}, cluster, table) for r in records),
+        "final_outer_step": last.get("outer_step"),
+        "final_step": last.get("step"),
+        "final_param_hash": last.get("param_hash"),
+    }

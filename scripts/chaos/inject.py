@@ -1,0 +1,151 @@
+"""How each fault is done to a running galaxy, and undone.
+
+- ``lost_average``: tests/e2e/faults/lose_last_average on the target cluster's PYTHONPATH, armed at launch for
+  one all-reduce number (the target's outer step the schedule picked, less the outer step it launches at) and
+  one shard (local rank). Its window runs from the record that brings the target's all-reduces (a sync and its
+  retries, as its records count them) to that number less one, to the record that reaches it: the records' view,
+  within a sync of the moment it struck (a retry whose matchmaking failed made no all-reduce).
+- ``kill_restart``: kill -9 of the cluster's whole process tree by PID, then, ``seconds`` later, the same
+  command again with ``--ckpt.resume latest`` (when a checkpoint is complete; else it joins as a newcomer).
+- ``partition``: the cluster's port on the lab's bridge goes down for ``seconds`` (scripts/wan/control.py).
+- ``loss_burst``: the cluster's forwarder loses 5 % of the packets both ways for ``seconds``.
+- ``slow``: SIGSTOP/SIGCONT of the cluster's rank processes, half of every second (its hivemind processes run
+  on: the cluster computes at half speed, as a slower machine would, while its heartbeats stay on time).
+- ``late_join``: the cluster is not started with the others but when the galaxy reaches the trigger.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from scripts.chaos.galaxy import Galaxy, signal_all
+from scripts.chaos.plan import BURST_LOSS_PCT, SLOW_DUTY, SLOW_PERIOD_S, Fault
+
+Say = Callable[[str], None]
+QUIET_SYNCS = 4  # syncs of the galaxy between the end of one fault and the start of the next
+
+
+class DutyCycle(threading.Thread):
+    """Stops and continues a cluster's ranks in turn until ``stop()``, which always leaves them running."""
+
+    def __init__(self, galaxy: Galaxy, cluster: int):
+        super().__init__(daemon=True)
+        self.galaxy, self.cluster = galaxy, cluster
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        import signal
+
+        while not self._done.is_set():
+            pids = self.galaxy.rank_pids(self.cluster)  # again each period: a rank may have ended
+            signal_all(pids, signal.SIGSTOP)
+            self._done.wait(SLOW_PERIOD_S * (1 - SLOW_DUTY))
+            signal_all(pids, signal.SIGCONT)
+            self._done.wait(SLOW_PERIOD_S * SLOW_DUTY)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+
+
+class Injector:
+    """Starts and ends the schedule's faults as the galaxy progresses; ``tick()`` once per loop turn."""
+
+    def __init__(self, galaxy: Galaxy, faults: list[Fault], relaunch: Callable[[int, bool], None], say: Say):
+        self.galaxy, self.faults, self.relaunch, self.say = galaxy, faults, relaunch, say
+        self.slowing: dict[int, DutyCycle] = {}
+        self.progress = 0
+        self.quiet_until = 0  # the galaxy's outer step before which no new fault starts
+
+    @property
+    def active(self) -> Fault | None:
+        """The fault the soak is doing now (at most one; lost averages and late joins run on their own)."""
+        return next((f for f in self.faults if f.start is not None and f.end is None
+                     and f.kind not in ("lost_average", "late_join")), None)
+
+    def _begin(self, fault: Fault, note: str = "") -> None:
+        fault.start, fault.note = time.time(), note or fault.note
+        self.say(f"fault start {fault.describe()}{': ' + note if note else ''}")
+
+    def _finish(self, fault: Fault, note: str = "") -> None:
+        fault.end = time.time()
+        if fault.kind != "lost_average":  # let the galaxy settle: each repair is measured on its own
+            self.quiet_until = self.progress + QUIET_SYNCS
+        fault.note = note or fault.note
+        self.say(f"fault end   #{fault.index} {fault.kind} on cluster {fault.cluster}{': ' + note if note else ''}")
+
+    def tick(self, progress: int, allreduces: Callable[[int], int]) -> None:
+        """``progress``: the galaxy's outer step (its clusters' median); ``allreduces(c)``: the all-reduces
+        cluster ``c`` made in its current launch (as its records tell: a sync and its retries)."""
+        now, self.progress = time.time(), progress
+        for fault in self.faults:
+            if fault.kind == "lost_average":
+                self._watch_lost_average(fault, allreduces)
+            elif fault.kind == "late_join":
+                if fault.end is None and progress >= fault.trigger:
+                    self.relaunch(fault.cluster, False)
+                    self._finish(fault, f"started at the galaxy's outer step {progress}")
+            elif fault.start is not None and fault.end is None and now >= fault.start + fault.seconds:
+                self._undo(fault)
+        if self.active is None and progress >= self.quiet_until:
+            due = next((f for f in self.faults if f.start is None and f.kind not in ("lost_average", "late_join")
+                        and progress >= f.trigger), None)
+            if due is not None:
+                self._do(due)
+
+    def _watch_lost_average(self, fault: Fault, allreduces: Callable[[int], int]) -> None:
+        launch = self.galaxy.current(fault.cluster)
+        if fault.end is not None or launch is None or str(launch.number) not in fault.armed:
+            return  # not armed in this launch (one killed before it struck re-arms at its restart)
+        ordinal = fault.armed[str(launch.number)]
+        done = allreduces(fault.cluster)
+        if fault.start is None and done >= ordinal - 1:
+            self._begin(fault, f"all-reduce {ordinal} of launch {launch.number} loses its last average")
+        if fault.start is not None and done >= ordinal:
+            self._finish(fault)
+
+    def _do(self, fault: Fault) -> None:
+        from scripts.wan import control
+
+        if not self.galaxy.running(fault.cluster):
+            fault.start = fault.end = None
+            fault.note = "skipped: the cluster was not running when it was due"
+            fault.trigger = 10**9  # never due again
+            self.say(f"fault skip  {fault.describe()}: {fault.note}")
+            return
+        self._begin(fault)
+        if fault.kind == "kill_restart":
+            left = self.galaxy.kill(fault.cluster)
+            if left:
+                self.say(f"kill -9 left {left} alive")
+        elif fault.kind == "partition":
+            control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=False)
+        elif fault.kind == "loss_burst":
+            control.set_loss(self.galaxy.lab["run_id"], f"c{fault.cluster}", BURST_LOSS_PCT)
+        elif fault.kind == "slow":
+            self.slowing[fault.cluster] = DutyCycle(self.galaxy, fault.cluster)
+            self.slowing[fault.cluster].start()
+
+    def _undo(self, fault: Fault) -> None:
+        from scripts.wan import control
+
+        if fault.kind == "kill_restart":
+            self.relaunch(fault.cluster, True)
+        elif fault.kind == "partition":
+            control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=True)
+        elif fault.kind == "loss_burst":
+            control.set_loss(self.galaxy.lab["run_id"], f"c{fault.cluster}", None)
+        elif fault.kind == "slow":
+            self.slowing.pop(fault.cluster).stop()
+        self._finish(fault)
+
+    def undo_all(self) -> None:
+        """End every fault in progress (the soak is stopping): links up, loss off, ranks running."""
+        for fault in self.faults:
+            if fault.start is not None and fault.end is None and fault.kind not in ("lost_average", "kill_restart"):
+                try:
+                    self._undo(fault)
+                except Exception as err:  # the lab may be gone already; the rest must still be undone
+                    self.say(f"could not undo #{fault.index} {fault.kind}: {err}")

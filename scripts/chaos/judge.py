@@ -1,0 +1,106 @@
+"""The soak's verdict: the figures of analysis.py, the clusters' logs and exit codes, and issue 34's targets
+(each printed with its value, so a failed soak says which promise broke and by how much)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from scripts.chaos.analysis import (
+    REPAIR_LIMIT,
+    RESYNC_SHARE_LIMIT,
+    cluster_figures,
+    fault_figures,
+    hashes_by_step,
+    windows,
+)
+from scripts.chaos.galaxy import Launch
+from scripts.chaos.plan import Fault
+
+NOTABLE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL)\b|Traceback|stopping:|training stopped")
+OUR_PREFIX = re.compile(r"^\S+ \S+ (WARN|WARNING|ERROR|CRITICAL) galaxy_rank=\d+ rank=\d+ local_rank=\d+ ")
+PEER_ID = re.compile(r"\b(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]{20,}")
+NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{12,}\b|\d+(?:\.\d+)?")
+
+
+def normalize(line: str) -> str:
+    """A log line as a kind of line: no time, ranks or numbers (so 200 partial rounds count as one kind)."""
+    line = OUR_PREFIX.sub(r"\1 ", line.strip())
+    line = re.sub(r"^\[?[A-Z][a-z]{2} \d+ [\d:.]+\]? ", "", line)  # hivemind's own time stamp
+    return NUMBERS.sub("N", PEER_ID.sub("PEER", line))[:220]
+
+
+def read_logs(launches: list[Launch]) -> tuple[Counter, dict[int, list[str]]]:
+    """Kinds of notable lines over every launch's log, and each cluster's "stopping" lines from launches the
+    soak did not end itself."""
+    kinds: Counter = Counter()
+    stops: dict[int, list[str]] = {}
+    for launch in launches:
+        if not launch.log.exists():
+            continue
+        for line in launch.log.read_text(errors="replace").splitlines():
+            if NOTABLE.search(line):
+                kinds[normalize(line)] += 1
+            if not launch.killed and ("stopping:" in line or "training stopped" in line):
+                stops.setdefault(launch.cluster, []).append(line.strip()[:300])
+    return kinds, stops
+
+
+def judge(faults: list[Fault], syncs: list[list[dict]], launches: list[Launch], hung: bool,
+          left_running: list[dict]) -> dict:
+    """Every figure of the summary and the verdict on each target."""
+    table = hashes_by_step(syncs)
+    spans = windows(faults, syncs)
+    fault_rows = fault_figures(faults, syncs, table)
+    repairs = {(row["index"], int(c)): (r[0] if r else None)
+               for row in fault_rows for c, r in row.get("repair_by_cluster", {}).items()}
+    clusters = [cluster_figures(c, records, spans, repairs, table) for c, records in enumerate(syncs)]
+    kinds, stops = read_logs(launches)
+    for c, fig in enumerate(clusters):
+        exits = [launch.returncode for launch in launches if launch.cluster == c and not launch.killed]
+        fig["exit_codes"] = exits
+        fig["stopped"] = any(code not in (0, None) for code in exits) or bool(stops.get(c))
+        fig["stopping_lines"] = stops.get(c, [])[:5]
+        fig["launches"] = sum(launch.cluster == c for launch in launches)
+    return {
+        "clusters": clusters,
+        "faults": fault_rows,
+        "log_lines": [{"count": n, "line": line} for line, n in kinds.most_common(25)],
+        "acceptance": targets(clusters, fault_rows, hung, left_running),
+    }
+
+
+def targets(clusters: list[dict], fault_rows: list[dict], hung: bool, left_running: list[dict]) -> list[dict]:
+    """Issue 34's acceptance targets, each ``{"target", "value", "passed"}``."""
+    finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
+    free = sum(c["syncs_without_fault"] for c in clusters)
+    share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
+    streak = max((c["longest_out_of_sync_run_after_faults"] for c in clusters), default=0)
+    fired = [f for f in fault_rows if f["fired"] and f.get("syncs_after")]
+    slow = [f"#{f['index']} {f['kind']}: {f['repair_syncs'] if f['repaired'] else 'never'}" for f in fired
+            if not f["repaired"] or f["repair_syncs"] > REPAIR_LIMIT]
+    stopped = [i for i, c in enumerate(clusters) if c["stopped"]]
+    sat = [i for i, c in enumerate(clusters) if c["sat_out_bad_pseudo_grad"] or c["sat_out_without_fault"]]
+    rows = [
+        ("final param_hash equal in every cluster", f"{len(finals)} distinct (outer step, hash)",
+         len(finals) == 1 and None not in next(iter(finals), (None,))),
+        ("no healthy cluster stopped", f"stopped: {stopped or 'none'}", not stopped),
+        ("no healthy cluster sat out (bad Δ, or with no fault to blame)", f"sat out: {sat or 'none'}", not sat),
+        (f"out of sync ≤ {REPAIR_LIMIT} syncs in a row after any fault", f"longest {streak}",
+         streak <= REPAIR_LIMIT),
+        (f"every repair within {REPAIR_LIMIT} syncs", f"{len(fired)} repaired faults; over: {slow or 'none'}",
+         not slow),
+        (f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame", f"{share:.2%} of {free}",
+         share <= RESYNC_SHARE_LIMIT),
+        ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
+        ("nothing left running", f"{len(left_running)} processes", not left_running),
+    ]
+    return [{"target": t, "value": v, "passed": bool(ok)} for t, v, ok in rows]
+
+
+def all_syncs(out: Path, clusters: int) -> list[list[dict]]:
+    """Every cluster's syncs, from its metrics file."""
+    from scripts.chaos.records import read_all
+
+    return [read_all(out / f"cluster{c}.jsonl").syncs for c in range(clusters)]

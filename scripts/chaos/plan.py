@@ -1,0 +1,88 @@
+"""The soak's seeded fault schedule: which fault, on which cluster, when, for how long.
+
+Faults are placed by the galaxy's progress (the clusters' median outer step), not by the clock: a run's pace
+depends on the machine and the link, and a fault aimed at "sync 40" lands in the same phase of the run on any
+machine. Faults that take the soak's hands (a kill, a partition, a burst, a slow-down) run one at a time, so each
+repair is measured from a galaxy that was healthy before it; a lost average is armed in the trainer at launch and
+fires on its own clock; a late joiner is the run's first fault.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("lost_average", "kill_restart", "partition", "late_join", "slow", "loss_burst")
+NEEDS_LAB = frozenset({"partition", "loss_burst"})  # they act on the lab's links
+DURATION_S = {"kill_restart": 5.0, "partition": 30.0, "loss_burst": 30.0, "slow": 60.0}
+BURST_LOSS_PCT = 5.0
+SLOW_DUTY = 0.5  # share of each period a slowed cluster's ranks may run
+SLOW_PERIOD_S = 1.0
+FIRST, LAST = 0.1, 0.75  # the share of the run's syncs faults are spread over: room to heal after the last one
+
+
+@dataclass
+class Fault:
+    """One fault of the schedule and, once the soak ran, what happened to it (times are Unix seconds)."""
+
+    index: int
+    kind: str
+    cluster: int
+    trigger: int  # the galaxy's outer step (run.Soak.progress) that starts it; lost_average: the target's own
+    seconds: float = 0.0  # how long it lasts (kill_restart: how long the cluster stays dead)
+    shard: int | None = None  # lost_average: the local rank whose averager loses it (None: every rank's)
+    start: float | None = None
+    end: float | None = None
+    note: str = ""
+    armed: dict[str, int] = field(default_factory=dict)  # lost_average: launch number -> all-reduce number armed
+
+    @property
+    def fired(self) -> bool:
+        return self.start is not None and self.end is not None
+
+    def describe(self) -> str:
+        where = f"cluster {self.cluster}" + (f" shard {self.shard}" if self.shard is not None else "")
+        span = f" for {self.seconds:g} s" if self.seconds else ""
+        return f"#{self.index} {self.kind} on {where} at outer step {self.trigger}{span}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "fired": self.fired}
+
+
+def _kinds_in_order(n: int, kinds: list[str], rng: random.Random) -> list[str]:
+    """``n`` kinds: every allowed kind once before any repeats (shuffled rounds), a late joiner only first."""
+    order = ["late_join"] if "late_join" in kinds and n else []
+    others = [k for k in kinds if k != "late_join"]
+    while len(order) < n and others:
+        batch = others[:]
+        rng.shuffle(batch)
+        order += batch
+    return order[:n]
+
+
+def schedule(n: int, kinds: list[str], clusters: int, ranks: int, total_syncs: int, seed: int) -> list[Fault]:
+    """A seeded schedule of ``n`` faults over a run of ``total_syncs`` syncs per cluster. At most one lost
+    average per cluster (the fault module takes one all-reduce number per launch); a kind that cannot be placed
+    (a lost average when every cluster has one) gives way to the next kind of the order."""
+    rng = random.Random(seed)
+    order = _kinds_in_order(n, kinds, rng)
+    lo, hi = max(2, int(FIRST * total_syncs)), max(3, int(LAST * total_syncs))
+    width = (hi - lo) / max(1, len(order))
+    late = None
+    faults: list[Fault] = []
+    for i, kind in enumerate(order):
+        trigger = int(lo + i * width + rng.uniform(0, width / 3))
+        targets = [c for c in range(clusters) if c != late]
+        if kind == "lost_average":
+            targets = [c for c in targets if all(f.cluster != c or f.kind != kind for f in faults)]
+            if not targets:
+                kind = next((k for k in kinds if k not in ("lost_average", "late_join")), None)
+                if kind is None:
+                    break
+                targets = [c for c in range(clusters) if c != late]
+        cluster = rng.choice(targets or list(range(clusters)))
+        if kind == "late_join":
+            cluster = late = rng.randrange(1, clusters) if clusters > 1 else 0
+        shard = rng.randrange(ranks) if kind == "lost_average" and ranks > 1 else None
+        faults.append(Fault(i, kind, cluster, max(2, trigger), DURATION_S.get(kind, 0.0), shard))
+    return faults

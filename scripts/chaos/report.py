@@ -1,0 +1,71 @@
+"""The soak's output: ``summary.json`` (every figure) and ``summary.md`` (the tables a person reads, printed
+too), in the soak's output directory beside the clusters' logs and metrics and ``events.log``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def cluster_table(clusters: list[dict]) -> list[str]:
+    rows = ["| cluster | launches | syncs | out of sync | longest run | longest run after faults | re-synced "
+            "| re-synced w/o fault | sat out (bad Δ) | retries | split syncs | stopped | final outer step "
+            "| final hash |",
+            "|" + "---|" * 14]
+    for i, c in enumerate(clusters):
+        rows.append(
+            f"| {i} | {c['launches']} | {c['syncs']} | {c['out_of_sync']} | {c['longest_out_of_sync_run']} "
+            f"| {c['longest_out_of_sync_run_after_faults']} | {c['resynced']} "
+            f"| {c['resynced_without_fault']} of {c['syncs_without_fault']} "
+            f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
+            f"| {c['retries']} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "
+            f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |")
+    return rows
+
+
+def fault_table(faults: list[dict], started: float) -> list[str]:
+    rows = ["| # | fault | cluster | at outer step | start s | end s | repair (syncs) | repair (s) "
+            "| target's repair (syncs, s) | note |", "|" + "---|" * 10]
+    for f in faults:
+        rel = [None if f[k] is None else f[k] - started for k in ("start", "end")]
+        target = f.get("repair_target")
+        target_text = f"{target[0]}, {target[1]:.1f}" if target else ("–" if not f["fired"] else "never")
+        repair = _fmt(f.get("repair_syncs")) if f.get("repaired") or not f["fired"] else "never"
+        if f["fired"] and not f.get("syncs_after"):
+            repair = "no syncs after"
+        rows.append(f"| {f['index']} | {f['kind']} | {f['cluster']}{'' if f['shard'] is None else '/' + str(f['shard'])} "
+                    f"| {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} | {repair} | {_fmt(f.get('repair_seconds'))} "
+                    f"| {target_text} | {f['note']} |")
+    return rows
+
+
+def markdown(summary: dict) -> str:
+    verdict = "PASSED" if summary["passed"] else "FAILED"
+    lines = [f"# Chaos soak {summary['date']}: {verdict}", "", f"`{summary['command']}`", "",
+             f"{summary['setting']}; trainers from `{summary['package_file']}`; "
+             f"{summary['seconds']:.0f} s wall clock.", "", "## Clusters", "", *cluster_table(summary["clusters"]),
+             "", "## Faults", "", *fault_table(summary["faults"], summary["started"]), "", "## Acceptance", "",
+             "| target | value | |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']} | {'pass' if t['passed'] else 'FAIL'} |" for t in summary["acceptance"]]
+    lines += ["", "## Notable log lines (numbers as N)", "", "| count | line |", "|---|---|"]
+    lines += [f"| {row['count']} | `{row['line'].replace('|', '/')}` |" for row in summary["log_lines"]]
+    if summary["left_running"]:
+        lines += ["", "## Left running (ended by the soak afterwards)", ""]
+        lines += [f"- {p['pid']}: `{p['cmd']}`" for p in summary["left_running"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, summary: dict) -> str:
+    """Write both files; returns the markdown."""
+    text = markdown(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "summary.md").write_text(text)
+    return text

@@ -1,0 +1,80 @@
+"""The chaos soak's schedule and judgement on hand-made records (scripts/chaos/): no processes."""
+
+from __future__ import annotations
+
+from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, windows
+from scripts.chaos.judge import normalize, targets
+from scripts.chaos.plan import KINDS, Fault, schedule
+from scripts.chaos.run import with_overrides
+
+
+def sync(step: int, t: float, in_sync: bool = True, h: str = "a", resynced: bool = False, peers: int = 2) -> dict:
+    return {"outer_step": step, "time": t, "in_sync": in_sync, "param_hash": h, "resynced": resynced,
+            "galaxy_peers": peers, "retries": 0, "pseudo_grad_finite": True, "pseudo_grad_in_bound": True}
+
+
+def test_schedule_is_seeded_and_spreads_every_kind():
+    a = schedule(8, list(KINDS), 3, 2, 100, seed=5)
+    assert [f.to_json() for f in a] == [f.to_json() for f in schedule(8, list(KINDS), 3, 2, 100, seed=5)]
+    assert a[0].kind == "late_join" and sum(f.kind == "late_join" for f in a) == 1
+    assert set(KINDS) <= {f.kind for f in a}
+    triggers = [f.trigger for f in a]
+    assert triggers == sorted(triggers) and 10 <= triggers[0] and triggers[-1] <= 75
+    assert all(f.shard in (0, 1) for f in a if f.kind == "lost_average")
+    late = a[0].cluster
+    assert all(f.cluster != late for f in a[1:])  # nothing aimed at a cluster that may not run yet
+
+
+def test_at_most_one_lost_average_per_cluster():
+    faults = schedule(5, ["lost_average"], 2, 1, 50, seed=0)
+    assert sorted(f.cluster for f in faults if f.kind == "lost_average") == [0, 1]
+
+
+def test_trainer_flags_after_dashes_replace_defaults():
+    assert with_overrides(["--a", "1", "--b", "2"], ["--b=3", "--c", "4"]) == ["--a", "1", "--b=3", "--c", "4"]
+
+
+def test_repair_streak_and_resync_share():
+    # cluster 1 is partitioned from t=10 to t=20; its first two syncs after are bad, the third good
+    c0 = [sync(s, float(s * 2)) for s in range(1, 16)]
+    c1 = [sync(s, float(s * 2) + 0.5) for s in range(1, 5)]
+    c1 += [sync(s, float(s * 2) + 0.5, in_sync=False, h="b") for s in range(5, 10)]  # apart: t 10.5 .. 18.5
+    c1 += [sync(10, 20.5, in_sync=False, resynced=True), sync(11, 22.5, in_sync=False), sync(12, 24.5)]
+    c1 += [sync(s, float(s * 2) + 0.5) for s in range(13, 16)]
+    c1[1]["resynced"] = True  # one re-sync with no fault to blame, before the partition
+    fault = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
+    syncs = [c0, c1]
+    table = hashes_by_step(syncs)
+    (row,) = fault_figures([fault], syncs, table)
+    assert row["repair_target"] == [3, 4.5] and row["repair_by_cluster"]["0"] == [1, 2.0]
+    assert row["repaired"] and row["repair_syncs"] == 3
+    repairs = {(0, 0): 1, (0, 1): 3}
+    fig = cluster_figures(1, c1, windows([fault], syncs), repairs, table)
+    assert fig["out_of_sync"] == 7 and fig["longest_out_of_sync_run"] == 7
+    assert fig["longest_out_of_sync_run_after_faults"] == 2  # 10 and 11, after the fault's end
+    assert fig["resynced"] == 2 and fig["resynced_without_fault"] == 1  # sync 10 is the repair's
+    assert fig["syncs_without_fault"] == 15 - 5 - 2  # five apart, two of the repair allowance
+    assert fig["split_syncs"] == 5 and fig["final_param_hash"] == "a"
+    fig["stopped"] = False
+    verdict = {t["target"]: t["passed"] for t in targets([fig, fig], [row], hung=False, left_running=[])}
+    assert verdict["every repair within 2 syncs"] is False
+    assert verdict["out of sync ≤ 2 syncs in a row after any fault"] is True
+    assert verdict["≤ 1% of syncs re-synced with no fault to blame"] is False  # 1 of 8
+
+
+def test_a_kill_lasts_until_the_victim_syncs_again():
+    fault = Fault(0, "kill_restart", 1, trigger=3, seconds=5, start=10.0, end=15.0)
+    syncs = [[sync(s, float(s * 2)) for s in range(1, 20)], [sync(1, 2.0), sync(2, 4.0), sync(12, 31.0)]]
+    (w,) = windows([fault], syncs)
+    assert (w.start, w.end, w.settled) == (10.0, 15.0, 31.0)
+    late = Fault(1, "late_join", 1, trigger=3, start=0.0, end=15.0)
+    (w,) = windows([late], syncs)
+    assert (w.start, w.end, w.settled) == (0.0, 15.0, 31.0)  # the galaxy waited for it from the start
+
+
+def test_log_lines_become_kinds():
+    a = "2026-11-27 08:59:45,513 WARN galaxy_rank=0 rank=1 local_rank=1 open_diloco.outer: outer step 5: attempt 1/2"
+    b = "2026-11-27 09:10:00,000 WARN galaxy_rank=2 rank=0 local_rank=0 open_diloco.outer: outer step 81: attempt 2/2"
+    assert normalize(a) == normalize(b) == "WARN open_diloco.outer: outer step N: attempt N/N"
+    peer = "Nov 27 08:59:45.498 [WARN] [x:174] peer 12D3KooWMa2sv7rxA3d24mrxhsK7N1vm2omUf1MNMqhivq5gQt4E sent 3"
+    assert normalize(peer) == "[WARN] [x:N] peer PEER sent N"
