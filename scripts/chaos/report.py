@@ -47,11 +47,16 @@ def fault_table(faults: list[dict], started: float) -> list[str]:
     return rows
 
 
+def _load(summary: dict) -> str:
+    loads = summary["load_average_per_minute"]
+    return f"{min(loads):.1f}–{max(loads):.1f} (mean {sum(loads) / len(loads):.1f})" if loads else "unknown"
+
+
 def markdown(summary: dict) -> str:
     verdict = "PASSED" if summary["passed"] else "FAILED"
     lines = [f"# Chaos soak {summary['date']}: {verdict}", "", f"`{summary['command']}`", "",
              f"{summary['setting']}; trainers from `{summary['package_file']}`; "
-             f"{summary['seconds']:.0f} s wall clock.", "", "## Clusters", "", *cluster_table(summary["clusters"]),
+             f"{summary['seconds']:.0f} s wall clock on {summary['cpus']} CPUs, load average {_load(summary)}.", "", "## Clusters", "", *cluster_table(summary["clusters"]),
              "", "## Faults", "", *fault_table(summary["faults"], summary["started"]), "", "## Acceptance", "",
              "| target | value | |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'pass' if t['passed'] else 'FAIL'} |" for t in summary["acceptance"]]

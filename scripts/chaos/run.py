@@ -3,6 +3,7 @@ progress, a global wall-clock limit, and a shutdown that leaves nothing running 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class SoakRun:
     package_file: str
     lab: dict | None
     launches: list[Launch]
+    loads: list[float]
 
 
 class Soak:
@@ -101,6 +103,8 @@ class Soak:
         self.tails = [MetricsTail(cfg.out / f"cluster{c}.jsonl") for c in range(cfg.clusters)]
         self.synced_at_launch = [0] * cfg.clusters
         self.injector = Injector(self.galaxy, faults, self.launch, say)
+        self.loads: list[float] = []  # 1-minute load average, once a minute
+        self._next_load = 0.0
 
     def leader(self) -> int:
         """The most advanced cluster's outer step: where a restart or a late joiner picks up."""
@@ -177,7 +181,7 @@ class Soak:
         for tail in self.tails:
             tail.read()
         left = g.left_running()
-        return SoakRun(started, time.time(), hung, self.tails, left, package, g.lab, g.launches)
+        return SoakRun(started, time.time(), hung, self.tails, left, package, g.lab, g.launches, self.loads)
 
     def _loop(self, started: float) -> bool:
         """Drive the schedule until every cluster ended; True if the wall-clock limit ran out first."""
@@ -189,6 +193,9 @@ class Soak:
             self.injector.tick(self.progress(), self.allreduces)
             if self._done():
                 return False
+            if time.time() >= self._next_load:  # the machine's load: a soak's pace is the machine's as well
+                self.loads.append(round(os.getloadavg()[0], 2))
+                self._next_load = time.time() + 60
             if time.time() - started > self.cfg.timeout:
                 self.say(f"HANG: the soak ran past --timeout {self.cfg.timeout:g} s; stopping everything")
                 return True

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m scripts.chaos.soak " + shlex.join(argv),
         "setting": setting, "started": soak_run.started, "seconds": soak_run.finished - soak_run.started,
         "package_file": soak_run.package_file, "lab": soak_run.lab, "hung": soak_run.hung,
-        "left_running": soak_run.left_running, **verdict,
+        "left_running": soak_run.left_running, "load_average_per_minute": soak_run.loads,
+        "cpus": os.cpu_count(), **verdict,
         "launches": [launch.to_json() for launch in soak_run.launches],
     }
     summary["passed"] = all(t["passed"] for t in verdict["acceptance"])
