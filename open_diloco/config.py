@@ -50,7 +50,7 @@ class HvConfig(BaseModel):
     fragments: Annotated[int, Field(ge=1)] = 1
     """P: streaming DiLoCo. Each shard's θ_outer is cut into P equal slices that sync in turn, one every H/P inner
     steps (fragment f at steps f·H/P + H, 2H, ...), so each all-reduce carries 1/P of the model. 1: the whole model
-    every H steps. Must divide --hv.local-steps; every cluster must use the same. README "Overlap"."""
+    every H steps. Must divide --hv.local-steps; every cluster must use the same. See docs/overlap.md."""
 
     sync_delay: Annotated[int, Field(ge=0)] = 0
     """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer update
@@ -59,13 +59,14 @@ class HvConfig(BaseModel):
 
     sync_alpha: Annotated[float, Field(ge=0, lt=1)] = 0.5
     """α: with --hv.sync-delay, a landing fragment becomes α·θ_local + (1 − α)·θ_outer (θ_local: the model, τ inner
-    steps on); 0 drops those steps. 0.5 measured best (README "Overlap")."""
+    steps on); 0 drops those steps. Neither dropping nor re-applying those steps trained as well as mixing
+    (docs/overlap.md)."""
 
     outer_lr: Annotated[float, Field(gt=0)] = 1.0
     """Learning rate of the outer optimizer (SGD, optionally with (Nesterov) momentum). The default, lr 1 with
-    momentum 0, is plain averaging (θ_outer ← mean θ_local), the best outer setting measured with
-    `scripts/bench/convergence.py` (README, Training quality); the DiLoCo paper's 0.7 with momentum 0.9 ended
-    16 % above DDP there. Above 1 extrapolates the average, below 1 damps it."""
+    momentum 0, is plain averaging (θ_outer ← mean θ_local), which trained best of the outer settings tried on
+    the quality yardstick (`scripts/bench/convergence.py`); the DiLoCo papers' 0.7 with momentum 0.9 trained clearly
+    worse there (docs/results/training-quality.md). Above 1 extrapolates the average, below 1 damps it."""
 
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Momentum of the outer optimizer; 0 is plain SGD (with --hv.outer-lr 1: plain averaging). The DiLoCo
@@ -105,7 +106,7 @@ class HvConfig(BaseModel):
     `int8`, `int4`, `int2` blockwise quantization, ~4x, ~7.5x, ~15x; `sparse` sends --hv.sparse-density of the
     values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default; what a round
     does not send stays in the model until its turn. Every
-    cluster must use the same. Measured costs in the README ("Compression")."""
+    cluster must use the same. How to choose: docs/compression.md."""
 
     error_feedback: bool = True
     """With a lossy codec (bf16, int*, sparse): add what the encoding dropped to the next round's
@@ -118,8 +119,8 @@ class HvConfig(BaseModel):
     sparse_rule: Literal["magnitude", "random", "cyclic"] = "magnitude"
     """`sparse`: which values a round sends, the same in every cluster with no indices on the wire. `magnitude`:
     the blocks of 128 values where the clusters left the most unsent the round before, by a one-byte score per
-    block averaged in the round itself (measured best: README "Compression"); `random`: a fresh set drawn from the
-    round id each round; `cyclic`: a window sliding so every value goes once every 1/density rounds."""
+    block averaged in the round itself (it trained better than `random` on the yardstick: docs/compression.md);
+    `random`: a fresh set drawn from the round id each round; `cyclic`: a window sliding so every value goes once every 1/density rounds."""
 
     on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
     """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then
@@ -133,7 +134,7 @@ class HvConfig(BaseModel):
     delta_norm_bound: Annotated[float, Field(ge=0)] = 10.0
     """A pseudo-gradient whose norm exceeds this many times the reference is out of bound: this cluster does not
     send its own when it exceeds the galaxy's recent median, and its reducers leave out a sender that exceeds
-    their own. 0: off (claims are still checked). README "Galaxy guard"."""
+    their own. 0: off (claims are still checked). See docs/security.md."""
 
     robust_mean: bool = False
     """Clip every cluster's pseudo-gradient to the round's median norm before averaging (off: the plain mean)."""
@@ -157,7 +158,7 @@ class HvConfig(BaseModel):
     allowlist: Path | None = None
     """File of the PeerIDs allowed to average with this cluster and to download its state, one per line (`#`
     comments); every peer not on it is refused, both ways. Unset: anyone who reaches the DHT and knows the run id.
-    README "Galaxy guard"."""
+    See docs/security.md."""
 
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
