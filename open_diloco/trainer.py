@@ -310,8 +310,8 @@ def format_step_line(record: dict[str, Any], max_steps: int) -> str:
 
 
 def _memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank so far, as the README says: the CUDA allocator's peak on a GPU, the process's
-    peak resident set (ru_maxrss, KiB on Linux) on CPU."""
+    """Peak memory of this rank so far (`memory_gib`, docs/configuration.md): the CUDA allocator's peak on a
+    GPU, the process's peak resident set (ru_maxrss, KiB on Linux) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -11,7 +11,7 @@ The averager checks it on every averager RPC, both ways: incoming join requests,
 downloads from a peer not on the list are refused; outgoing, this peer never asks a stranger to lead its group,
 never sends it a part and never downloads its state; and a group with a stranger in it is not averaged. A refused
 peer is logged once, with its PeerID. The DHT itself stays open (the stock ``hivemind-dht`` bootstrap does not
-know the list): README "Galaxy guard" says what that leaves.
+know the list): docs/security.md ("Threat model") says what that leaves.
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[s
     Why: hivemind drops a peer from its routing table when it stops answering and asks the initial peers only
     once, at start. Across a partition each side's nodes drop every node of the other side and the bootstrap
     peer: when the link came back, neither side could find the other's records, and the two halves trained
-    apart for good (measured on the WAN lab). Pinging the initial peers puts them back in the routing table, and
-    through them the other side. A peer that does not answer is disconnected (see :func:`_ping_or_drop`). A
-    dead or unreachable peer costs a failed ping, in the background.
+    apart for good (seen on the WAN lab; docs/wan-lab.md). Pinging the initial peers puts them back in the
+    routing table, and through them the other side. A peer that does not answer is disconnected (see
+    :func:`_ping_or_drop`). A dead or unreachable peer costs a failed ping, in the background.
 
     ``silent_peers``: PeerIDs (base58) of clusters whose heartbeat stopped; their connection is the one that
     carries the rounds, so it gets the same treatment. ``live_peers``: PeerIDs of clusters whose heartbeat is
