@@ -38,7 +38,7 @@ process, ``--jobs`` at a time). Prints final val_loss per arm (mean over seeds, 
 DDP's, taken per seed and averaged, ± its standard error, next to the paper's figure (arXiv 2503.09799). One
 seed moves a val_loss by up to ±3 % at the quick size: a single seed cannot tell 1-2 % apart.
 
-Latest figures and the outer-settings sweep: README, "Training quality".
+Figures, dated, and the outer-settings sweep: docs/results/training-quality.md.
 """
 
 from __future__ import annotations

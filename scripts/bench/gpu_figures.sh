@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU figures for the README, run on a lent CUDA machine whose image has torch and transformers but not the rest.
+# GPU figures for docs/results/, run on a lent CUDA machine whose image has torch and transformers but not
+# the rest.
 # Prepare the carried packages here first (CPython 3.12 wheels and the sdist-only packages as installed files):
 #   scripts/bench/gpu_figures.sh --prepare         # fills .gpu_wheels/ (git-ignored)
 # then, on the GPU machine, with .gpu_wheels carried:
@@ -94,10 +95,9 @@ if want 6; then
   # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
   # over 8 seeds, M=4 and the codecs of issue 16), 2m (the same arms at 2M over 16 seeds), long (the 96M quick
   # setting, ~25M at H = 100 and 500) or custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
-  # On an H200 (2026-11-26) these 16 processes kept it at 100 %: the ~25M quick arms took ~75 s each, and a 96M
-  # DiLoCo arm ~180 s per 100 steps (its host-side round work; a CPU profile at 25M put most of that in the bench's
-  # drift statistic, 6x cheaper since 2026-11-27): the 96M groups needed several times the 450 s one lease gave
-  # them (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups). The device returns a few files only: one tarball.
+  # These 16 processes keep one GPU busy; a 96M DiLoCo arm is slow (its rounds' work runs on the host), so
+  # the 96M groups need several times a short lease (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups;
+  # timings in docs/results/training-quality.md and docs/LOG.md). The device returns one tarball.
   stamp "6. quality yardstick on the GPU"
   mkdir -p "$out/yard"
   left=$(( ${GPU_BUDGET_S:-540} - ($(date +%s) - started) - 15 ))
@@ -128,7 +128,7 @@ diloco:M=2,H=50 half:M=4 diloco:M=4,H=20 diloco:M=2,H=20,codec=int8 diloco:M=2,H
 diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
         done ;;
       long)  # the 96M quick setting (2 seeds, lr 1.5e-3) and ~25M over 2,000 steps at H = 100 and 500: several
-             # times one lease (2026-11-26: the DiLoCo arms reached step 150 and 1,750 in 450 s)
+             # times one short lease (docs/results/training-quality.md has how far one got)
         for seed in 0 1; do
           yard "100m_m2_s$seed" --model 100m --quick --lr 1.5e-3 --seeds "$seed" --threads 2 \
             --arms "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50"

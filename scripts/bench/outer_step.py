@@ -79,7 +79,7 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
-        hv = HvConfig(  # with momentum, as the figures in the README were taken
+        hv = HvConfig(  # with momentum, as the figures in docs/results/outer-step.md were taken
             local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", outer_momentum=0.9
         )
         diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)

@@ -1,4 +1,4 @@
-"""One-sided rounds on loopback: how often a round comes out partial on one side only (issue of README "Tests").
+"""One-sided rounds on loopback: how often a round comes out partial on one side only (docs/LOG.md).
 
     python scripts/bench/stream_race.py                         # 130 inner steps, H = 2: 65 rounds, fp32
     python scripts/bench/stream_race.py --steps 130 --extra --hv.compression int2
@@ -7,8 +7,8 @@ Starts ``hivemind-dht`` and two 2-rank clusters on 127.0.0.1 (tests/e2e/galaxy_h
 PID) with hivemind's debug log on (it slows the averagers' processes, which is what made the race common), and
 many short rounds. Prints one line per round that was not whole on both sides (not 2 peers, retried, re-synced or
 not in sync), the reducer errors of the two logs (``sent k parts, but we expected n``), and a summary: rounds,
-one-sided rounds, median all-reduce seconds. On 2026-11-26, before the fix (galaxy/allreduce.py): 4 one-sided
-rounds (2 incidents and their retries) in 65; after: 0 in 260.
+one-sided rounds, median all-reduce seconds. What it showed before and after the fix in galaxy/allreduce.py (a
+reducer's stream ends only once its sender has read every average): docs/LOG.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ hivemind all-reduce of the same bytes over the same lab in the same run (issue 1
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
 namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
 ``--local-steps`` inner steps (the first warms up; the last may lose its tail when a cluster exits right after
-it, README "WAN lab"), then runs the raw baseline in the same namespaces. Printed per case:
+it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Printed per case:
 
 - ``allreduce s``: the median over the steady rounds (all but the first and the last) of ``allreduce_seconds``
   (matchmaking included), and the raw hivemind round of the same number of fp32 values;
