@@ -318,7 +318,7 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
     # peer 2 sends NaN parts (nan), a finite Δ 1000x the others' (huge) or parts 1000x the norm it claimed (liar):
     # the other reducers leave it out of their spans and name it; the others end the round with identical, finite
     # bytes, the mean of the honest peers' buffers on the spans they reduced (the span peer 2 reduces itself is
-    # its own to spoil: README "Galaxy guard"). CODEC_NUMEL: parts enough for every peer to reduce a span.
+    # its own to spoil: docs/security.md). CODEC_NUMEL: parts enough for every peer to reduce a span.
     n, barrier = 3, CTX.Barrier(4)
     galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
@@ -366,11 +366,12 @@ def test_codec_rounds_are_bitwise_identical(galaxy, codec):
 
 
 def test_a_peer_slow_to_read_gets_every_average(galaxy):
-    """A reducer's stream ends only once its sender has read every average (the fix of the one-sided race, README
-    "Tests"): the sender holds its end open until then, the reducer waits for that end within hivemind's sender
-    timeout. Peer 1 here reads each average 0.4 s late (CODEC_NUMEL in fp32 is several parts per span), and still
-    gets them all, at once after the last. This checks the fix neither stalls nor cuts off a slow reader; it does
-    not reproduce the race (it passes on the code before the fix as well: `scripts/bench/stream_race.py` does)."""
+    """A reducer's stream ends only once its sender has read every average (the fix of the one-sided race,
+    docs/LOG.md): the sender holds its end open until then, the reducer waits for that end within hivemind's
+    sender timeout. Peer 1 here reads each average 0.4 s late (CODEC_NUMEL in fp32 is several parts per span),
+    and still gets them all, at once after the last. This checks the fix neither stalls nor cuts off a slow
+    reader; it does not reproduce the race (it passes on the code before the fix as well:
+    `scripts/bench/stream_race.py` does)."""
     rounds, n = 2, 2
     barrier = CTX.Barrier(n + 1)
     galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)

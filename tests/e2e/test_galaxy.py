@@ -141,7 +141,7 @@ def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
     early_rounds, late_rounds = outer_records(early), outer_records(late)
     together = [s for s in late_rounds if late_rounds[s]["galaxy_peers"] == 2]
     assert together, "the late joiner never averaged with the early cluster"
-    # at most one round may come out partial under load (README "Tests"), reported as such on a side, and healed:
+    # at most one round may come out partial under load (docs/LOG.md), reported as such on a side, and healed:
     # the late cluster's next round (if it has one) re-syncs. Every other round is in sync with equal hashes
     incidents = [s for s in together if not (late_rounds[s]["in_sync"] or late_rounds[s]["resynced"])]
     shown = {s: (_round_line(early_rounds.get(s, {})), _round_line(late_rounds[s])) for s in late_rounds}

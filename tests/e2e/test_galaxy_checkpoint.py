@@ -36,7 +36,7 @@ def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     try:
         straight = run_galaxy(galaxy, "straight", "--max-steps", "20", *codec)
         if not clean(straight):  # the reference must be one trajectory: a round partial on one side (the known
-            # race of README "Tests", seen here once, 2026-11-26) re-syncs a cluster, and the run is another one
+            # race of docs/LOG.md, seen here once) re-syncs a cluster, and the run is another one
             straight = run_galaxy(galaxy, "straight-again", "--max-steps", "20", *codec)
         assert clean(straight), "the straight run had partial rounds twice in a row"
         run_galaxy(galaxy, "first", "--max-steps", "10", "--ckpt.interval", "10", "--ckpt.path", ckpt, *codec)

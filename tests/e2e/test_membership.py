@@ -38,7 +38,7 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
         assert galaxy.wait(f"cluster{rank}", 240) == 0, galaxy.log(f"cluster{rank}")[-3000:]
 
     rounds = [outer_records(m) for m in metrics[:2]]
-    # one round may come out partial on one side only (README "Tests": seen here under load right after the
+    # one round may come out partial on one side only (docs/LOG.md: seen here under load right after the
     # kill); the side left out then re-syncs and may skip that round's number. At most one such incident, reported
     # as incomplete, healed by a re-sync within two rounds; every other round is checked in full below
     incident = [r for r in range(killed_at_round + 2, 10) if r not in rounds[0] or r not in rounds[1]
@@ -129,7 +129,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     before = max(rounds[0][r]["allreduce_seconds"] for r in rounds[0] if r <= stranger_at)
     assert len(during) >= 3, during
     # The galaxy's rounds go on as before: both members, equal hashes, the same pace. One round may come out
-    # partial on one side (the one-sided race of README "Tests", seen in full suite runs here), which that side
+    # partial on one side (the one-sided race of docs/LOG.md, seen in full suite runs here), which that side
     # retries (`retries`) or, once the other side's record shows the round applied, ends by adopting its state
     # (`resynced`, peers 0; seen once, 2026-11-26). Either is reported, and neither is the stranger's doing: it
     # costs a round its peers or its pace, never splits the galaxy.
