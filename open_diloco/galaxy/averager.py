@@ -35,6 +35,7 @@ from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
 from open_diloco.galaxy.dht import REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
+from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.status import (
     DHT_PIPE_LOCK,
     departed,
@@ -376,6 +377,8 @@ class HivemindAverager:
         self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
         self.averaging_timeout, self.join_timeout = averaging_timeout, join_timeout
         self.status_key, self.member_expiry = status_key(run_id), member_expiry
+        self.record_ages = RecordAges(member_expiry)
+        """Ages of the records on this machine's clock, kept across reads (``galaxy/record_ages.py``)."""
         self.schema = schema
         """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.allowlist = allowlist
@@ -425,7 +428,7 @@ class HivemindAverager:
         average with this one (matchmaking would silently never group the two)."""
         if self.galaxy_size == 1:
             return Membership()
-        records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS)
+        records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
         if self.allowlist is not None:  # a stranger's record (say, a mismatched schema) must not stop or stall us
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
@@ -471,7 +474,8 @@ class HivemindAverager:
         return RoundReport(group_size=1, complete=not moved_on, peers={self.galaxy_rank: metadata},
                            seconds=time.monotonic() - start, overtaken=overtaken, moved_on=moved_on)
 
-    def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any]) -> RoundReport:
+    def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any],
+                   attempt: int = 0) -> RoundReport:
         """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
         with self.buffer() as shared:
@@ -485,7 +489,7 @@ class HivemindAverager:
                 pieces.append(codec.decode(codec.encode(tensor, on_grid=True)))
             on_wire = torch.cat(pieces)
         fingerprint = {"delta_norm": wire_norm(on_wire), **fingerprint}  # the claim: what the parts will carry
-        report = self.start_round(round_id, fingerprint).wait()
+        report = self.start_round(round_id, fingerprint, attempt).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
         return report
@@ -545,7 +549,8 @@ class HivemindAverager:
         """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is empty)."""
         if not ranks:
             return True
-        return past_round(read_records(self.dht, self.status_key, timeout), round_id, ranks, self.member_expiry)
+        return past_round(read_records(self.dht, self.status_key, timeout, self.record_ages), round_id, ranks,
+                          self.member_expiry)
 
     def shutdown(self, finished: bool = False) -> None:
         """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``: the

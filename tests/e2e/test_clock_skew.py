@@ -21,8 +21,6 @@ def _skewed_clock(seconds: float) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_STATUS_SKEW": str(seconds)}
 
 
-@pytest.mark.xfail(strict=True, reason="until galaxy/averager.py keeps a RecordAges(member_expiry) and passes it "
-                   "to read_records (its owner's change); then drop this mark")
 def test_a_cluster_whose_clock_is_100_s_behind_stays_in_the_galaxy(galaxy):
     # before: cluster 0 read cluster 1's records as 100 s old (expiry 4 s) and ran every round alone-minded
     common = ["--max-steps", "24", "--hv.local-steps", "3", "--hv.averaging-timeout", "20",

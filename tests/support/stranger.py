@@ -2,7 +2,9 @@
 the shard's size (so hivemind's matchmaking would group it with the members), but is on nobody's allowlist.
 
 It tries to download the state once, then to average ``--rounds`` rounds, and prints one JSON line per
-attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. With ``--log`` (its own output, with
+attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. A round's matchmaking key holds the round
+and the attempt, so it does what an intruder would: reads the members' records for the round they are in and waits
+under the key of the next one, where the members come to look for their group. With ``--log`` (its own output, with
 hivemind's debug log on) it goes on for up to ``--max-rounds`` until that log shows a member refusing its join
 request. Its matchmaking time is longer than the members' (1 s in the tests), so it declares itself a leader for
 later than they do and asks to join them, rather than wait for them to ask it (they never would: its PeerID is not
@@ -48,8 +50,10 @@ def main() -> None:
         for round_id in range(args.max_rounds if args.log else args.rounds):
             if round_id >= args.rounds and REFUSED in Path(args.log).read_text():
                 break
-            try:
-                report = averager.all_reduce(torch.randn(args.numel), round_id, {"param_hash": "stranger"})
+            started = averager.membership().attempts.values()
+            galaxy_round = max((started_round for started_round, _ in started), default=round_id)
+            try:  # the members' next round starts from outer step galaxy_round: its key is (galaxy_round, 0)
+                report = averager.all_reduce(torch.randn(args.numel), galaxy_round, {"param_hash": "stranger"})
                 print(json.dumps({"round": round_id, "group_size": report.group_size}), flush=True)
             except Exception as err:  # a round that failed outright
                 print(json.dumps({"round": round_id, "group_size": 0, "error": str(err)[:200]}), flush=True)
