@@ -31,9 +31,9 @@ A span's stream ends only once its sender has read every average (:class:`Counti
 open until then; the reducer waits for that end before closing its own). It used to end as soon as the reducer had
 written its last average, and under load the sender then lost the averages still on their way (its p2pd logs a
 stream reset, its Python sees the stream end: "peer … sent 3 parts, but we expected 5"): a round partial on one
-side only. Two 2-rank clusters on loopback with hivemind's debug log on (``scripts/bench/stream_race.py``): 2 such
-incidents in 65 rounds before, none in 260 after. That p2pd turns the reducer's early close into the reset is our
-reading of its logs, not traced in its source; the measured effect is what the change rests on.
+side only. ``scripts/bench/stream_race.py`` counts such incidents with and without the hold (docs/results/wan.md,
+docs/LOG.md). That p2pd turns the reducer's early close into the reset is our reading of its logs, not traced in its
+source; the measured effect is what the change rests on.
 
 Bytes are measured on the wire messages (protobuf ``ByteSize`` of every tensor part we send and receive).
 Every codec must go through this copy-the-decoded-average path, or the hash check will catch it.

@@ -232,7 +232,7 @@ async def _until_the_caller_closes() -> None:
     cancels the handler then), for :data:`LINGER_SECONDS` at most. A stream its answerer ends first can lose the
     messages the caller had not read yet (the all-reduce's one-sided race, ``galaxy/allreduce.py``); here that
     would be a follower that never reads the leader's ``BEGIN_ALLREDUCE`` and is left out of a group its leader
-    averages with (what one e2e failure on 2026-11-26 looked like: the leader's round waited for its follower and
+    averages with (what an e2e failure looked like, docs/LOG.md: the leader's round waited for its follower and
     came out partial, the follower found no group)."""
     await asyncio.sleep(LINGER_SECONDS)
 
@@ -519,7 +519,7 @@ class HivemindAverager:
                 return None
             if state is not None and state[0]:
                 metadata, tensors = state
-                announced = metadata.pop(STATE_NUMELS, None)  # (a peer before 2026-11-26 announces nothing)
+                announced = metadata.pop(STATE_NUMELS, None)  # (an older peer announces nothing)
                 sizes = [tensor.numel() for tensor in tensors]
                 if announced is None or announced == sizes:
                     return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
@@ -531,7 +531,7 @@ class HivemindAverager:
     def _let_last_averages_drain(self, seconds: float) -> None:
         """Our round is done once *we* hold every averaged part; the averages we computed for the others may still
         sit in our p2pd on their way. Ending p2pd at once cut that tail off (the other cluster's final round then
-        came out partial: "received 93.7% results", seen on loopback under load and over an emulated 150 ms
+        came out partial, hivemind's "received …% results", seen on loopback under load and over an emulated 150 ms
         link), so keep it up until every other cluster of the last round says (in its status record) that it is
         past that round, or has stopped, or ``seconds`` after the round ended: a run's end waits
         :data:`FINISH_DRAIN_SECONDS` for slow peers, a stop :data:`DRAIN_SECONDS` (inside the trainer's stop

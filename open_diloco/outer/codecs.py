@@ -15,8 +15,8 @@ the absmax and 1.5 x the block's RMS (values past it clip to the outer level; th
 truncated to bf16 (never above the absmax). The outer level decodes to exactly the scale, so values already on a
 grid encode again to the very same bytes with the absmax rule (``on_grid``): the outer loop rounds Δ before the
 round, the senders' wire encoding is lossless, and the error feedback the outer loop computed is exactly what the
-wire dropped. Block sizes and the int2 clip were chosen by measurement on real pseudo-gradients (README,
-"Compression"): absmax beat a ±kσ range at 8 and 4 bits; at 2 bits the 1.5σ clip cut the error by 25-35 %.
+wire dropped. Block sizes and the int2 clip were chosen by measurement on real pseudo-gradients
+(docs/results/compression.md): absmax beat a ±kσ range at 8 and 4 bits; at 2 bits the 1.5σ clip cut the error.
 
 Blocks are counted from the start of the flat shard buffer; the all-reduce cuts its parts at multiples of
 ``block`` (the part size is a power of two, see ``galaxy/allreduce.py``), so a part's blocks are the buffer's.
@@ -42,10 +42,10 @@ class NonFiniteDelta(OpenDilocoError):
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """Whether ``values`` holds no NaN and no ±Inf, ~20x faster than ``torch.isfinite(values).all()`` on CPU
-    (0.02 s against 0.46 s for a 96M model's half, one thread): the smallest and largest value are finite iff
-    every value is (both are NaN as soon as one value is). Every round checks each part it reduces and the
-    average it applies, inside the time a streaming sync has to hide in (README "Overlap")."""
+    """Whether ``values`` holds no NaN and no ±Inf, many times faster than ``torch.isfinite(values).all()`` on
+    CPU (no full-size boolean tensor): the smallest and largest value are finite iff every value is (both are NaN
+    as soon as one value is). Every round checks each part it reduces and the average it applies, inside the time
+    a streaming sync has to hide in (docs/overlap.md)."""
     if values.numel() == 0:
         return True
     low, high = torch.aminmax(values)
@@ -268,7 +268,7 @@ def codec_tag(codec: Codec) -> int:
     return int(codec.encode(torch.zeros(codec.block))[:4].view(torch.int32))
 
 
-# Block sizes and the int2 clip chosen by measurement (README, "Compression"): error vs bytes on real Δ.
+# Block sizes and the int2 clip chosen by measurement (docs/results/compression.md): error vs bytes on real Δ.
 CODECS = {
     "bf16": lambda: Bf16Codec(),
     "int8": lambda: BlockIntCodec(8, 256),

@@ -66,7 +66,7 @@ def combine_hashes(hashes: list[str]) -> str:
 
 def sum_of_squares(buffer: torch.Tensor, chunk: int = 1 << 18) -> float:
     """Σ x² in fp64, a chunk at a time: ``buffer.double().square().sum()`` without materialising an fp64 copy
-    of the whole buffer (10x faster on a 25M-value shard). Deterministic: equal bytes give equal sums."""
+    of the whole buffer (far faster than one fp64 copy of the shard). Deterministic: equal bytes give equal sums."""
     return sum(_squares(piece) for piece in buffer.reshape(-1).split(chunk))
 
 
@@ -297,7 +297,7 @@ class OuterState:
         feedback: that stays in the model, which is what error feedback means here); every other value keeps
         its local progress, to be sent in a later round. Resetting those too would make every cluster re-learn
         them each round while an error-feedback buffer counted them again: measured, that made the selection's
-        period a stale step of that many rounds and diverged (README "Compression")."""
+        period a stale step of that many rounds and diverged (docs/compression.md)."""
         selection, residual = self._sparse_landing
         self._sparse_landing = None
         local = torch.empty_like(self.params)

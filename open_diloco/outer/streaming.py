@@ -10,16 +10,16 @@ inner step k·H/P + τ. τ ≤ H/P, so one sync at most is in flight at any time
 a fragment's update has always landed before its next sync starts. At τ = H/P a sync lands at the very step the
 next one starts (landing first): the network is never idle, and a fragment's all-reduce has a whole stride of
 H/P inner steps to hide in, which is what hides a round whose all-reduce takes as long as its compute
-(README "Overlap"). The outer step counter (``outer_step``) counts syncs; a fragment's own round
+(docs/overlap.md). The outer step counter (``outer_step``) counts syncs; a fragment's own round
 number (which the outer warm-up and a sparse codec's selection follow) is ``outer_step // P + 1``.
 
 What the τ inner steps did to the fragment is mixed in, not dropped: when the update lands, the fragment becomes
 α·θ_local + (1 − α)·θ_outer_new, α = ``--hv.sync-alpha`` (0.5; torchft's ``fragment_update_alpha``, Streaming
-DiLoCo's mixing). Measured on the quality yardstick (README "Overlap", 3 seeds, M = 2, H = 20, P = 4, τ = 2): the
-mix at 0.5 ended level with blocking DiLoCo, while re-applying the τ steps on top of θ_outer_new
-(θ_outer_new + θ_local − θ_local_at_start, so that every step enters the galaxy exactly once) ended 3.5 % worse
-and varied 4x more across seeds (our reading: those steps were taken from a point the galaxy has since left, and
-moving them whole onto the new one adds the cluster's own drift back). Dropping them (α = 0) lost 1.8 % at τ = 5.
+DiLoCo's mixing). On the quality yardstick (docs/results/overlap.md) the mix at 0.5 ended level with blocking
+DiLoCo, while re-applying the τ steps on top of θ_outer_new (θ_outer_new + θ_local − θ_local_at_start, so that
+every step enters the galaxy exactly once) ended worse and varied more across seeds (our reading: those steps were
+taken from a point the galaxy has since left, and moving them whole onto the new one adds the cluster's own drift
+back); dropping them (α = 0) was worse too.
 """
 
 from __future__ import annotations
