@@ -354,7 +354,7 @@ class DiLoCo:
             report, failed = self._wait(flight, round_no)
             network_wait += time.perf_counter() - waited
             self._check_peers(report)
-            view = RoundView.agree(self.cluster, report, failed, flight.own_hash, self.galaxy_rank, self.outer_step)
+            view = RoundView.agree(self.cluster, report, failed, flight.own_hash, self.galaxy_rank)
             if view.overtaken:
                 self.warn(f"outer step {round_no}: the galaxy applied this round without this cluster while it "
                           "looked for a group: it takes the galaxy's state rather than wait for the next round")
@@ -369,7 +369,7 @@ class DiLoCo:
                 if self._committed_elsewhere(round_no):  # whoever committed it has our Δ if we were in its group
                     return self._take_round(flight, view, report, network_wait)
             decision = Decision.RETRY if not view.committable else self.policy.decide(RoundOutcome(
-                clusters=clusters, alive=alive, in_sync=view.in_sync, behind=view.behind, attempts=flight.attempts))
+                clusters=clusters, alive=alive, attempts=flight.attempts))
             if decision is not Decision.RETRY or flight.attempts >= self.hv.max_retries:
                 break
             self._say_why_again(round_no, view, clusters, flight)
@@ -439,18 +439,11 @@ class DiLoCo:
             self.galaxy_rank}
         self.state.committed_group = sorted(averaged_over)
         fragment = self.state.fragment
-        taken = None
-        if decision is Decision.RESYNC:  # the galaxy's reference was ahead of us: applied, now take its state
-            taken = self._resync(view.reference_round, "θ_outer differed from the galaxy")
-        if taken is None:
-            self.state.land()
+        self.state.land()
         in_sync = (view.in_sync and galaxy_average and not view.stale and clusters >= alive
                    and not (clusters == 1 and flight.silent))
-        return self._result(
-            "resynced" if taken is not None else "applied", flight, report, network_wait,
-            state_source=None if taken is None else taken.source, in_sync=in_sync, average_finite=finite,
-            galaxy_complete=view.whole, rejected_peers=view.rejected, fragment=fragment,
-        )
+        return self._result("applied", flight, report, network_wait, in_sync=in_sync, average_finite=finite,
+                            galaxy_complete=view.whole, rejected_peers=view.rejected, fragment=fragment)
 
     def _note_alive(self, round_no: int, alive: int) -> None:
         if alive != self._alive_before:

@@ -18,8 +18,6 @@ class Decision(enum.Enum):
     """Some live clusters were missing; apply the outer step with the average of those present."""
     RETRY = "retry"
     """Some live clusters were missing; recompute Δ and average again."""
-    RESYNC = "resync"
-    """θ_outer differed from a more advanced cluster's: apply, then adopt that cluster's state."""
     STOP = "stop"
     """Missing live clusters under ``--hv.on-partial-round fail``: stop the run."""
 
@@ -33,10 +31,6 @@ class RoundOutcome:
     alive: int
     """Clusters the round should have had: the galaxy less those whose membership record says they left or
     went silent (this one included). A round of all of them is complete, however many --hv.galaxy-size says."""
-    in_sync: bool
-    """Every peer started the round from this cluster's θ_outer (equal hashes)."""
-    behind: bool
-    """A peer is more advanced (later round, or same round and lower galaxy rank)."""
     attempts: int
     """Retries already spent on this round."""
 
@@ -52,8 +46,6 @@ class RoundPolicy:
             return Decision.STOP
         if partial and self.on_partial_round == "retry" and outcome.attempts < self.max_retries:
             return Decision.RETRY
-        if not outcome.in_sync and outcome.behind:
-            return Decision.RESYNC
         return Decision.PROCEED if partial else Decision.APPLY
 
 
@@ -76,12 +68,3 @@ def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
         -int(meta.get("galaxy_rank", 0))))
     cohort = (reference["round_id"], reference["param_hash"])
     return {key for key, meta in valid.items() if (meta["round_id"], meta["param_hash"]) != cohort}
-
-
-def most_advanced(peers: dict[int, dict[str, Any]], outer_step: int, galaxy_rank: int) -> tuple[int, int]:
-    """``(round_id, -galaxy_rank)`` of the most advanced participant of a round: the latest round, then the
-    lowest galaxy rank. After a hash mismatch every other cluster adopts that one's state."""
-    return max(
-        ((int(meta.get("round_id", outer_step)), -rank) for rank, meta in peers.items()),
-        default=(outer_step, -galaxy_rank),
-    )

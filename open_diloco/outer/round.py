@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.policy import most_advanced
 from open_diloco.outer.protocols import PendingRound, RoundReport
 
 
@@ -72,20 +71,16 @@ class RoundView:
     in_sync: bool
     """Every shard's peers (less the stale ones) started from this cluster's θ_outer."""
     left_out: bool
-    """Some shard's reducers left this very cluster out as stale: it must take the round's most advanced peer's
+    """Some shard's reducers left this very cluster out as stale: it must take the round's reference peer's
     state (retrying cannot help: its next Δ would come from the same θ_outer)."""
-    behind: bool
-    """Some shard's group had a more advanced peer (a later round, or the same round and a lower galaxy rank)."""
-    reference_round: int
-    """The latest round id any shard's group had."""
 
     @property
     def committable(self) -> bool:
         return self.whole and self.same_group
 
     @staticmethod
-    def agree(cluster: ClusterComm, report: RoundReport, failed: bool, own_hash: str, galaxy_rank: int,
-              outer_step: int) -> RoundView:
+    def agree(cluster: ClusterComm, report: RoundReport, failed: bool, own_hash: str, galaxy_rank: int
+              ) -> RoundView:
         """Gather what each shard's report says into one view (a fixed sequence of collectives on every rank)."""
         groups = cluster.gather_strings(",".join(map(str, sorted(report.peers))))
         rejected = _ranks_by_any_rank(cluster, report.rejected)
@@ -95,7 +90,6 @@ class RoundView:
             not left_out and all(meta.get("param_hash") == own_hash for rank, meta in report.peers.items()
                                  if rank not in stale or rank == galaxy_rank)
         )
-        reference = most_advanced(report.peers, outer_step, galaxy_rank)
         return RoundView(
             whole=cluster.all_true(report.complete and not failed),
             same_group=len(set(groups)) == 1,
@@ -105,8 +99,6 @@ class RoundView:
             stale=stale,
             in_sync=in_sync,
             left_out=left_out,
-            behind=not cluster.all_true(reference <= (outer_step, -galaxy_rank)),
-            reference_round=-cluster.min_int(-reference[0]),
         )
 
 

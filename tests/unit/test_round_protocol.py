@@ -26,7 +26,7 @@ def _report(group: list[int], complete: bool = True, stale: list[int] | None = N
 
 def _views(reports: list[RoundReport]) -> list[RoundView]:
     return ThreadCluster(len(reports)).run(
-        lambda rank, comm: RoundView.agree(comm, reports[rank], False, "h", galaxy_rank=0, outer_step=0))
+        lambda rank, comm: RoundView.agree(comm, reports[rank], False, "h", galaxy_rank=0))
 
 
 def test_a_round_is_committable_only_when_every_shard_got_it_whole_from_the_same_clusters():
