@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from open_diloco.config import CkptConfig, ConfigError
+from open_diloco.config import CkptConfig
+from open_diloco.errors import ConfigError
 from open_diloco.outer.protocols import OuterLoop
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import cyclopts
 import pydantic
 from cyclopts import Parameter, validators
 
-from open_diloco.config import Config, ConfigError
-from open_diloco.errors import OpenDilocoError
+from open_diloco.config import Config
+from open_diloco.errors import ConfigError, OpenDilocoError
 from open_diloco.output_paths import ensure_empty_output_dir, ensure_writable_dir
 
 EXIT_USAGE = 2

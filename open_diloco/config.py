@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
 
-__all__ = ["CkptConfig", "Config", "ConfigError", "HvConfig", "check_against_world"]
+__all__ = ["CkptConfig", "Config", "HvConfig", "check_against_world"]
 
 # allow_inf_nan=False: `--lr inf` or `--max-grad-norm nan` is a typo, never a setting.
 # use_attribute_docstrings: each field's docstring becomes its description, the --help text cyclopts shows.

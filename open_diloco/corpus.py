@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-from open_diloco.config import ConfigError
+from open_diloco.errors import ConfigError
 from open_diloco.output_paths import ensure_writable_dir
 from open_diloco.tokenizer import TextTokenizer
 

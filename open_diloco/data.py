@@ -39,8 +39,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from open_diloco.config import Config, ConfigError
+from open_diloco.config import Config
 from open_diloco.corpus import PackedCorpus, find_source, prepare_cached
+from open_diloco.errors import ConfigError
 from open_diloco.tokenizer import check_fits_model, load_tokenizer
 
 # torchdata 0.11 calls a deprecated torch API at every loader start; the warning is not actionable for users.

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from open_diloco.config import ConfigError
+from open_diloco.errors import ConfigError
 
 _WEIGHT_FILES = (
     "model.safetensors",

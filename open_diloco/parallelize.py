@@ -8,7 +8,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
-from open_diloco.config import ConfigError
+from open_diloco.errors import ConfigError
 from open_diloco.model import transformer_blocks
 
 _PARAM_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "32-true": torch.float32}

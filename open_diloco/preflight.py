@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from open_diloco.addresses import peer_address
-from open_diloco.config import Config, ConfigError, check_against_world
+from open_diloco.config import Config, check_against_world
+from open_diloco.errors import ConfigError
 from open_diloco.output_paths import ensure_run_outputs_writable
 
 EXIT_FAILED = 1

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from open_diloco.config import ConfigError
+from open_diloco.errors import ConfigError
 
 
 class TextTokenizer(Protocol):

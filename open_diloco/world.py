@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from open_diloco.config import ConfigError, HvConfig
+from open_diloco.config import HvConfig
+from open_diloco.errors import ConfigError
 
 
 @dataclass(frozen=True)

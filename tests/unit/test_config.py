@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from open_diloco.cli import parse, run
-from open_diloco.config import CkptConfig, Config, ConfigError, HvConfig, check_against_world
+from open_diloco.config import CkptConfig, Config, HvConfig, check_against_world
+from open_diloco.errors import ConfigError
 from open_diloco.optim import warmup_cosine
 
 BASE = ["--fake-data", "--path-model", "tests/models/llama-2m-fresh"]

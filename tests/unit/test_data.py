@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from open_diloco.config import Config, ConfigError
+from open_diloco.config import Config
 from open_diloco.corpus import PackedCorpus, _wait_for_lock, find_source, pack_corpus, prepare_cached
 from open_diloco.data import (
     ClusterSampler,
@@ -23,6 +23,7 @@ from open_diloco.data import (
     plan_data,
     split_samples,
 )
+from open_diloco.errors import ConfigError
 from open_diloco.tokenizer import ByteTokenizer, load_tokenizer
 from tests.data_corpus import (
     TINY_MODEL,

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from open_diloco.config import ConfigError, HvConfig
+from open_diloco.config import HvConfig
+from open_diloco.errors import ConfigError
 from open_diloco.world import (
     World,
     default_master_addr,
