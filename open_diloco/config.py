@@ -2,9 +2,9 @@
 
 Every field's docstring is its ``--help`` text. Nested models become flag groups: ``HvConfig`` fields are
 ``--hv.*`` flags, ``CkptConfig`` fields ``--ckpt.*``. The help panels follow the comment sections of
-:class:`Config` (``cli.FLAG_PANELS``): a new field goes into one there too. Checks that need only the config live here (a
-``ConfigError`` is turned into a one-line error by ``cli.py``); checks that need the launched world (how many
-ranks) live in :func:`check_against_world`.
+:class:`Config` (``FLAG_PANELS`` in ``cli/app.py``): a new field goes into one there too. Checks that need only
+the config live here (a ``ConfigError`` is turned into a one-line error by ``cli/app.py``); checks that need the
+launched world (how many ranks) live in :func:`check_against_world`.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def train(config: Config) -> None:
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         ending = f"failed ({first_line[:200]})"
-        if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli.py
+        if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli/app.py
             log.error("training stopped: %s", first_line)  # when and on which rank; the traceback follows
         raise
     finally:
@@ -239,7 +239,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 def _status_board(hv: HvConfig, averager: Any, schema: dict[str, Any], shard_peer_ids: list[str]) -> Any:
     """This cluster's membership and status record (``open-diloco status``), kept by rank 0."""
-    from open_diloco.cli import version_line
+    from open_diloco import version_line
     from open_diloco.galaxy.status import StatusPublisher, cluster_identity
 
     identity = cluster_identity(hv.world_rank, schema, hv.local_steps, version_line(), shard_peer_ids)

@@ -141,7 +141,8 @@ def trainer_flags(words: list[str]) -> list[str] | None:
 
 
 def test_quick_start_trainer_flags_parse(monkeypatch):
-    from open_diloco.cli import parse, train
+    from open_diloco.cli import parse
+    from open_diloco.cli.train import train
 
     monkeypatch.chdir(REPO / "open_diloco")
     parsed = 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from open_diloco import cli
+import open_diloco
 from open_diloco.cli import FLAG_PANELS, parse, run
 from open_diloco.config import Config
 
@@ -80,7 +80,7 @@ def test_help_groups_flags_in_panels(help_text):
 
 def test_every_config_field_has_one_panel():
     grouped = [name for names in FLAG_PANELS.values() for name in names]
-    assert sorted(grouped) == sorted(Config.model_fields), "add the new Config field to cli.FLAG_PANELS"
+    assert sorted(grouped) == sorted(Config.model_fields), "add the new Config field to cli/app.py FLAG_PANELS"
 
 
 def test_help_reflows_field_docstrings(help_text):
@@ -104,6 +104,8 @@ def test_version_from_a_source_checkout_reads_pyproject(monkeypatch):
         return real_version(package)
 
     tomllib = pytest.importorskip("tomllib")
-    pyproject = tomllib.loads((Path(cli.__file__).parent.parent / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(open_diloco.__file__).parent.parent / "pyproject.toml").read_text())
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert cli.version_line().startswith(f"open-diloco {pyproject['project']['version']} (torch ")
+    assert open_diloco.own_version() == pyproject["project"]["version"]
+    monkeypatch.setattr(open_diloco, "__version__", open_diloco.own_version())
+    assert open_diloco.version_line().startswith(f"open-diloco {pyproject['project']['version']} (torch ")

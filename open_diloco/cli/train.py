@@ -1,0 +1,14 @@
+"""``open-diloco [FLAGS]``: train one cluster (the app's default command)."""
+
+from __future__ import annotations
+
+from open_diloco.config import Config
+
+
+def train(*, config: Config | None = None) -> None:
+    """Train one cluster (run under torchrun for several ranks)."""
+    # `config` is keyword-only so that its fields are flags only: as positionals, a stray word (`open-diloco
+    # foo --fake-data`) would silently become --path-model.
+    from open_diloco.trainer import train as run_training  # heavy imports only when training
+
+    run_training(config if config is not None else Config())
