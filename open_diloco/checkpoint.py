@@ -2,14 +2,15 @@
 
 What a checkpoint holds, and why that is enough for an exact resume:
 - model and inner-optimizer state as DTensors (DCP reshards them when the rank count changes);
-- the outer momentum and, with a lossy ``--hv.compression``, the error feedback, re-shaped like the parameters
-  so DCP reshards them too (a run with error feedback resumed from a checkpoint without it starts from zero).
-  θ_outer itself is not stored:
-  saves land right after an outer step, where θ_local ← θ_outer, so the model weights *are* θ_outer. Streaming
-  (``--hv.fragments`` > 1 or ``--hv.sync-delay`` > 0) breaks that: the other fragments, or the τ steps of the
-  fragment in flight, hold local progress. Then θ_outer is stored too (``outer_params``), and a round in flight
-  is recorded, not waited for (``sync_start``: the fragment's θ_local when the round started), so the save costs
-  training nothing and a resume sends the same round again and lands it where the straight run did;
+- the outer loop's state, saved and loaded as one ``Stateful`` (``outer.state_dict()``, placed for DCP by
+  ``outer/stateful.py``): the outer momentum and, with a lossy ``--hv.compression``, the error feedback, shaped
+  like the parameters so DCP reshards them too (a run with error feedback resumed from a checkpoint without it
+  starts from zero). θ_outer itself is not stored: saves land right after an outer step, where θ_local ← θ_outer,
+  so the model weights *are* θ_outer. Streaming (``--hv.fragments`` > 1 or ``--hv.sync-delay`` > 0) breaks that:
+  the other fragments, or the τ steps of the fragment in flight, hold local progress. Then θ_outer is stored too
+  (``outer_params``), and a round in flight is recorded, not waited for (``sync_start``: the fragment's θ_local
+  when the round started), so the save costs training nothing and a resume sends the same round again and lands
+  it where the straight run did;
 - step counters, each rank's RNG states, and the config and model config it was made with.
 The data position and the learning-rate schedule are pure functions of the step, so they are derived on
 resume rather than stored (the same derivation serves late joiners).
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from open_diloco.config import CkptConfig
 from open_diloco.errors import ConfigError
 from open_diloco.outer.protocols import OuterLoop
+from open_diloco.outer.stateful import zeros_placed_like_params
 
 log = logging.getLogger(__name__)
 
@@ -124,75 +126,36 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
     return path, metadata
 
 
-def _clean_fqn(name: str) -> str:
-    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+# Where the outer loop's state dict goes besides DCP: its counters are fields of metadata.json under their own
+# names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard them)
+# are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its own name.
+_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1}
+_OUTER_PER_RANK = ("sparse_scores",)
 
 
-def _shaped_like_params(model: torch.nn.Module, pieces: list[torch.Tensor] | None) -> dict[str, DTensor]:
-    """One DTensor per parameter, placed like the parameter, so DCP can reshard a per-value outer buffer."""
-    if pieces is None:
-        return {}
-    state = {}
-    for (name, param), piece in zip(model.named_parameters(), pieces, strict=True):
-        local = piece.to(param.device)
-        state[_clean_fqn(name)] = DTensor.from_local(
-            local,
-            device_mesh=param.device_mesh,
-            placements=param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
-    return state
+def _outer_pieces(metadata: dict[str, Any]) -> list[str]:
+    """The outer pieces a checkpoint's DCP part holds, as its metadata lists them: what a load asks DCP for."""
+    held = [key for key in ("outer_momentum", "error_feedback") if metadata.get(f"has_{key}")]
+    return held + list(metadata.get("streaming", ()))
 
 
-def _outer_momentum_state(
-    model: torch.nn.Module, outer: OuterLoop, *, to_load: bool = False
-) -> dict[str, DTensor]:
-    """The outer momentum as one DTensor per parameter (see :func:`_shaped_like_params`).
-
-    ``to_load``: DCP loads *into* the tensors it is given, and a freshly built outer loop has no momentum
-    yet, so zero placeholders shaped like this rank's shards receive it. No galaxy: nothing."""
-    return _shaped_like_params(model, outer.momentum_pieces(for_load=to_load))
-
-
-def _local_pieces(model: torch.nn.Module, state: dict[str, DTensor]) -> list[torch.Tensor]:
-    return [state[_clean_fqn(name)].to_local().cpu() for name, _ in model.named_parameters()]
-
-
-def _app_state(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    outer: OuterLoop,
-    with_momentum: bool,
-    to_load: bool = False,
-    with_error_feedback: bool = True,
-    streaming_keys: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    momentum = _outer_momentum_state(model, outer, to_load=to_load) if with_momentum else {}
-    if momentum:
-        state["outer_momentum"] = momentum
-    error_feedback = _shaped_like_params(model, outer.error_feedback_pieces()) if with_error_feedback else {}
-    if error_feedback:
-        state["error_feedback"] = error_feedback
-    streaming = outer.streaming_pieces() if not to_load else {key: _zeros_like_shards(model) for key in streaming_keys}
-    for key, pieces in streaming.items():
-        state[key] = _shaped_like_params(model, pieces)
-    return state
-
-
-STREAMING_KEYS = ("outer_params", "sync_start")
-"""What a streaming run's checkpoint adds (``OuterLoop.streaming_pieces``)."""
-
-
-def _zeros_like_shards(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Placeholders for DCP to load a per-value outer buffer into, one per parameter shard, fp32."""
-    return [
-        torch.zeros_like(p.data.to_local() if hasattr(p.data, "to_local") else p.data, dtype=torch.float32)
-        for p in model.parameters()
-    ]
+def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The outer loop's state dict cut along the format: (``metadata.json`` fields, DCP entries, per-rank files).
+    The fields are format 1's, so that checkpoints written before the outer loop was a Stateful still load. A value
+    with no place in the format stops the save, rather than a checkpoint that silently lacks it."""
+    fields = {
+        "outer_step": int(outer_state.get("outer_step", _OUTER_COUNTERS["outer_step"])),
+        "has_outer_momentum": "outer_momentum" in outer_state,
+        "has_error_feedback": "error_feedback" in outer_state,
+        "streaming": [key for key in ("outer_params", "sync_start") if key in outer_state],
+        "fragments": int(outer_state.get("fragments", _OUTER_COUNTERS["fragments"])),
+    }
+    entries = {key: outer_state[key] for key in _outer_pieces(fields)}
+    per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}
+    unplaced = set(outer_state) - set(_OUTER_COUNTERS) - set(entries) - set(per_rank)
+    if unplaced:
+        raise RuntimeError(f"checkpoint format {FORMAT_VERSION} has no place for outer {sorted(unplaced)}")
+    return fields, entries, per_rank
 
 
 def _rng_state() -> dict[str, Any]:
@@ -244,23 +207,20 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=self._group)
-        state = _app_state(model, optimizer, outer, with_momentum=True)
+        outer_fields, outer_entries, outer_per_rank = _outer_parts(outer.state_dict())
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state, **outer_entries}
         metadata = {
             "format": FORMAT_VERSION,
             "step": step,
-            "outer_step": outer.outer_step,
-            "has_outer_momentum": "outer_momentum" in state,
-            "has_error_feedback": "error_feedback" in state,
-            "streaming": [key for key in STREAMING_KEYS if key in state],
-            "fragments": outer.fragments,
+            **outer_fields,
             "world_size": dist.get_world_size(),
             "model_config": self._model_config,
             "config": self._config,
         }
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-        scores = outer.sparse_scores()
-        if scores is not None:  # per rank like the RNG: blocks are cut from this rank's shard, DCP cannot reshard them
-            torch.save(scores, tmp / f"sparse_scores_rank{rank}.pt")
+        for key, value in outer_per_rank.items():
+            torch.save(value, tmp / f"{key}_rank{rank}.pt")
         started = time.perf_counter()
         staged = _host_copy(state)
         if torch.cuda.is_available():
@@ -378,18 +338,16 @@ def load(
     optimizer: torch.optim.Optimizer,
     outer: OuterLoop,
 ) -> int:
-    """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective."""
-    # A galaxy may start from a single-cluster checkpoint (fresh momentum) and vice versa (momentum unused).
-    with_momentum = bool(metadata.get("has_outer_momentum"))
-    state = _app_state(
-        model,
-        optimizer,
-        outer,
-        with_momentum=with_momentum,
-        to_load=True,
-        with_error_feedback=bool(metadata.get("has_error_feedback")),
-        streaming_keys=tuple(metadata.get("streaming", ())),
-    )
+    """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective.
+
+    The outer loop takes whatever outer state the checkpoint holds (a galaxy may start from a single-cluster
+    checkpoint, with fresh momentum, and the other way round, dropping it), after the model: without θ_outer in
+    the checkpoint, θ_outer is the model's weights."""
+    outer_pieces = _outer_pieces(metadata)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # DCP loads into the tensors it is given: zeros placed like the parameters receive the outer pieces
+    outer_template = {key: zeros_placed_like_params(model) for key in outer_pieces}
+    state = {"model": model_state, "optim": optim_state, **outer_template}
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException: name it
@@ -405,16 +363,12 @@ def load(
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    momentum = state.get("outer_momentum")
-    pieces = _local_pieces(model, momentum) if momentum else None
-    outer.restore_after_checkpoint(int(metadata.get("outer_step", 0)), pieces)
-    if state.get("error_feedback"):
-        outer.restore_error_feedback(_local_pieces(model, state["error_feedback"]))
-    streaming = {key: _local_pieces(model, state[key]) for key in metadata.get("streaming", ())}
-    if streaming:
-        outer.restore_streaming(streaming, int(metadata.get("fragments", 1)))
-    scores_file = Path(path) / f"sparse_scores_rank{dist.get_rank()}.pt"
-    outer.restore_sparse_scores(torch.load(scores_file, weights_only=True) if scores_file.is_file() else None)
+    outer_state = {key: metadata.get(key, absent) for key, absent in _OUTER_COUNTERS.items()}
+    outer_state.update({key: state[key] for key in outer_pieces})
+    for key in _OUTER_PER_RANK:
+        if (file := Path(path) / f"{key}_rank{dist.get_rank()}.pt").is_file():
+            outer_state[key] = torch.load(file, weights_only=True)
+    outer.load_state_dict(outer_state)
     return int(metadata["step"])
 
 

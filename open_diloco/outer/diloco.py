@@ -180,44 +180,25 @@ class DiLoCo:
         return self.cluster.min_int(target)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
-    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
-        return self.state.momentum_pieces(for_load)
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this shard's outer state (:meth:`OuterLoop.state_dict`), θ_outer itself where
+        the schedule lets the model differ from it at a save (fragments, a sync delay)."""
+        return self.state.checkpoint_state(streaming=self.schedule.streaming)
 
-    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
-        self.state.restore_after_checkpoint(outer_step, momentum_pieces)
-
-    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
-        return self.state.error_feedback_pieces()
-
-    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
-        if not (self.schedule.streaming or self.state.keeps_unsent):  # the model is θ_outer at every save
-            return {}
-        pieces = {"outer_params": self.state.outer_params_pieces()}
-        sync_start = self.state.sync_start_pieces()
-        if sync_start is not None:
-            pieces["sync_start"] = sync_start
-        return pieces
-
-    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
-        if "sync_start" in pieces and saved_fragments != self.hv.fragments:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a checkpoint's outer state (:meth:`OuterLoop.load_state_dict`). A round it holds in flight is sent
+        again by :meth:`join_galaxy`: it must be a round of this run's fragments."""
+        saved_fragments = int(state_dict.get("fragments", 1))
+        if "sync_start" in state_dict and saved_fragments != self.hv.fragments:
             raise ConfigError(
                 f"the checkpoint holds a round of one of {saved_fragments} fragments in flight, this run has "
                 f"--hv.fragments {self.hv.fragments}: resume with --hv.fragments {saved_fragments}"
             )
-        fragment = self.schedule.fragment_of(self.outer_step)  # the round in flight is sync outer_step + 1
-        self.state.restore_streaming(pieces["outer_params"], pieces.get("sync_start"), fragment)
-
-    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
-        self.state.restore_error_feedback(pieces)
-
-    def sparse_scores(self) -> torch.Tensor | None:
-        return None if self.state.sparse_scores is None else self.state.sparse_scores.clone()
-
-    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
-        if not self.state.restore_sparse_scores(scores):
+        if not self.state.sparse_scores_fit(state_dict.get("sparse_scores")):
             self.warn("the checkpoint holds no sparse block scores for this rank's shard (saved with another number "
                       "of ranks, or another --hv.compression): they start from zero, so each fragment's next round "
                       "picks its blocks at random, as a first round does")
+        self.state.load_checkpoint_state(state_dict)
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:

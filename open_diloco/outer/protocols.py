@@ -162,41 +162,19 @@ class OuterLoop(Protocol):
         """The inner step the galaxy's current round started at (a cluster behind it catches up)."""
         ...
 
-    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
-        """The outer momentum shaped like this rank's parameter shards (for checkpoints); with ``for_load``,
-        zero placeholders to load into when there is none yet. ``None``: nothing to save or load."""
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the outer loop, as torch.distributed.checkpoint's ``Stateful`` gives it:
+        ``outer_step`` and ``fragments``; each per-value buffer it holds (``outer/stateful.py``'s ``PIECES``: the
+        outer momentum, the error feedback; θ_outer and a round in flight's start where the model may differ from
+        θ_outer at a save) as one tensor per parameter, placed like the parameter so that DCP reshards it; this
+        rank's ``sparse_scores`` when kept (cut from its shard: not reshardable). A piece it does not hold is
+        absent; ``{}``: no outer state (no galaxy). Views where it can: copy before the state changes."""
         ...
 
-    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
-        """Re-read θ_outer from the freshly loaded model and take the loaded momentum and round counter."""
-        ...
-
-    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
-        """The error feedback of a lossy codec shaped like this rank's parameter shards (views, for checkpoints);
-        ``None``: none kept."""
-        ...
-
-    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
-        """Take the error feedback a checkpoint held."""
-        ...
-
-    def sparse_scores(self) -> torch.Tensor | None:
-        """This rank's sparse block scores (``--hv.sparse-rule magnitude``), for checkpoints; ``None``: none kept."""
-        ...
-
-    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
-        """Take the block scores a checkpoint held (``None``: it held none)."""
-        ...
-
-    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
-        """What a checkpoint must add when the model is not θ_outer at a save (fragments or a sync delay), shaped
-        like this rank's parameter shards: ``outer_params`` (θ_outer) and, with a round in flight, ``sync_start``
-        (θ_outer with the fragment's θ_local at the round's start). ``{}``: the model is θ_outer."""
-        ...
-
-    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
-        """Take what :meth:`streaming_pieces` saved (after :meth:`restore_after_checkpoint`) by a run with
-        ``saved_fragments`` fragments; a round in flight is sent again by :meth:`join_galaxy`."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take what :meth:`state_dict` gave, or the part of it a checkpoint of another kind of run holds, once the
+        model's own state is loaded (θ_outer is the model's weights unless ``outer_params`` is there); a round in
+        flight is sent again by :meth:`join_galaxy`."""
         ...
 
     def report(self, record: dict[str, Any]) -> None:
@@ -247,28 +225,10 @@ class NullOuterLoop:
     def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
         return []
 
-    def streaming_pieces(self) -> dict[str, list[torch.Tensor]]:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def restore_streaming(self, pieces: dict[str, list[torch.Tensor]], saved_fragments: int) -> None:
-        pass
-
-    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
-        return None
-
-    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
-        pass
-
-    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
-        return None
-
-    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
-        pass
-
-    def sparse_scores(self) -> torch.Tensor | None:
-        return None
-
-    def restore_sparse_scores(self, scores: torch.Tensor | None) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
     def report(self, record: dict[str, Any]) -> None:

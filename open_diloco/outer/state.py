@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from open_diloco.outer.codecs import PseudoGradCompressor, Selection
+from open_diloco.outer.stateful import local_pieces, placed_like_params
 from open_diloco.outer.streaming import fragment_length
 
 
@@ -148,6 +149,7 @@ class OuterState:
         self.lr, self.momentum, self.nesterov, self.warmup_rounds = lr, momentum, nesterov, warmup_rounds
         self.fragments, self.sync_alpha = fragments, sync_alpha
         self.compressor = compressor
+        self._model = model  # its parameters' names and placements place the checkpoint pieces
         self._shards = local_shards(model)
         self.numels = [shard.numel() for shard in self._shards]
         self.on_gpu = any(shard.is_cuda for shard in self._shards)
@@ -440,7 +442,7 @@ class OuterState:
             self._hash = fingerprint_bytes(*shared)
         return self._hash
 
-    # -- sharing and checkpoints ----------------------------------------------------------------------------
+    # -- sharing with late joiners and re-syncing clusters ------------------------------------------------
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """What a late joiner downloads: θ_outer, the outer momentum (if any), the sparse block scores (if any,
         last) and the round counter."""
@@ -487,71 +489,64 @@ class OuterState:
         self.outer_step = int(metadata["outer_step"])
         self.committed_group = [int(rank) for rank in metadata.get("committed_group", [])]
 
-    def error_feedback_pieces(self) -> list[torch.Tensor] | None:
-        """The error feedback split and shaped like this rank's parameter shards (views, no copy); ``None``: off."""
-        if self.error is None:
-            return None
-        return self._shaped_pieces(self.error)
+    # -- checkpoints (through DiLoCo.state_dict / load_state_dict) ------------------------------------------
+    def checkpoint_state(self, streaming: bool) -> dict[str, Any]:
+        """This shard's outer state for a checkpoint, pieces placed for DCP (``outer/stateful.py``): the round
+        counter and ``fragments``; the momentum, the error feedback and this shard's block scores when kept; and
+        where the model may not hold θ_outer at a save (``streaming``: other fragments, a sync delay; or a sparse
+        round's unsent progress), θ_outer itself (``outer_params``) and, with a round in flight, ``sync_start``
+        (θ_outer with the fragment's θ_local at the round's start), so a resume can send that round again.
+        Views where it can, as ``Module.state_dict``: copy before the state changes."""
+        state: dict[str, Any] = {"outer_step": self.outer_step, "fragments": self.fragments}
+        if self.momentum_buffer is not None:
+            state["outer_momentum"] = self._placed(self.momentum_buffer)
+        if self.error is not None:
+            state["error_feedback"] = self._placed(self.error)
+        if self.sparse_scores is not None:
+            state["sparse_scores"] = self.sparse_scores
+        if streaming or self.keeps_unsent:
+            state["outer_params"] = self._placed(self.params)
+            if self.local_at_start is not None:
+                sync_start = self.params.clone()
+                sync_start[self.region()] = self.local_at_start
+                state["sync_start"] = self._placed(sync_start)
+        return state
 
-    def restore_error_feedback(self, pieces: list[torch.Tensor]) -> None:
-        """Take the error feedback a checkpoint held (a no-op when this run keeps none)."""
-        if self.error is None:
-            return
-        with torch.no_grad(), self.lock:
-            self.error.copy_(_flat_fp32(pieces))
-
-    def restore_sparse_scores(self, scores: torch.Tensor | None) -> bool:
-        """Take the block scores a checkpoint held; ``False`` (scores zeroed: the next round of each fragment picks
-        at random, as the first did) when it held none of this shape, e.g. saved with another number of ranks,
-        whose shards are cut elsewhere. A no-op returning ``True`` when this run keeps none."""
-        if self.sparse_scores is None:
-            return True
-        with torch.no_grad(), self.lock:
-            fits = scores is not None and scores.shape == self.sparse_scores.shape
-            self.sparse_scores.copy_(scores if fits else torch.zeros_like(self.sparse_scores))
-            self._hash = None
-        return fits
-
-    def momentum_pieces(self, for_load: bool = False) -> list[torch.Tensor] | None:
-        """The momentum split and shaped like this rank's parameter shards (views, no copy)."""
-        if self.momentum_buffer is None:
-            return [torch.zeros_like(shard) for shard in self._shards] if for_load else None
-        return self._shaped_pieces(self.momentum_buffer)
-
-    def _shaped_pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` split and shaped like this rank's parameter shards (views, no copy): what checkpoints store."""
-        return [piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)]
-
-    def outer_params_pieces(self) -> list[torch.Tensor]:
-        """θ_outer split and shaped like this rank's parameter shards (views): what a checkpoint stores when the
-        model is not θ_outer at a save (streaming)."""
-        return self._shaped_pieces(self.params)
-
-    def sync_start_pieces(self) -> list[torch.Tensor] | None:
-        """With a round in flight under a sync delay: θ_outer with the fragment's slice replaced by θ_local at the
-        round's start (a copy shaped like the parameter shards, so DCP reshards it); ``None``: nothing in flight."""
-        if self.local_at_start is None:
-            return None
-        flat = self.params.clone()
-        flat[self.region()] = self.local_at_start
-        return self._shaped_pieces(flat)
-
-    def restore_streaming(self, outer_params: list[torch.Tensor], sync_start: list[torch.Tensor] | None,
-                          fragment: int) -> None:
-        """Take θ_outer from a checkpoint's pieces (the model holds θ_local), and the round in flight, if any."""
-        with torch.no_grad(), self.lock:
-            self.params.copy_(_flat_fp32(outer_params))
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take what :meth:`checkpoint_state` gave, or the part of it a checkpoint of another kind of run holds,
+        once the model's own state is loaded. Without ``outer_params`` θ_outer is read from the model (saves land
+        on outer-step boundaries, where θ_local ← θ_outer); a piece it lacks keeps its fresh value (no momentum
+        yet, zero error feedback), except the block scores, zeroed unless they fit (:meth:`sparse_scores_fit`)."""
+        with self.lock:
+            self.outer_step = int(state.get("outer_step", 0))
+            self.fragment, self.local_at_start = self.outer_step % self.fragments, None  # the round after it
+            if "outer_params" in state:
+                self.params.copy_(self._flat(state["outer_params"]))
+            else:
+                self.gather_local_into(self.params)
             self._hash = self._sq_norm = None
-            self.fragment, self.local_at_start = fragment, None
-            if sync_start is not None:
-                self.local_at_start = _flat_fp32(sync_start)[self.region()].clone()
+            if "outer_momentum" in state:
+                self.momentum_buffer = self._flat(state["outer_momentum"])
+            if "error_feedback" in state and self.error is not None:
+                self.error.copy_(self._flat(state["error_feedback"]))
+            if "sync_start" in state:
+                self.local_at_start = self._flat(state["sync_start"])[self.region()].clone()
+            if self.sparse_scores is not None:
+                scores = state.get("sparse_scores")
+                fits = self.sparse_scores_fit(scores)
+                self.sparse_scores.copy_(scores if fits else torch.zeros_like(self.sparse_scores))
 
-    def restore_after_checkpoint(self, outer_step: int, momentum_pieces: list[torch.Tensor] | None) -> None:
-        """After a checkpoint load: the model holds θ_outer (saves land on outer-step boundaries), so θ_outer
-        is re-read from it; the momentum comes back from its reshardable pieces."""
-        with torch.no_grad(), self.lock:
-            self.gather_local_into(self.params)
-            self._hash = self._sq_norm = None
-            if momentum_pieces is not None:
-                self.momentum_buffer = _flat_fp32(momentum_pieces)
-            self.outer_step = outer_step
+    def sparse_scores_fit(self, scores: torch.Tensor | None) -> bool:
+        """Whether a checkpoint's block scores can be taken: there are some, of this shard's shape (saved with
+        another number of ranks they are cut from other shards). ``True`` when this run keeps none."""
+        return self.sparse_scores is None or (scores is not None and scores.shape == self.sparse_scores.shape)
+
+    def _placed(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` split and shaped like this rank's parameter shards (views), placed like the parameters."""
+        pieces = [piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)]
+        return placed_like_params(self._model, pieces)
+
+    def _flat(self, placed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A checkpoint's piece back into one flat fp32 buffer (a copy): the inverse of :meth:`_placed`."""
+        return _flat_fp32(local_pieces(self._model, placed))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -255,14 +256,14 @@ def test_error_feedback_keeps_what_the_wire_dropped_exactly():
         state.scatter_into_model()
 
 
-def test_checkpoint_pieces_restore_the_error_feedback_bit_exact():
+def test_checkpoint_state_restores_the_error_feedback_bit_exact():
     model = torch.nn.Linear(70, 3, bias=True)
     state = OuterState(model, lr=1.0, momentum=0.0, compressor=build_compressor("int4", 0, "cyclic"))
     state.error.normal_()
-    pieces = [piece.clone() for piece in state.error_feedback_pieces()]
-    assert [p.shape for p in pieces] == [p.shape for p in model.parameters()]
+    saved = copy.deepcopy(state.checkpoint_state(streaming=False))
+    assert [p.shape for p in saved["error_feedback"].values()] == [p.shape for p in model.parameters()]
     fresh = OuterState(model, lr=1.0, momentum=0.0, compressor=build_compressor("int4", 0, "cyclic"))
-    fresh.restore_error_feedback(pieces)
+    fresh.load_checkpoint_state(saved)
     assert torch.equal(fresh.error, state.error)
 
 
@@ -279,7 +280,7 @@ def test_no_error_feedback_keeps_no_buffer():
     state = OuterState(
         model, lr=1.0, momentum=0.0, compressor=build_compressor("int2", 0, "cyclic"), error_feedback=False
     )
-    assert state.error is None and state.error_feedback_pieces() is None
+    assert state.error is None and "error_feedback" not in state.checkpoint_state(streaming=False)
     assert build_compressor("none", 0, "cyclic") is None and build_compressor("fp16", 0, "cyclic") is None
 
 
@@ -370,8 +371,7 @@ def test_a_sparse_run_checkpoints_theta_outer_beside_the_model():
         model.weight.add_(0.1)
     outer.after_inner_step(1)
     assert not torch.equal(model.weight.detach().reshape(-1), outer.state.params)
-    pieces = outer.streaming_pieces()
-    assert torch.equal(pieces["outer_params"][0].reshape(-1), outer.state.params)
+    assert torch.equal(outer.state_dict()["outer_params"]["weight"].reshape(-1), outer.state.params)
     outer.state.adopt({"outer_step": 7}, [outer.state.params.clone()])
     assert torch.equal(model.weight.detach().reshape(-1), outer.state.params)
 
@@ -463,6 +463,9 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
     joiner.adopt(metadata, tensors)
     assert torch.equal(joiner.sparse_scores, state.sparse_scores) and joiner.hash() == state.hash()
     hash_before = state.hash()
-    state.restore_sparse_scores(torch.zeros_like(state.sparse_scores))
+    saved = copy.deepcopy(state.checkpoint_state(streaming=False))  # θ_outer too: a sparse run's model is not it
+    state.load_checkpoint_state({**saved, "sparse_scores": torch.zeros(2, 21)})  # cut for another shard: zeroed
+    assert not state.sparse_scores_fit(torch.zeros(2, 21)) and not state.sparse_scores.any()
     assert state.hash() != hash_before  # the scores are part of the shared state the hash proves
-    assert not state.restore_sparse_scores(torch.zeros(2, 21)) and not state.sparse_scores.any()  # another shape
+    state.load_checkpoint_state(saved)
+    assert state.hash() == hash_before
