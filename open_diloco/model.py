@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -35,6 +36,35 @@ def load_model_config(path_model: Path) -> PretrainedConfig:
         raise ConfigError(
             f"--path-model {path}/config.json is not a valid model config ({first_line}): fix or replace it"
         ) from None
+
+
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+"""The fields of a (Llama-style) ``config.json`` that decide the parameters' names and shapes."""
+
+
+def shape_fields(model_config: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`SHAPE_FIELDS` a model config sets: what two clusters' models must share to average, so that a
+    mismatch can name the field that differs rather than a hash."""
+    return {key: model_config[key] for key in SHAPE_FIELDS if key in model_config}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's parameter names and (global) shapes: clusters with different ones cannot
+    average together."""
+    import xxhash
+
+    layout = ";".join(f"{name}:{tuple(param.shape)}" for name, param in model.named_parameters())
+    return xxhash.xxh3_64(layout.encode()).hexdigest()
 
 
 def has_weights(path_model: Path) -> bool:

@@ -18,10 +18,9 @@ from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.errors import ConfigError, Stop
 from open_diloco.logs import log_from_every_rank
 from open_diloco.metrics import build_metrics
-from open_diloco.model import build_model, load_model_config
+from open_diloco.model import build_model, load_model_config, model_fingerprint, shape_fields
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.codecs import codec_label
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
@@ -75,7 +74,7 @@ def train(config: Config) -> None:
         model = parallelize(
             model, world.device, precision, config.activation_checkpointing, config.torch_compile
         )
-        outer = build_outer_loop(config.hv, model, world)
+        outer = build_outer_loop(config.hv, model, world, model_config)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(
             optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
@@ -162,88 +161,29 @@ def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iter
     return iter(loader)
 
 
-def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World) -> OuterLoop:
-    """DiLoCo over hivemind when a galaxy is configured, else the no-op loop.
-
-    Each local rank averages its own FSDP shard with the same shard of every other cluster. When no
-    initial peers are given, rank 0's DHT is the entry point and the other ranks join it.
-    """
+def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World,
+                     model_config: dict[str, Any]) -> OuterLoop:
+    """DiLoCo over hivemind when a galaxy is configured, else the no-op loop. Each local rank averages its own
+    FSDP shard with the same shard of every other cluster (``galaxy/build.py`` starts its part of the galaxy)."""
     if hv is None:
         return NullOuterLoop()
-    from open_diloco.galaxy.allowlist import Allowlist, ensure_identity, rank_key_file
-    from open_diloco.galaxy.averager import start_shard_averager  # hivemind, loaded only when needed
+    from open_diloco.galaxy.build import ClusterShard, join_galaxy  # hivemind, loaded only when needed
 
-    allowlist = Allowlist.load(hv.allowlist) if hv.allowlist is not None else None
-    identity_path = None
-    if hv.identity_path is not None:  # the shard index names the key: one PeerID per shard, stable across runs
-        peer_id = ensure_identity(hv.identity_path, world.rank)
-        identity_path = str(rank_key_file(hv.identity_path, world.rank))
-        log.info("rank %d: PeerID %s (%s)", world.rank, peer_id, identity_path)
-        if allowlist is not None and not allowlist.admits(peer_id):
-            log.warning("this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name it",
-                        peer_id, hv.allowlist)
-
-    def start(initial_peers: list[str]):
-        return start_shard_averager(
-            initial_peers=initial_peers,
-            host_maddrs=hv.host_maddrs,
-            announce_maddrs=hv.announce_maddrs,
-            run_id=hv.run_id,
-            shard_index=world.rank,
-            numel=fragment_length(sum(shard.numel() for shard in local_shards(model)), hv.fragments),
-            galaxy_rank=hv.world_rank,
-            galaxy_size=hv.galaxy_size,
-            matchmaking_time=hv.matchmaking_time,
-            averaging_timeout=hv.averaging_timeout,
-            join_timeout=hv.join_timeout,
-            compression=hv.compression,
-            sparse_rule=hv.sparse_rule,
-            member_expiry=hv.member_expiry,
-            schema=schema,
-            delta_norm_bound=hv.delta_norm_bound,
-            robust_mean=hv.robust_mean,
-            identity_path=identity_path,
-            allowlist=allowlist,
-        )
-
-    schema = {"model_fingerprint": model_fingerprint(model), "ranks": world.world_size,
-              "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule), "fragments": hv.fragments}
+    shard = ClusterShard(
+        index=world.rank,
+        ranks=world.world_size,
+        numel=fragment_length(sum(shard.numel() for shard in local_shards(model)), hv.fragments),
+        model_fingerprint=model_fingerprint(model),
+        model_config=shape_fields(model_config),
+    )
     cluster = ClusterComm(world.device)
-    if hv.initial_peers or world.world_size == 1:
-        averager = start(hv.initial_peers)
-    else:
-        entry: list[list[str]] = [[]]
-        averager = start([]) if world.rank == 0 else None
-        if averager is not None:
-            entry = [averager.visible_maddrs]
-        dist.broadcast_object_list(entry, src=0)
-        averager = averager or start(entry[0])
+    galaxy = join_galaxy(hv, shard, cluster)
     try:
         outer_log = logging.getLogger("open_diloco.outer")
-        shard_peer_ids = cluster.gather_strings(averager.peer_id)
-        status = _status_board(hv, averager, schema, shard_peer_ids) if world.rank == 0 else None
-        return DiLoCo(model, averager, hv, cluster=cluster, warn=outer_log.warning, status=status)
+        return DiLoCo(model, galaxy.averager, hv, cluster=cluster, warn=outer_log.warning, status=galaxy.status)
     except BaseException:
-        averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
+        galaxy.averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the model's parameter names and (global) shapes: clusters with different ones cannot
-    average together."""
-    import xxhash
-
-    layout = ";".join(f"{name}:{tuple(param.shape)}" for name, param in model.named_parameters())
-    return xxhash.xxh3_64(layout.encode()).hexdigest()
-
-
-def _status_board(hv: HvConfig, averager: Any, schema: dict[str, Any], shard_peer_ids: list[str]) -> Any:
-    """This cluster's membership and status record (``open-diloco status``), kept by rank 0."""
-    from open_diloco import version_line
-    from open_diloco.galaxy.status import StatusPublisher, cluster_identity
-
-    identity = cluster_identity(hv.world_rank, schema, hv.local_steps, version_line(), shard_peer_ids)
-    return StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry)
 
 
 def inner_step(

@@ -1,6 +1,7 @@
 """The galaxy over hivemind: the ONLY package that imports hivemind (we override its private methods, so
 pyproject pins its minor version and tests/unit/test_hivemind_pin.py checks the overrides still fit).
 
+- ``build``: a cluster's part of the galaxy from its ``--hv.*`` configuration (averagers, status record);
 - ``allreduce``: the canonical butterfly all-reduce (every peer copies one result);
 - ``averager``: the hivemind averager of one shard and the adapter to the outer loop's ``Averager``;
 - ``dht``: DHT start-up with one-line errors, and a bounded shutdown;

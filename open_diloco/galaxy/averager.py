@@ -1,10 +1,7 @@
 """One shard's hivemind averager, and the adapter that gives the outer loop its ``Averager``.
 
-Compression: "none" and "fp16" are hivemind's own; "bf16", "int8", "int4", "int2" and "sparse" are ours
-(``open_diloco.outer.codecs``, carried by ``galaxy/allreduce.py``'s :class:`CodecCompression`). Hivemind 1.1.12's 8-bit codecs do not round-trip with NumPy 2.4
-(``Uniform8BitQuantization``/``Quantile8BitQuantization`` raise ``TypeError: only 0-dimensional arrays can be
-converted to Python scalars`` in ``extract``), and ``BLOCKWISE_8BIT`` needs bitsandbytes.
-"""
+``galaxy/build.py`` starts them from the configuration (wire compression included); what lives here is how a
+round runs once they exist."""
 
 from __future__ import annotations
 
@@ -12,28 +9,26 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
-import signal
-import threading
 import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, deserialize_tensor_stream
+from hivemind.compression import deserialize_tensor_stream
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 
-from open_diloco.errors import ConfigError, DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
+from open_diloco.errors import DuplicateGalaxyRank, GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
-from open_diloco.galaxy.allreduce import CanonicalAllReduce, CodecCompression
-from open_diloco.galaxy.dht import REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht, start_dht
+from open_diloco.galaxy.allreduce import CanonicalAllReduce
+from open_diloco.galaxy.dht import REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
 from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.status import (
@@ -48,10 +43,13 @@ from open_diloco.galaxy.status import (
     silent,
     status_key,
 )
-from open_diloco.outer.codecs import score_values, wire_codecs
+from open_diloco.outer.codecs import wire_codecs
 from open_diloco.outer.guard import ClaimCheck, valid_claim, wire_norm
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
+
+if TYPE_CHECKING:
+    from open_diloco.config import HvConfig
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
 # which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
@@ -69,15 +67,6 @@ DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's
 FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
 LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
 STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
-COMPRESSIONS: dict[str, Callable[..., CompressionBase]] = {
-    "none": lambda sparse_rule="random": NoCompression(),
-    "fp16": lambda sparse_rule="random": Float16Compression(),
-    **{
-        name: (lambda name=name, sparse_rule="random": CodecCompression(wire_codecs(name, sparse_rule)))
-        for name in ("bf16", "int8", "int4", "int2", "sparse")
-    },
-}
-"""Each ``--hv.compression`` as a hivemind compression; ours take the sparse rule (``magnitude`` adds scores)."""
 
 
 class CanonicalAverager(DecentralizedAverager):
@@ -362,27 +351,26 @@ class HivemindAverager:
     a Δ being computed.
     """
 
-    def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, *, galaxy_rank: int, galaxy_size: int,
-                 averaging_timeout: float, run_id: str, member_expiry: float, schema: dict[str, Any],
-                 allowlist: Allowlist | None = None, compression: str = "none", sparse_rule: str = "random",
-                 initial_peers: Sequence[str] = (), shard_index: int = 0, wire_buffer: torch.Tensor | None = None,
-                 join_timeout: float = FINISH_DRAIN_SECONDS):
+    def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, hv: HvConfig, *, shard_index: int,
+                 schema: dict[str, Any], initial_peers: Sequence[str], allowlist: Allowlist | None,
+                 wire_buffer: torch.Tensor):
+        """Built by ``galaxy.build.start_shard_averager``, which starts ``dht`` and ``averager`` from ``hv``."""
         self.dht, self.averager = dht, averager
-        self.wire_buffer = averager._averaged_tensors[0] if wire_buffer is None else wire_buffer
+        self.wire_buffer = wire_buffer
         """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``) the
         block scores; hivemind's tensors are views of it."""
-        self.sparse_rule = sparse_rule
+        self.sparse_rule = hv.sparse_rule
         self.shard_index = shard_index
         """Which shard of the cluster this averager serves: it averages with the same shard of every other cluster."""
-        self.galaxy_rank, self.galaxy_size = galaxy_rank, galaxy_size
-        self.averaging_timeout, self.join_timeout = averaging_timeout, join_timeout
-        self.status_key, self.member_expiry = status_key(run_id), member_expiry
-        self.record_ages = RecordAges(member_expiry)
+        self.galaxy_rank, self.galaxy_size = hv.world_rank, hv.galaxy_size
+        self.averaging_timeout, self.join_timeout = hv.averaging_timeout, hv.join_timeout
+        self.status_key, self.member_expiry = status_key(hv.run_id), hv.member_expiry
+        self.record_ages = RecordAges(self.member_expiry)
         """Ages of the records on this machine's clock, kept across reads (``galaxy/record_ages.py``)."""
         self.schema = schema
         """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
         self.allowlist = allowlist
-        self.compression = compression
+        self.compression = hv.compression
         self.initial_peers = list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
@@ -578,106 +566,3 @@ def round_key_bits(round_id: int, attempt: int) -> str:
     ``--hv.max-retries``)."""
     return format(round_id % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + format(attempt % (1 << ATTEMPT_BITS),
                                                                            f"0{ATTEMPT_BITS}b")
-
-
-def start_shard_averager(
-    *,
-    initial_peers: Sequence[str],
-    host_maddrs: Sequence[str],
-    announce_maddrs: Sequence[str],
-    run_id: str,
-    shard_index: int,
-    numel: int,
-    galaxy_rank: int,
-    galaxy_size: int,
-    matchmaking_time: float,
-    averaging_timeout: float,
-    join_timeout: float,
-    compression: str,
-    member_expiry: float,
-    sparse_rule: str = "random",
-    schema: dict[str, Any] | None = None,
-    delta_norm_bound: float = 10.0,
-    robust_mean: bool = False,
-    identity_path: str | None = None,
-    allowlist: Allowlist | None = None,
-) -> HivemindAverager:
-    """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{shard_index}``).
-
-    ``numel`` is the size of the values a round averages (the shard, or a fragment of it): hivemind matches only
-    peers with the same tensor schema. With ``--hv.compression sparse`` and the ``magnitude`` rule
-    (``sparse_rule``), a second tensor carries the block scores; both are views of one flat buffer
-    (:meth:`HivemindAverager.buffer`), values first.
-    ``schema``: what the cluster must share with the others (``galaxy.status.SCHEMA_KEYS``), checked against the
-    other clusters' records at every round (default: the shard's size and the codec, for peers that are not
-    a trainer's).
-    ``delta_norm_bound``, ``robust_mean``: how this peer's reducers judge senders (``open_diloco.outer.guard``).
-    ``identity_path``: this peer's libp2p key file (its PeerID survives restarts); ``allowlist``: the only peers it
-    averages with, serves state to and downloads state from (``galaxy/allowlist.py``).
-    ``initial_peers`` empty: this peer starts its own DHT. Every wait is bounded by ``join_timeout``; bad
-    addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix.
-    """
-    if compression not in COMPRESSIONS:
-        raise ConfigError(f"--hv.compression {compression!r} is not supported; use one of {sorted(COMPRESSIONS)}")
-    if averaging_timeout <= matchmaking_time:
-        raise ConfigError(
-            f"--hv.averaging-timeout ({averaging_timeout}s) must exceed --hv.matchmaking-time ({matchmaking_time}s)"
-        )
-    dht = start_dht(initial_peers, host_maddrs, announce_maddrs, join_timeout, identity_path=identity_path)
-    scores = score_values(numel, compression, sparse_rule)
-    wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()  # before the views: one segment
-    averager = CanonicalAverager(
-        [wire_buffer[:numel], wire_buffer[numel:]] if scores else [wire_buffer],
-        dht,
-        start=False,
-        prefix=f"{run_id}/shard{shard_index}",
-        target_group_size=galaxy_size,
-        min_group_size=2,
-        min_matchmaking_time=matchmaking_time,
-        request_timeout=min(3.0, matchmaking_time / 2),
-        allreduce_timeout=averaging_timeout,
-        next_chunk_timeout=max(1.0, min(averaging_timeout / 4, 30.0)),
-        compression=COMPRESSIONS[compression](sparse_rule=sparse_rule),
-        client_mode=False,
-        allow_state_sharing=False,
-        shutdown_timeout=SHUTDOWN_SECONDS,
-    )
-    averager.delta_norm_bound, averager.robust_mean = delta_norm_bound, robust_mean  # before the fork
-    averager.allowlist = allowlist
-    try:
-        _start_keeping_signal_handlers(averager, join_timeout)
-    except BaseException:
-        end_child(averager)
-        shutdown_dht(dht)
-        raise
-    return HivemindAverager(
-        dht,
-        averager,
-        galaxy_rank=galaxy_rank,
-        galaxy_size=galaxy_size,
-        averaging_timeout=averaging_timeout,
-        run_id=run_id,
-        member_expiry=member_expiry,
-        schema=schema or {"model_fingerprint": f"numel {numel}", "ranks": 1, "codec": compression, "fragments": 1},
-        allowlist=allowlist,
-        compression=compression,
-        sparse_rule=sparse_rule,
-        initial_peers=initial_peers,
-        shard_index=shard_index,
-        wire_buffer=wire_buffer,
-        join_timeout=join_timeout,
-    )
-
-
-def _start_keeping_signal_handlers(averager: DecentralizedAverager, timeout: float) -> None:
-    """Hivemind sets SIGINT to ignored in the parent before forking; we keep the trainer's handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        averager.start()
-        averager.wait_until_ready(timeout)
-        return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        averager.run_in_background(await_ready=True, timeout=timeout)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)

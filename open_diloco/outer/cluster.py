@@ -46,3 +46,11 @@ class ClusterComm:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, value)
         return gathered
+
+    def broadcast_strings(self, values: list[str]) -> list[str]:
+        """Rank 0's ``values`` on every rank (the others' are ignored)."""
+        if not self._group_active():
+            return values
+        box: list[Any] = [values]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

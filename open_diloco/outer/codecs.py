@@ -449,7 +449,7 @@ def build_compressor(compression: str, sparse_density: float, sparse_rule: str) 
     return None
 
 
-def wire_codecs(compression: str, sparse_rule: str = "random") -> WireCodecs | None:
+def wire_codecs(compression: str, sparse_rule: str) -> WireCodecs | None:
     """The galaxy's side of ``--hv.compression``: the codecs the all-reduce encodes its tensors' parts with
     (``None``: hivemind's own serialization)."""
     if compression == "sparse":

@@ -82,19 +82,21 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     import os
 
     from open_diloco.config import HvConfig
-    from open_diloco.galaxy.averager import start_shard_averager
+    from open_diloco.galaxy.build import ClusterShard, start_shard_averager
     from open_diloco.outer.diloco import DiLoCo
 
     mp.set_start_method("fork", force=True)
     torch.set_num_threads(1)
     me = os.getpid()
 
+    hv = HvConfig(  # with momentum: the outer state at its largest
+        local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed", outer_momentum=0.9,
+        host_maddrs=LOOPBACK, matchmaking_time=1.0, averaging_timeout=60.0, join_timeout=30.0,
+    )
+
     def start(numel: int, run_id: str, peers: list[str]):
-        return start_shard_averager(
-            initial_peers=peers, host_maddrs=LOOPBACK, announce_maddrs=[], run_id=run_id, shard_index=0,
-            numel=numel, galaxy_rank=rank, galaxy_size=2, matchmaking_time=1.0, averaging_timeout=60.0,
-            join_timeout=30.0, compression="none", member_expiry=15.0,
-        )
+        return start_shard_averager(hv.model_copy(update={"run_id": run_id}), ClusterShard.flat(numel),
+                                    initial_peers=peers)
 
     model = FlatModel(numel, seed=0)
     if args.model_memory == "device":
@@ -112,9 +114,6 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     if rank == 0:
         maddrs_queue.put(ours.visible_maddrs)
     try:
-        hv = HvConfig(  # with momentum: the outer state at its largest
-            local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed", outer_momentum=0.9
-        )
         diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
         noise = torch.Generator().manual_seed(rank)
         peers_seen = []

@@ -41,7 +41,7 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     from hivemind.averaging import DecentralizedAverager
 
     from open_diloco.config import HvConfig
-    from open_diloco.galaxy.averager import COMPRESSIONS, start_shard_averager
+    from open_diloco.galaxy.build import ClusterShard, start_shard_averager, wire_compression
     from open_diloco.outer.diloco import DiLoCo
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(1)))
@@ -49,21 +49,12 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     # Each peer stands for a cluster on a machine of its own: give it its share of the cores, else the peers'
     # OpenMP pools oversubscribe the machine and every local op stalls behind the other peer's threads.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.peers))
-    common = dict(matchmaking_time=args.matchmaking_time, averaging_timeout=args.timeout)
-    ours = start_shard_averager(
-        initial_peers=initial_peers,
-        host_maddrs=LOOPBACK,
-        announce_maddrs=[],
-        run_id=f"bench{numel}",
-        shard_index=0,
-        numel=numel,
-        galaxy_rank=rank,
-        galaxy_size=args.peers,
-        join_timeout=30.0,
-        compression=args.compression,
-        member_expiry=15.0,
-        **common,
+    hv = HvConfig(  # with momentum, as the figures in docs/results/outer-step.md were taken
+        local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", outer_momentum=0.9,
+        host_maddrs=LOOPBACK, run_id=f"bench{numel}", matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.timeout, join_timeout=30.0, compression=args.compression,
     )
+    ours = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
     raw = DecentralizedAverager(
         [torch.zeros(numel)],
         ours.dht,
@@ -73,15 +64,12 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
         min_matchmaking_time=args.matchmaking_time,
         request_timeout=min(3.0, args.matchmaking_time / 2),
         allreduce_timeout=args.timeout,
-        compression=COMPRESSIONS[args.compression](),
+        compression=wire_compression(hv),
         start=True,
     )
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
-        hv = HvConfig(  # with momentum, as the figures in docs/results/outer-step.md were taken
-            local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", outer_momentum=0.9
-        )
         diloco = DiLoCo(model, ours, hv, warn=lambda *_: None)
         noise = torch.Generator().manual_seed(100 + rank)
         for round_id in range(args.rounds):

@@ -31,15 +31,13 @@ CTX = mp.get_context("spawn")
 NUMEL = 250_007  # odd, and more than one 512 KiB part so every peer reduces a span
 BASE = dict(
     host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-    announce_maddrs=[],
     run_id="e2e",
-    shard_index=0,
     matchmaking_time=2.0,
     averaging_timeout=15.0,
     join_timeout=10.0,
-    compression="none",
     member_expiry=15.0,
 )
+"""The ``--hv.*`` settings of every peer here; a test adds its own (``galaxy_size``, ``world_rank``, ...)."""
 
 
 def _buffer(round_id: int, rank: int, numel: int, scores: int = 0) -> torch.Tensor:
@@ -113,7 +111,8 @@ def _read_averages_slowly(seconds: float) -> None:
 def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
           fault=None):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
-    from open_diloco.galaxy.averager import start_shard_averager
+    from open_diloco.config import HvConfig
+    from open_diloco.galaxy.build import ClusterShard, start_shard_averager
     from open_diloco.outer.codecs import score_values
 
     if crash:
@@ -128,8 +127,10 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
 
     signal.signal(signal.SIGTERM, on_sigterm)
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     try:
-        av = start_shard_averager(**kwargs)
+        hv = HvConfig(**kwargs)
+        av = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
     except Exception as e:
         queue.put(("error", rank, type(e).__name__, str(e)))
         return
@@ -143,8 +144,8 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
             start = time.monotonic()
             state = av.download_state(download)
             queue.put(("state", rank, state, time.monotonic() - start))
-        n, numel = kwargs["galaxy_size"], kwargs["numel"]
-        scores = score_values(numel, kwargs.get("compression", "none"), kwargs.get("sparse_rule", "random"))
+        n = hv.galaxy_size
+        scores = score_values(numel, hv.compression, hv.sparse_rule)
         for round_id in range(rounds):
             barrier.wait(60)
             inputs = [_buffer(round_id, r, numel, scores) for r in range(n)]
@@ -210,7 +211,7 @@ class Galaxy:
         if barrier is not None and barrier not in self.barriers:
             self.barriers.append(barrier)
         extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "fault") if k in kwargs}
-        args = (rank, {**BASE, "galaxy_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
+        args = (rank, {**BASE, "world_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
         worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
         worker.start()
         self.workers.append(worker)
@@ -350,7 +351,8 @@ def test_codec_rounds_are_bitwise_identical(galaxy, codec):
     rounds, n = 2, 2
     barrier = CTX.Barrier(n + 1)
     compression, _, rule = codec.partition(" ")
-    _start_galaxy(galaxy, n, rounds, barrier, compression=compression, sparse_rule=rule or "random", numel=CODEC_NUMEL)
+    rule_flag = {"sparse_rule": rule} if rule else {}
+    _start_galaxy(galaxy, n, rounds, barrier, compression=compression, numel=CODEC_NUMEL, **rule_flag)
     for round_id in range(rounds):
         barrier.wait(60)
         results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]

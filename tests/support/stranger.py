@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from open_diloco.galaxy.averager import start_shard_averager
+from open_diloco.config import HvConfig
+from open_diloco.galaxy.build import ClusterShard, start_shard_averager
 
 REFUSED = "got rejected with PROTOCOL_VIOLATION"
 """hivemind's debug line when a leader refuses a join request (a member's allowlist: ``CanonicalAverager``)."""
@@ -38,12 +39,14 @@ def main() -> None:
     parser.add_argument("--log", help="this process's own output: go on until it shows a refused join request")
     parser.add_argument("--max-rounds", type=int, default=10)
     args = parser.parse_args()
-    averager = start_shard_averager(
-        initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=[],
-        run_id=args.run_id, shard_index=0, numel=args.numel, galaxy_rank=7, galaxy_size=2,
-        matchmaking_time=3.0, averaging_timeout=10.0, join_timeout=10.0, compression="none", member_expiry=15.0,
-        schema={"model_fingerprint": args.model_fingerprint, "ranks": 1, "codec": "none", "fragments": 1},
+    # galaxy rank 7 of a galaxy of 2: no member's rank, which no valid configuration says (model_construct
+    # skips the checks, nothing else)
+    hv = HvConfig.model_construct(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_id=args.run_id, world_rank=7, galaxy_size=2, matchmaking_time=3.0,
+        averaging_timeout=10.0, join_timeout=10.0, compression="none", member_expiry=15.0,
     )
+    shard = ClusterShard(index=0, ranks=1, numel=args.numel, model_fingerprint=args.model_fingerprint)
+    averager = start_shard_averager(hv, shard, initial_peers=[args.initial_peers])
     try:
         print(json.dumps({"peer_id": averager.peer_id, "download": averager.download_state(5.0) is not None}),
               flush=True)

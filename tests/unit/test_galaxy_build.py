@@ -1,0 +1,39 @@
+"""galaxy/build.py: the galaxy is built from the configuration objects, and nothing below them keeps a default of
+its own (one that drifted once: ``sparse_rule`` was ``random`` below config.py, ``magnitude`` in it)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+
+from open_diloco.config import HvConfig
+
+pytest.importorskip("hivemind")
+
+from hivemind.compression import CompressionBase  # noqa: E402
+
+from open_diloco.galaxy.averager import HivemindAverager  # noqa: E402
+from open_diloco.galaxy.build import ClusterShard, start_shard_averager, wire_compression  # noqa: E402
+from open_diloco.outer.codecs import score_values, wire_codecs  # noqa: E402
+
+
+@pytest.mark.parametrize("compression", typing.get_args(HvConfig.model_fields["compression"].annotation))
+def test_every_compression_flag_has_a_wire_compression(compression):
+    assert isinstance(wire_compression(HvConfig(compression=compression)), CompressionBase)
+
+
+@pytest.mark.parametrize("function", [start_shard_averager, HivemindAverager.__init__, wire_codecs, score_values])
+def test_nothing_below_config_has_a_default_of_its_own(function):
+    defaults = [name for name, parameter in inspect.signature(function).parameters.items()
+                if parameter.default is not inspect.Parameter.empty]
+    assert not defaults, f"{function.__qualname__} defaults {defaults}: take them from HvConfig instead"
+
+
+def test_the_schema_is_what_every_cluster_must_share():
+    shard = ClusterShard(index=1, ranks=2, numel=10, model_fingerprint="abc", model_config={"hidden_size": 8})
+    hv = HvConfig(compression="sparse", sparse_density=0.05)
+    assert shard.schema(hv) == {"model_fingerprint": "abc", "ranks": 2, "codec": "sparse magnitude 0.05",
+                                "fragments": 1, "model_config": {"hidden_size": 8}}
+    assert ClusterShard.flat(7).schema(HvConfig())["model_fingerprint"] == "numel 7"
