@@ -90,8 +90,8 @@ class Injector:
             elif fault.start is not None and fault.end is None and now >= fault.start + fault.seconds:
                 self._undo(fault)
         if self.active is None and progress >= self.quiet_until:
-            due = next((f for f in self.faults if f.start is None and f.kind not in ("lost_average", "late_join")
-                        and progress >= f.trigger), None)
+            due = next((f for f in self.faults if f.start is None and not f.skipped and progress >= f.trigger
+                        and f.kind not in ("lost_average", "late_join")), None)
             if due is not None:
                 self._do(due)
 
@@ -109,12 +109,14 @@ class Injector:
     def _do(self, fault: Fault) -> None:
         from scripts.wan import control
 
-        if not self.galaxy.running(fault.cluster):
-            fault.start = fault.end = None
-            fault.note = "skipped: the cluster was not running when it was due"
-            fault.trigger = 10**9  # never due again
-            self.say(f"fault skip  {fault.describe()}: {fault.note}")
-            return
+        if not self.galaxy.running(fault.cluster):  # it stopped on its own: the fault goes to a running one
+            running = sorted({launch.cluster for launch in self.galaxy.launches if self.galaxy.running(launch.cluster)})
+            if not running:
+                fault.skipped, fault.note = True, "skipped: no cluster was running when it was due"
+                self.say(f"fault skip  {fault.describe()}: {fault.note}")
+                return
+            fault.note = f"cluster {fault.cluster} was not running: moved to cluster {running[0]}"
+            fault.cluster = running[0]
         self._begin(fault)
         if fault.kind == "kill_restart":
             left = self.galaxy.kill(fault.cluster)

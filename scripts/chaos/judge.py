@@ -15,7 +15,6 @@ from scripts.chaos.analysis import (
     hashes_by_step,
     windows,
 )
-from scripts.chaos.galaxy import Launch
 from scripts.chaos.plan import Fault
 
 NOTABLE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL)\b|Traceback|stopping:|training stopped")
@@ -31,38 +30,39 @@ def normalize(line: str) -> str:
     return NUMBERS.sub("N", PEER_ID.sub("PEER", line))[:220]
 
 
-def read_logs(launches: list[Launch]) -> tuple[Counter, dict[int, list[str]]]:
-    """Kinds of notable lines over every launch's log, and each cluster's "stopping" lines from launches the
-    soak did not end itself."""
+def read_logs(launches: list[dict], out: Path) -> tuple[Counter, dict[int, list[str]]]:
+    """Kinds of notable lines over every launch's log (``Launch.to_json()``, logs under ``out``), and each
+    cluster's "stopping" lines from launches the soak did not end itself."""
     kinds: Counter = Counter()
     stops: dict[int, list[str]] = {}
     for launch in launches:
-        if not launch.log.exists():
+        log = out / launch["log"]
+        if not log.exists():
             continue
-        for line in launch.log.read_text(errors="replace").splitlines():
+        for line in log.read_text(errors="replace").splitlines():
             if NOTABLE.search(line):
                 kinds[normalize(line)] += 1
-            if not launch.killed and ("stopping:" in line or "training stopped" in line):
-                stops.setdefault(launch.cluster, []).append(line.strip()[:300])
+            if not launch["killed"] and ("stopping:" in line or "training stopped" in line):
+                stops.setdefault(launch["cluster"], []).append(line.strip()[:300])
     return kinds, stops
 
 
-def judge(faults: list[Fault], syncs: list[list[dict]], launches: list[Launch], hung: bool,
+def judge(faults: list[Fault], syncs: list[list[dict]], launches: list[dict], out: Path, hung: bool,
           left_running: list[dict]) -> dict:
-    """Every figure of the summary and the verdict on each target."""
+    """Every figure of the summary and the verdict on each target (``launches``: ``Launch.to_json()`` each)."""
     table = hashes_by_step(syncs)
     spans = windows(faults, syncs)
     fault_rows = fault_figures(faults, syncs, table)
     repairs = {(row["index"], int(c)): (r[0] if r else None)
                for row in fault_rows for c, r in row.get("repair_by_cluster", {}).items()}
     clusters = [cluster_figures(c, records, spans, repairs, table) for c, records in enumerate(syncs)]
-    kinds, stops = read_logs(launches)
+    kinds, stops = read_logs(launches, out)
     for c, fig in enumerate(clusters):
-        exits = [launch.returncode for launch in launches if launch.cluster == c and not launch.killed]
+        exits = [launch["returncode"] for launch in launches if launch["cluster"] == c and not launch["killed"]]
         fig["exit_codes"] = exits
         fig["stopped"] = any(code not in (0, None) for code in exits) or bool(stops.get(c))
         fig["stopping_lines"] = stops.get(c, [])[:5]
-        fig["launches"] = sum(launch.cluster == c for launch in launches)
+        fig["launches"] = sum(launch["cluster"] == c for launch in launches)
     return {
         "clusters": clusters,
         "faults": fault_rows,
@@ -89,8 +89,8 @@ def targets(clusters: list[dict], fault_rows: list[dict], hung: bool, left_runni
         ("no healthy cluster sat out (bad Δ, or with no fault to blame)", f"sat out: {sat or 'none'}", not sat),
         (f"out of sync ≤ {REPAIR_LIMIT} syncs in a row after any fault", f"longest {streak}",
          streak <= REPAIR_LIMIT),
-        (f"every repair within {REPAIR_LIMIT} syncs", f"{len(fired)} repaired faults; over: {slow or 'none'}",
-         not slow),
+        (f"every repair within {REPAIR_LIMIT} syncs", f"{len(fired)} faults with syncs after them; over "
+         f"{REPAIR_LIMIT} or never: {slow or 'none'}", not slow),
         (f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame", f"{share:.2%} of {free}",
          share <= RESYNC_SHARE_LIMIT),
         ("no hang (the global timeout)", "hung" if hung else "finished", not hung),

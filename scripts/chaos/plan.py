@@ -34,6 +34,7 @@ class Fault:
     start: float | None = None
     end: float | None = None
     note: str = ""
+    skipped: bool = False
     armed: dict[str, int] = field(default_factory=dict)  # lost_average: launch number -> all-reduce number armed
 
     @property

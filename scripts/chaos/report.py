@@ -31,19 +31,25 @@ def cluster_table(clusters: list[dict]) -> list[str]:
     return rows
 
 
+def _by_cluster(fault: dict) -> str:
+    """Each cluster's repair as ``c: syncs/seconds`` (``never``: it had syncs after the fault, none good)."""
+    parts = []
+    for cluster, repair in sorted(fault.get("repair_by_cluster", {}).items()):
+        parts.append(f"{cluster}: {repair[0]}/{repair[1]:.0f}s" if repair else f"{cluster}: never")
+    return ", ".join(parts) or "–"
+
+
 def fault_table(faults: list[dict], started: float) -> list[str]:
     rows = ["| # | fault | cluster | at outer step | start s | end s | repair (syncs) | repair (s) "
-            "| target's repair (syncs, s) | note |", "|" + "---|" * 10]
+            "| by cluster (syncs/s) | note |", "|" + "---|" * 10]
     for f in faults:
         rel = [None if f[k] is None else f[k] - started for k in ("start", "end")]
-        target = f.get("repair_target")
-        target_text = f"{target[0]}, {target[1]:.1f}" if target else ("–" if not f["fired"] else "never")
         repair = _fmt(f.get("repair_syncs")) if f.get("repaired") or not f["fired"] else "never"
         if f["fired"] and not f.get("syncs_after"):
             repair = "no syncs after"
-        rows.append(f"| {f['index']} | {f['kind']} | {f['cluster']}{'' if f['shard'] is None else '/' + str(f['shard'])} "
-                    f"| {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} | {repair} | {_fmt(f.get('repair_seconds'))} "
-                    f"| {target_text} | {f['note']} |")
+        where = f"{f['cluster']}{'' if f['shard'] is None else '/' + str(f['shard'])}"
+        rows.append(f"| {f['index']} | {f['kind']} | {where} | {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} "
+                    f"| {repair} | {_fmt(f.get('repair_seconds'))} | {_by_cluster(f)} | {f['note']} |")
     return rows
 
 

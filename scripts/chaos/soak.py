@@ -5,6 +5,7 @@
     python -m scripts.chaos.soak --quick               # 2 x 1 on 127.0.0.1, one lost average, ~2 minutes
     python -m scripts.chaos.soak --no-faults --profile intercontinental   # the re-sync share with no fault
     python -m scripts.chaos.soak ... -- --hv.averaging-timeout 60         # trainer flags replace the soak's
+    python -m scripts.chaos.soak --rejudge outputs/chaos/DIR             # judge a finished soak again
 
 Streams at τ = H/P (``--hv.fragments P --hv.sync-delay H/P``), the setting the README recommends for WANs. Writes
 ``summary.json``, ``summary.md`` (printed), ``events.log`` (every fault's start and end) and the clusters' logs and
@@ -14,6 +15,8 @@ metrics to ``--out``; exits 1 when a target fails, 2 when the soak could not run
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from scripts.chaos import judge, report
 from scripts.chaos.galaxy import REPO, python_default
-from scripts.chaos.plan import KINDS, NEEDS_LAB, schedule
+from scripts.chaos.plan import KINDS, NEEDS_LAB, Fault, schedule
 from scripts.chaos.run import Soak, SoakConfig, with_overrides
 
 TARGET = dict(clusters=4, ranks=2, profile="home", steps=1000, local_steps=4, fragments=2, faults=20, timeout=4 * 3600)
@@ -55,6 +58,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--trainer-root", type=Path, default=REPO,
                    help="repository the trainers run from (a git worktree of older code: the before soak)")
     p.add_argument("--python", default=python_default(), help="interpreter of the trainers, DHT and lab")
+    p.add_argument("--rejudge", type=Path, metavar="DIR", help="judge a finished soak in DIR again, run nothing")
     args = p.parse_args(own)
     preset = QUICK if args.quick else TARGET
     for key, value in preset.items():
@@ -95,6 +99,8 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, extra = parse(argv)
+    if args.rejudge:
+        return rejudge(args.rejudge)
     cfg = build_config(args, extra)
     events = (cfg.out / "events.log").open("a")
     started = time.time()
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"soak in {cfg.out}: {setting}")
     for fault in faults:
         say(f"plan   {fault.describe()}")
+    if len(faults) < cfg.faults:
+        say(f"only {len(faults)} of {cfg.faults} faults fit the kinds allowed here ({', '.join(cfg.kinds) or 'none'})")
     signal.signal(signal.SIGTERM, _interrupt)  # a stopped soak still ends what it started (Soak.run's finally)
     try:
         soak_run = Soak(cfg, faults, say).run()
@@ -121,22 +129,35 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         say(f"the soak could not run: {err}")
         return 2
-    syncs = [tail.syncs for tail in soak_run.tails]
-    verdict = judge.judge(faults, syncs, soak_run.launches, soak_run.hung, soak_run.left_running)
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "command": "python -m scripts.chaos.soak " + shlex.join(argv),
         "setting": setting, "started": soak_run.started, "seconds": soak_run.finished - soak_run.started,
         "package_file": soak_run.package_file, "lab": soak_run.lab, "hung": soak_run.hung,
         "left_running": soak_run.left_running, "load_average_per_minute": soak_run.loads,
-        "cpus": os.cpu_count(), **verdict,
-        "launches": [launch.to_json() for launch in soak_run.launches],
+        "cpus": os.cpu_count(), "launches": [launch.to_json() for launch in soak_run.launches],
     }
-    summary["passed"] = all(t["passed"] for t in verdict["acceptance"])
-    print(report.write(cfg.out, summary))
-    say(f"summary in {cfg.out / 'summary.md'}: {'PASSED' if summary['passed'] else 'FAILED'}")
-    return 0 if summary["passed"] else 1
+    passed = finish(cfg.out, summary, faults, [tail.syncs for tail in soak_run.tails])
+    say(f"summary in {cfg.out / 'summary.md'}: {'PASSED' if passed else 'FAILED'}")
+    return 0 if passed else 1
 
+
+def finish(out: Path, summary: dict, faults: list[Fault], syncs: list[list[dict]]) -> bool:
+    """Judge, write summary.json and summary.md, print the markdown; True if every target passed."""
+    verdict = judge.judge(faults, syncs, summary["launches"], out, summary["hung"], summary["left_running"])
+    summary.update(verdict, passed=all(t["passed"] for t in verdict["acceptance"]))
+    print(report.write(out, summary))
+    return summary["passed"]
+
+
+def rejudge(out: Path) -> int:
+    """Judge a finished soak again from its files: after a change to the analysis, an old soak read by
+    today's rules (its summary.json and summary.md are rewritten)."""
+    summary = json.loads((out / "summary.json").read_text())
+    names = {f.name for f in dataclasses.fields(Fault)}
+    faults = [Fault(**{k: v for k, v in row.items() if k in names}) for row in summary["faults"]]
+    passed = finish(out, summary, faults, judge.all_syncs(out, len(summary["clusters"])))
+    return 0 if passed else 1
 
 if __name__ == "__main__":
     sys.exit(main())

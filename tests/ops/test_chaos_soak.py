@@ -38,3 +38,9 @@ def test_quick_soak_injects_a_lost_average_and_measures_its_repair(tmp_path):
     assert targets["no hang (the global timeout)"]["passed"]
     assert summary["passed"] == all(t["passed"] for t in targets.values())
     assert proc.returncode == (0 if summary["passed"] else 1)
+    # judged again from its files alone, the soak reads the same
+    again = subprocess.run([sys.executable, "-m", "scripts.chaos.soak", "--rejudge", str(out)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert again.returncode == proc.returncode, again.stdout[-2000:] + again.stderr[-2000:]
+    rejudged = json.loads((out / "summary.json").read_text())
+    assert rejudged["clusters"] == clusters and rejudged["faults"] == summary["faults"]
