@@ -1,28 +1,73 @@
-"""Start a real galaxy for tests: a `hivemind-dht` bootstrap peer and torchrun clusters, on 127.0.0.1 or, given
-a WAN lab (scripts/wan/lab.py), each in its own network namespace of the lab.
+"""A real galaxy on this machine, for tests and benchmarks: a `hivemind-dht` bootstrap peer and torchrun
+clusters, on 127.0.0.1 or, given a WAN lab (scripts/wan/lab.py), each in its own network namespace of the lab.
 
 Every process is tracked by PID (with all its descendants: ranks, hivemind's DHT/averager processes, p2pd
-daemons) and ended by PID; :meth:`Galaxy.close` asserts none is left."""
+daemons) and ended by PID; :meth:`Galaxy.close` checks that none is left. It runs the trainer of a source
+checkout (:data:`REPO`). A failed check raises :class:`AssertionError`, which is what a test or a benchmark
+expects of it (raised explicitly: ``python -O`` drops ``assert`` statements).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from open_diloco import processes
 from open_diloco.processes import alive, descendants
-from tests.conftest import (
-    REPO,
-    TINY_MODEL,
-    TORCHRUN,
-    TRAIN_SCRIPT,
-    kill_tree,
-    read_metrics,
-    trainer_env,
-    with_overrides,
-)
+
+REPO = Path(__file__).resolve().parents[1]
+"""The source checkout this module runs from."""
+TINY_MODEL = REPO / "tests" / "models" / "llama-2m-fresh"
+TRAIN_SCRIPT = REPO / "open_diloco" / "train_fsdp.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def check(condition: object, message: str) -> None:
+    """Raise :class:`AssertionError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def trainer_env() -> dict[str, str]:
+    """Environment of spawned trainers: quiet, offline, one thread per rank on the 2-core CI machine."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The per-step records of a jsonl metrics file (the `start` record excluded)."""
+    return [rec for rec in map(json.loads, Path(path).read_text().splitlines()) if "step" in rec]
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> None:
+    """Send ``sig`` to ``pid`` and every descendant, by PID; raise unless all are gone within ``timeout``."""
+    left = processes.kill_tree(pid, sig, timeout)
+    check(not left, f"processes still alive after signal {sig}: {left}")
+
+
+def with_overrides(defaults: list[str], extra: tuple[str, ...] | list[str]) -> list[str]:
+    """``defaults`` (flag/value pairs) followed by ``extra``, dropping each default flag that ``extra`` sets
+    again (the CLI refuses a flag given twice)."""
+    base = list(defaults)
+    for flag in {arg for arg in extra if arg.startswith("--")} & set(base):
+        at = base.index(flag)
+        del base[at : at + 2]
+    return [*base, *extra]
+
 
 HIVEMIND_DHT = str(Path(sys.executable).parent / "hivemind-dht")
 
@@ -53,6 +98,8 @@ CLUSTER_ARGS = [
 
 
 class Galaxy:
+    """A DHT and the clusters started on it, all writing their logs and metrics under ``workdir``."""
+
     def __init__(self, workdir: Path, lab=None):
         """``lab``: a started ``scripts.wan.lab.Lab``; the DHT then runs in its ``dht`` namespace and cluster
         ``rank`` in ``cluster{rank}``'s, each listening on its lab address."""
@@ -76,8 +123,8 @@ class Galaxy:
             ],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
-            # its INFO line carries the address; importing open_diloco.galaxy in this process (a unit test does)
-            # sets HIVEMIND_LOGLEVEL=WARNING for every child otherwise
+            # its INFO line carries the address; importing open_diloco.galaxy in this process (a unit test
+            # does) sets HIVEMIND_LOGLEVEL=WARNING for every child otherwise
             env={**trainer_env(), "HIVEMIND_LOGLEVEL": "INFO"},
         )
         self.procs["dht"] = proc
@@ -86,7 +133,7 @@ class Galaxy:
             found = re.search(rf"/ip4/{re.escape(host)}/tcp/\d+/p2p/\w+", log.read_text())
             if found:
                 return found.group(0)
-            assert proc.poll() is None, log.read_text()
+            check(proc.poll() is None, log.read_text())
             time.sleep(0.2)
         raise AssertionError(f"hivemind-dht did not start: {log.read_text()}")
 
@@ -99,11 +146,13 @@ class Galaxy:
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
         identity = ["--total-batch-size", str(4 * nproc), "--metrics-path", str(metrics), "--run-name", name,
-                    "--hv.initial-peers", self.maddr, "--hv.galaxy-size", str(size), "--hv.world-rank", str(rank)]
+                    "--hv.initial-peers", self.maddr, "--hv.galaxy-size", str(size),
+                    "--hv.world-rank", str(rank)]
         if self.lab:
             identity += ["--hv.host-maddrs", f"/ip4/{self.lab.address(f'cluster{rank}')}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
-        cmd = [*self._place(f"cluster{rank}"), *TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *flags, *identity]
+        cmd = [*self._place(f"cluster{rank}"), *TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
+               str(TRAIN_SCRIPT), *flags, *identity]
         log = (self.workdir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             cmd, cwd=REPO, env={**trainer_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT
@@ -120,21 +169,22 @@ class Galaxy:
             self.seen_pids.update([proc.pid, *descendants(proc.pid)])
 
     def wait(self, name: str, timeout: float) -> int:
+        """Wait for process ``name`` (a cluster's name, or ``dht``) to end; its exit code."""
         deadline = time.monotonic() + timeout
         proc = self.procs[name]
         while proc.poll() is None and time.monotonic() < deadline:
             self.track()
             time.sleep(0.2)
-        assert proc.poll() is not None, f"{name} did not finish in {timeout} s:\n{self.log(name)[-3000:]}"
+        check(proc.poll() is not None, f"{name} did not finish in {timeout} s:\n{self.log(name)[-3000:]}")
         return proc.returncode
 
     def wait_for_step(self, metrics: Path, step: int, timeout: float) -> None:
+        """Wait until the cluster writing ``metrics`` logged inner step ``step``; raise if it exits first."""
         deadline = time.monotonic() + timeout
         proc = self.procs[metrics.stem]
         while time.monotonic() < deadline:
-            assert proc.poll() is None, (
-                f"{metrics.stem} exited ({proc.returncode}):\n{self.log(metrics.stem)[-3000:]}"
-            )
+            tail = self.log(metrics.stem)[-3000:]
+            check(proc.poll() is None, f"{metrics.stem} exited ({proc.returncode}):\n{tail}")
             self.track()
             if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
                 return
@@ -142,9 +192,11 @@ class Galaxy:
         raise AssertionError(f"{metrics.name} did not reach step {step} in {timeout} s")
 
     def log(self, name: str) -> str:
+        """What process ``name`` printed so far."""
         return (self.workdir / f"{name}.log").read_text()
 
     def close(self) -> None:
+        """End every process by PID (the DHT last) and check that none of those ever seen is left."""
         self.track()
         for name, proc in self.procs.items():
             if proc.poll() is None and name != "dht":
@@ -157,16 +209,17 @@ class Galaxy:
             time.sleep(0.2)
         left = alive(sorted(self.seen_pids))
         details = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left}
-        assert not left, f"processes left behind: {details}"
+        check(not left, f"processes left behind: {details}")
 
 
 def outer_records(metrics: Path) -> dict[int, dict]:
+    """A cluster's records of outer steps, by outer step."""
     return {r["outer_step"]: r for r in read_metrics(metrics) if "outer_step" in r}
 
 
 def repaired(record: dict) -> bool:
-    """This cluster did not apply its own average this round but took the state of a cluster that committed it:
-    the round itself (its Δ included: ``adopted``) or another trajectory (``resynced``)."""
+    """This cluster did not apply its own average this round but took the state of a cluster that committed
+    it: the round itself (its Δ included: ``adopted``) or another trajectory (``resynced``)."""
     return bool(record.get("resynced")) or record.get("round_outcome") == "adopted"
 
 

@@ -1,13 +1,14 @@
-"""A galaxy of threads: implements the outer loop's ``Averager`` protocol in one process, no hivemind.
+"""A galaxy of threads: implements the outer loop's ``Averager`` protocol in one process, no hivemind. The
+unit tests and the benchmarks (scripts/bench) share it, so it lives in the package rather than under tests/.
 
-Each thread is a cluster; a barrier makes every round meet. The result is the exact mean of the buffers of
-the clusters present (less those outside the round's cohort, as the galaxy's reducers leave them out), copied to
-each, so it is bitwise identical by construction: what the unit tests check
-is the outer loop's math and decisions around it. With one of our codecs (``compression``) the mean is rounded
-the way the galaxy's reducer does (decode(encode(mean)); the senders' buffers are already on the codec's grid,
-which the wire carries exactly), so benches measure the codec's effect on training. The buffer has the layout of
-the galaxy's (``HivemindAverager.buffer``): the values, then the sparse ``magnitude`` rule's block scores, each
-part rounded by its own codec."""
+Each thread is a cluster; a barrier makes every round meet. The result is the exact mean of the buffers of the
+clusters present (less those outside the round's cohort, as the galaxy's reducers leave them out), copied to
+each, so it is bitwise identical by construction: what the unit tests check is the outer loop's math and
+decisions around it. With one of our codecs (``compression``) the mean is rounded the way the galaxy's reducer
+does (decode(encode(mean)); the senders' buffers are already on the codec's grid, which the wire carries
+exactly), so benches measure the codec's effect on training. The buffer has the layout of the galaxy's
+(``HivemindAverager.buffer``): the values, then the sparse ``magnitude`` rule's block scores, each part
+rounded by its own codec."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from open_diloco.outer.protocols import Membership, RoundReport
 
 class InProcessGalaxy:
     """``size`` clusters averaging in threads. ``drop``: galaxy ranks missing from every round (they average
-    alone). ``departed``: galaxy ranks the membership records say are gone; ``silent``: those of them that did not
-    say they ended (their record expired)."""
+    alone). ``departed``: galaxy ranks the membership records say are gone; ``silent``: those of them that did
+    not say they ended (their record expired)."""
 
     def __init__(
         self,
@@ -50,7 +51,8 @@ class InProcessGalaxy:
         self.serve_state = serve_state
         """Let ``download_state`` answer with another averager's served state (else nobody serves)."""
         self.robust_mean = robust_mean
-        """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do (``--hv.robust-mean``)."""
+        """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do
+        (``--hv.robust-mean``)."""
         self.averagers: dict[int, InProcessAverager] = {}
         self.compression, self.sparse_rule = compression, sparse_rule
         self.codecs = wire_codecs(compression, sparse_rule)
@@ -68,7 +70,8 @@ class InProcessGalaxy:
 
 class InProcessRound:
     def __init__(self, averager: InProcessAverager, round_id: int, fingerprint: dict, attempt: int = 0):
-        self.averager, self.round_id, self.fingerprint, self.attempt = averager, round_id, fingerprint, attempt
+        self.averager, self.round_id = averager, round_id
+        self.fingerprint, self.attempt = fingerprint, attempt
 
     def wait(self) -> RoundReport:
         av, galaxy = self.averager, self.averager.galaxy
@@ -80,9 +83,9 @@ class InProcessRound:
             present = [av.rank]
         else:
             present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
-        stale = out_of_cohort({r: galaxy.meta[r] for r in present})  # as every reducer of the galaxy leaves them out
-        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0, galaxy.robust_mean,
-                            stale=frozenset(stale))
+        stale = out_of_cohort({r: galaxy.meta[r] for r in present})  # every reducer of the galaxy leaves out
+        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0,
+                            galaxy.robust_mean, stale=frozenset(stale))
         cohort = [r for r in present if r not in stale]
         average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort]).mean(0)
         sent = av.values.numel() * 4
@@ -96,7 +99,8 @@ class InProcessRound:
         peers = {r: galaxy.meta[r] for r in present}
         galaxy.barrier.wait()
         av.values.copy_(average)
-        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent, stale=sorted(stale))
+        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent,
+                           stale=sorted(stale))
 
 
 class InProcessAverager:
@@ -120,10 +124,11 @@ class InProcessAverager:
         return InProcessRound(self, round_id, fingerprint, attempt)
 
     def membership(self) -> Membership:
-        """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its served
-        state) and its averager, by galaxy rank (``sources``), when the galaxy serves state."""
-        serving = {rank: other for rank, other in self.galaxy.averagers.items()
-                   if self.galaxy.serve_state and other.get_state is not None and rank not in self.galaxy.departed}
+        """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its
+        served state) and its averager, by galaxy rank (``sources``), when the galaxy serves state."""
+        galaxy = self.galaxy
+        serving = {rank: other for rank, other in galaxy.averagers.items()
+                   if galaxy.serve_state and other.get_state is not None and rank not in galaxy.departed}
         steps = {rank: int(other.get_state()[0]["outer_step"]) for rank, other in serving.items()}
         return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
                           silent=frozenset(self.galaxy.silent), lead_inner_step=self.galaxy.lead_progress[0],

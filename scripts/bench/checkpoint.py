@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,8 @@ from open_diloco.config import HvConfig
 from open_diloco.model import build_model
 from open_diloco.optim import build_inner_optimizer
 from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.testing import InProcessGalaxy
 from open_diloco.parallelize import parallelize
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests/support is shared
-from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
 
 ARMS = ("no save", "blocking save", "background save")
 

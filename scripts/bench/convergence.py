@@ -5,7 +5,7 @@ M clusters train one after the other in this process, each with its own model bu
 seed), the trainer's AdamW + warm-up/cosine schedule, its own disjoint share of the corpus (``plan_data`` with
 galaxy_rank=m, galaxy_size=M) and the trainer's ``inner_step`` / ``evaluate``. Every H inner steps the real
 outer step runs: one :class:`open_diloco.outer.diloco.DiLoCo` per cluster, built from an ``HvConfig`` (so an
-arm without outer overrides runs the shipped defaults), averaging through ``tests/support``'s in-process galaxy
+arm without outer overrides runs the shipped defaults), averaging through the in-process galaxy (``open_diloco/outer/testing.py``)
 (the clusters' ``step()`` calls meet in threads). Each round is checked against a hand-written reference of the
 outer math (mean Δ, SGD with (Nesterov) momentum, the outer warm-up), the clusters' data is checked disjoint,
 the inits identical, and θ_local ← θ_outer checked to reach the model. Every arm sees the same total tokens.
@@ -58,18 +58,17 @@ from types import SimpleNamespace
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # the repo root: tests/support is shared
+from open_diloco.config import Config, HvConfig
+from open_diloco.data import build_eval_loader, build_train_loader, plan_data
+from open_diloco.model import build_model, load_model_config
+from open_diloco.optim import build_inner_optimizer, build_scheduler
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.state import fingerprint_bytes, local_shards
+from open_diloco.outer.streaming import SyncSchedule, fragment_length
+from open_diloco.outer.testing import InProcessGalaxy
+from open_diloco.trainer import evaluate, inner_step, position_at
 
-from open_diloco.config import Config, HvConfig  # noqa: E402
-from open_diloco.data import build_eval_loader, build_train_loader, plan_data  # noqa: E402
-from open_diloco.model import build_model, load_model_config  # noqa: E402
-from open_diloco.optim import build_inner_optimizer, build_scheduler  # noqa: E402
-from open_diloco.outer.diloco import DiLoCo  # noqa: E402
-from open_diloco.outer.state import fingerprint_bytes, local_shards  # noqa: E402
-from open_diloco.outer.streaming import SyncSchedule, fragment_length  # noqa: E402
-from open_diloco.trainer import evaluate, inner_step, position_at  # noqa: E402
-from tests.support.inprocess_galaxy import InProcessGalaxy  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 STDLIB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
 MODELS = {

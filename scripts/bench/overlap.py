@@ -7,7 +7,7 @@ largest delay, H/P: a sync lands at the step the next starts), in the same run, 
     python scripts/bench/overlap.py --model 100m --local-steps 18 --fragments 1   # a whole round in flight, τ = H
 
 Needs root and iproute2 (the lab's). Each arm starts ``hivemind-dht`` and two 1-rank clusters in the lab's
-namespaces (tests/e2e/galaxy_harness.py, which ends everything by PID) and trains ``--cycles`` + 2 cycles of H inner
+namespaces (open_diloco/local_galaxy.py, which ends everything by PID) and trains ``--cycles`` + 2 cycles of H inner
 steps; the first and last cycle (start-up, the run's final landing) are left out. Printed per arm:
 
 - ``busy``: Σ inner-step seconds ÷ wall seconds over the measured cycles (wall from when each metrics line
@@ -30,13 +30,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from open_diloco.local_galaxy import Galaxy, with_overrides
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) and its bench are imported as scripts.*
 
 from scripts.bench.wan import MODELS, watch  # noqa: E402
 from scripts.wan.lab import Lab  # noqa: E402
-from tests.conftest import with_overrides  # noqa: E402
-from tests.e2e.galaxy_harness import Galaxy  # noqa: E402
 
 
 def run_arm(profile: str, model: str, local_steps: int, fragments: int, delay: int, cycles: int,

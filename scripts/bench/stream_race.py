@@ -3,8 +3,8 @@
     python scripts/bench/stream_race.py                         # 130 inner steps, H = 2: 65 rounds, fp32
     python scripts/bench/stream_race.py --steps 130 --extra --hv.compression int2
 
-Starts ``hivemind-dht`` and two 2-rank clusters on 127.0.0.1 (tests/e2e/galaxy_harness.py, which ends everything by
-PID) with hivemind's debug log on (it slows the averagers' processes, which is what made the race common), and
+Starts ``hivemind-dht`` and two 2-rank clusters on 127.0.0.1 (open_diloco/local_galaxy.py, which ends everything
+by PID) with hivemind's debug log on (it slows the averagers' processes, which is what made the race common), and
 many short rounds. Prints one line per round that was not whole on both sides (not 2 peers, retried, re-synced or
 not in sync), the reducer errors of the two logs (``sent k parts, but we expected n``), and a summary: rounds,
 one-sided rounds, median all-reduce seconds. What it showed before and after the fix in galaxy/allreduce.py (a
@@ -21,10 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tests.e2e.galaxy_harness import Galaxy, outer_records, round_was_clean  # noqa: E402
+from open_diloco.local_galaxy import Galaxy, outer_records, round_was_clean
 
 REDUCER_ERROR = re.compile(r"exchange with peer \S+ failed: (.*) \(its span keeps our values\)")
 

@@ -7,7 +7,7 @@ hivemind all-reduce of the same bytes over the same lab in the same run (issue 1
     python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs sparse sparse,rule=random,density=0.0625
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
-namespace (tests/e2e/galaxy_harness.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
+namespace (open_diloco/local_galaxy.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
 ``--local-steps`` inner steps (the first warms up; the last may lose its tail when a cluster exits right after
 it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Printed per case:
 
@@ -39,12 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from open_diloco.local_galaxy import Galaxy, kill_tree
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) is imported as scripts.wan
 
 from scripts.wan.lab import Lab  # noqa: E402
-from tests.conftest import kill_tree  # noqa: E402
-from tests.e2e.galaxy_harness import Galaxy  # noqa: E402
 
 MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh",
           "100m": REPO / "configs/models/llama-100m-fresh"}

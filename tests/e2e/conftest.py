@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.galaxy_harness import Galaxy
+from open_diloco.local_galaxy import Galaxy
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.galaxy_harness import outer_records
+from open_diloco.local_galaxy import outer_records
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from open_diloco.local_galaxy import outer_records
 from tests.conftest import kill_tree, read_metrics
-from tests.e2e.galaxy_harness import outer_records
 
 pytestmark = pytest.mark.e2e
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from open_diloco.local_galaxy import Galaxy, round_was_clean
 from tests.conftest import read_metrics
-from tests.e2e.galaxy_harness import Galaxy, round_was_clean
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from open_diloco.local_galaxy import outer_records
 from tests.conftest import read_metrics
-from tests.e2e.galaxy_harness import outer_records
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from open_diloco.local_galaxy import outer_records, repaired
 from open_diloco.model import build_model, model_fingerprint
 from tests.conftest import REPO, TINY_MODEL, kill_tree, read_metrics, trainer_env
-from tests.e2e.galaxy_harness import outer_records, repaired
 from tests.support.stranger import REFUSED
 
 pytestmark = pytest.mark.e2e

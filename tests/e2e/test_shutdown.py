@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from open_diloco.local_galaxy import Galaxy
 from open_diloco.processes import alive, descendants, wait_gone
-from tests.e2e.galaxy_harness import Galaxy
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
+from open_diloco.local_galaxy import Galaxy, outer_records, repaired
 from tests.conftest import kill_tree, read_metrics
-from tests.e2e.galaxy_harness import Galaxy, outer_records, repaired
 
 pytestmark = pytest.mark.e2e
 

@@ -1,1 +1,2 @@
-"""Helpers the tests share (and the benchmarks may import): in-process galaxies, process bookkeeping."""
+"""Helpers only tests use: two-rank clusters in threads, the allowlist test's stranger. What benchmarks share
+with tests lives in the package (open_diloco/outer/testing.py, open_diloco/local_galaxy.py)."""

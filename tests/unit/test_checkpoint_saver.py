@@ -15,9 +15,9 @@ from open_diloco.config import CkptConfig, HvConfig
 from open_diloco.model import build_model
 from open_diloco.optim import build_inner_optimizer
 from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.testing import InProcessGalaxy
 from open_diloco.parallelize import parallelize
 from tests.conftest import TINY_MODEL
-from tests.support.inprocess_galaxy import InProcessGalaxy
 
 
 @pytest.fixture(scope="module")

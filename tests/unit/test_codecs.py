@@ -24,7 +24,7 @@ from open_diloco.outer.codecs import (
 )
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.state import OuterState
-from tests.support.inprocess_galaxy import InProcessGalaxy
+from open_diloco.outer.testing import InProcessGalaxy
 
 NAMES = sorted(CODECS)
 

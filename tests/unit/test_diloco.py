@@ -16,7 +16,7 @@ from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
 from open_diloco.outer.state import combine_hashes, outer_sgd_step_
-from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
+from open_diloco.outer.testing import InProcessAverager, InProcessGalaxy
 
 
 def _hv(**overrides) -> HvConfig:

@@ -10,7 +10,7 @@ from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.guard import ClaimCheck, NormHistory, valid_claim, wire_norm
-from tests.support.inprocess_galaxy import InProcessGalaxy
+from open_diloco.outer.testing import InProcessGalaxy
 
 
 def test_the_sender_bound_is_the_factor_times_the_median_of_recent_rounds():

@@ -15,7 +15,7 @@ from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.protocols import NullOuterLoop
 from open_diloco.outer.stateful import PIECES
 from open_diloco.outer.streaming import fragment_length
-from tests.support.inprocess_galaxy import InProcessGalaxy
+from open_diloco.outer.testing import InProcessGalaxy
 
 # int2 keeps error feedback, and with fragments and a delay θ_outer and a round in flight; sparse keeps block
 # scores instead of error feedback (a run never holds both): between them every piece of outer state

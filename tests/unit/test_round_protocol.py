@@ -15,7 +15,7 @@ from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.guard import NormHistory
 from open_diloco.outer.protocols import Membership, RoundReport
 from open_diloco.outer.round import RoundView
-from tests.support.inprocess_galaxy import InProcessAverager, InProcessGalaxy
+from open_diloco.outer.testing import InProcessAverager, InProcessGalaxy
 from tests.support.thread_cluster import ThreadCluster
 
 

@@ -14,7 +14,7 @@ from open_diloco.config import HvConfig
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.state import outer_sgd_step_
 from open_diloco.outer.streaming import SyncSchedule, fragment_length
-from tests.support.inprocess_galaxy import InProcessGalaxy
+from open_diloco.outer.testing import InProcessGalaxy
 
 SILENT = dict(warn=lambda *_: None)
 

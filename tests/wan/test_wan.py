@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from open_diloco.local_galaxy import Galaxy, outer_records
 from open_diloco.processes import alive
 from scripts.wan import lab as wanlab
 from scripts.wan.lab import Lab, lab_namespaces
 from tests.conftest import REPO, read_metrics
-from tests.e2e.galaxy_harness import Galaxy, outer_records
 
 pytestmark = pytest.mark.wan
 needs_root = pytest.mark.skipif(
