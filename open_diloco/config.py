@@ -331,7 +331,9 @@ class Config(BaseModel):
     """wandb project."""
 
     run_name: str | None = None
-    """Run name in logs and wandb; unset: derived from the galaxy rank and time."""
+    """Run name in logs and wandb; unset: `cluster<galaxy rank>` in wandb, where the clusters of a galaxy share its
+    --hv.run-id as their group (a cluster resumed from a checkpoint continues its own run), and with the start
+    time added in the logs."""
 
     log_interval: Annotated[int, Field(ge=1)] = 1
     """Print a step line every N inner steps."""

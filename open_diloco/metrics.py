@@ -10,7 +10,10 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from open_diloco.config import Config
 
 
 class Metrics(Protocol):
@@ -51,38 +54,71 @@ class JsonlMetrics:
         self._file.close()
 
 
-class WandbMetrics:
-    """Logs to Weights & Biases. Never prompts for a login: without credentials it runs offline."""
+WANDB_RUN_FILE = "wandb_run.json"
+"""Kept in ``--ckpt.path`` beside the checkpoints: the id of the wandb run a cluster resumed from them continues."""
 
-    def __init__(self, project: str, run_name: str, config: dict[str, Any], wandb_mode: str | None):
+
+class WandbMetrics:
+    """Logs to Weights & Biases the way a multi-run job is read there: each cluster is one run, named after its
+    galaxy rank (``cluster{rank}``, or ``--run-name``), the clusters of a galaxy share a group (its
+    ``--hv.run-id``), and a cluster resumed from a checkpoint continues its own run (the id kept in
+    :data:`WANDB_RUN_FILE` beside the checkpoints, resumed with ``resume="allow"``) rather than starting a new one
+    for the rest of its curve. Never prompts for a login: without credentials it runs offline."""
+
+    def __init__(self, config: Config, wandb_mode: str | None, resumed_from: Path | None):
         import wandb  # imported here: wandb is heavy and most runs do not use it
 
         from open_diloco.world import env_flag
 
         mode = wandb_mode or ("online" if env_flag("WANDB_API_KEY") else "offline")
-        self._wandb = wandb
-        self._run = wandb.init(
-            project=project, name=run_name, config=config, mode=mode, settings=wandb.Settings(silent=True)
+        galaxy_rank = config.hv.world_rank if config.hv is not None else 0
+        kept_id = read_run_id(resumed_from.parent) if resumed_from is not None else None
+        self.run = wandb.init(
+            project=config.project,
+            group=config.hv.run_id if config.hv is not None else None,
+            name=config.run_name or f"cluster{galaxy_rank}",
+            id=kept_id,
+            resume="allow" if kept_id else None,
+            config=config.model_dump(mode="json"),
+            mode=mode,
+            settings=wandb.Settings(silent=True),
         )
+        if config.ckpt.interval is not None:  # this run's checkpoints will say which run to continue
+            keep_run_id(config.ckpt.path, self.run.id)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")
-        self._run.log(
-            {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step
-        )
+        self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        self.run.finish()
 
 
-def build_metrics(
-    kind: str, is_main: bool, path: Path, project: str, run_name: str, config: dict[str, Any]
-) -> Metrics:
-    """The sink for this rank."""
-    if not is_main or kind == "dummy":
+def read_run_id(checkpoints: Path) -> str | None:
+    """The wandb run id kept beside the checkpoints under ``checkpoints``; ``None`` when there is none (they were
+    written without wandb, or before the id was kept) or it cannot be read: then the run starts afresh."""
+    try:
+        run_id = json.loads((checkpoints / WANDB_RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def keep_run_id(checkpoints: Path, run_id: str) -> None:
+    """Write :data:`WANDB_RUN_FILE` under ``checkpoints`` (whole or not at all: a new file renamed over the old)."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    partial = checkpoints / f".{WANDB_RUN_FILE}.partial"
+    partial.write_text(json.dumps({"run_id": run_id}) + "\n")
+    partial.replace(checkpoints / WANDB_RUN_FILE)
+
+
+def build_metrics(config: Config, is_main: bool, run_name: str, resumed_from: Path | None) -> Metrics:
+    """The sink for this rank (``--metric-logger-type`` on rank 0, nothing on the others). ``run_name`` names the
+    run in the jsonl file's start record; ``resumed_from``: the checkpoint this run resumed from, if any."""
+    if not is_main or config.metric_logger_type == "dummy":
         return DummyMetrics()
-    if kind == "jsonl":
-        return JsonlMetrics(path, {"run_name": run_name, "config": config})
+    if config.metric_logger_type == "jsonl":
+        return JsonlMetrics(config.metrics_path, {"run_name": run_name, "config": config.model_dump(mode="json")})
     from open_diloco.world import env_flag
 
-    return WandbMetrics(project, run_name, config, env_flag("WANDB_MODE"))
+    return WandbMetrics(config, env_flag("WANDB_MODE"), resumed_from)

@@ -56,14 +56,7 @@ def train(config: Config) -> None:
 
     guard = StopGuard().install()
     join_process_group(world, process_group_timeout(config.hv))
-    metrics = build_metrics(
-        config.metric_logger_type,
-        world.is_main,
-        config.metrics_path,
-        config.project,
-        run_name,
-        config.model_dump(mode="json"),
-    )
+    metrics = build_metrics(config, world.is_main, run_name, resumed_from=resume[0] if resume else None)
     outer: OuterLoop = NullOuterLoop()
     saver = checkpoint.CheckpointSaver(
         config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config
