@@ -24,7 +24,8 @@ from open_diloco import version_line
 from open_diloco.config import HvConfig
 from open_diloco.galaxy.allowlist import Allowlist, ensure_identity, rank_key_file
 from open_diloco.galaxy.allreduce import CodecCompression
-from open_diloco.galaxy.averager import SHUTDOWN_SECONDS, CanonicalAverager, HivemindAverager
+from open_diloco.galaxy.averager import SHUTDOWN_SECONDS, HivemindAverager
+from open_diloco.galaxy.canonical_averager import CanonicalAverager
 from open_diloco.galaxy.dht import shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.status import StatusPublisher, cluster_identity

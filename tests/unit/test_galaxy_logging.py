@@ -49,7 +49,7 @@ def test_a_failed_state_download_is_one_warning_line():
     # hivemind logs it with logger.exception: an ERROR and a traceback for a routine retry (a peer not yet listening)
     import logging
 
-    from open_diloco.galaxy.averager import one_line_download_failures
+    from open_diloco.galaxy.canonical_averager import one_line_download_failures
 
     def record(func: str) -> logging.LogRecord:
         try:

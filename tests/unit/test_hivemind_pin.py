@@ -38,6 +38,8 @@ SIGNATURES = [
     ),
     (DecentralizedAverager, "_aggregate_with_group", ["self", "group_info", "min_vector_size", "kwargs"]),
     (DecentralizedAverager, "get_current_state", ["self"]),
+    # the round and the attempt ride in the group bits (galaxy/round_wait.py: round_key_bits)
+    (DecentralizedAverager, "set_group_bits", ["self", "group_bits", "wait"]),
     (DecentralizedAverager, "run", ["self"]),
     (hivemind.DHT, "run", ["self"]),
     (AllReduceRunner, "_accumulate_parts_streaming", ["self", "stream", "sender_index"]),

@@ -9,7 +9,7 @@ import types
 import torch
 
 from open_diloco.config import HvConfig
-from open_diloco.galaxy.averager import round_key_bits
+from open_diloco.galaxy.round_wait import round_key_bits
 from open_diloco.outer.adoption import StateAdoption, choose_source
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.guard import NormHistory
@@ -181,7 +181,7 @@ def test_a_cluster_starting_a_round_joins_the_attempt_the_galaxy_is_in():
 
 
 def test_a_peer_looking_for_a_group_moves_on_only_when_every_other_live_cluster_has():
-    from open_diloco.galaxy.averager import everyone_moved_on
+    from open_diloco.galaxy.round_wait import everyone_moved_on
 
     view = Membership(attempts={0: (4, 0), 1: (4, 1), 2: (4, 2)})
     assert everyone_moved_on(view, galaxy_rank=0, round_no=4, attempt=0)

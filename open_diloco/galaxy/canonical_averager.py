@@ -1,0 +1,207 @@
+"""The hivemind averager of one shard, as open_diloco runs it: :class:`CanonicalAverager` runs the canonical
+all-reduce (``galaxy/allreduce.py``), checks every averager RPC against ``--hv.allowlist``, serves the caller's
+state with the size of each tensor, and downloads the state of one named peer (a re-sync's single source)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import deserialize_tensor_stream
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
+
+from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
+from open_diloco.galaxy.allreduce import CanonicalAllReduce
+from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.outer.guard import ClaimCheck, valid_claim
+from open_diloco.outer.policy import out_of_cohort
+
+# Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
+# which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
+# killed; it also changes how the trainer's DataLoader workers share batches. Put torch's default back: we
+# only pass a few tensors between the trainer and its averager process.
+torch.multiprocessing.set_sharing_strategy("file_descriptor")
+log = logging.getLogger(__name__)
+
+GRACE_SECONDS = 1.0  # past averaging_timeout: for hivemind to report a lonely deadline, or a download to come in
+LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
+STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
+
+
+class CanonicalAverager(DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduce`, copying results, serving a caller's state."""
+
+    get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]] | None = None
+    _round_stats: dict[bytes, dict[str, int]]
+    delta_norm_bound: float = 0.0
+    """``--hv.delta-norm-bound`` for our reducers (``open_diloco.outer.guard``); 0: claims are held to, not bounded."""
+    robust_mean: bool = False
+    """``--hv.robust-mean``: our reducers clip every sender to the round's median claim."""
+    allowlist: Allowlist | None = None
+    """``--hv.allowlist``: the only peers this averager deals with (``galaxy/allowlist.py``); ``None``: anyone."""
+    _process_allowlist: Allowlist | None = None
+    """The allowlist of the one averager in this (averager) process, for :meth:`get_stub`, a classmethod."""
+
+    # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
+    # the default start method inside processes started with spawn (and wherever a program chose it).
+    _Popen = staticmethod(mp.context.ForkProcess._Popen)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        strangers = [peer for peer in group_info.peer_ids if not self._admits(peer, "a group")]
+        if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
+            refused = AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
+            self._running_groups[group_id].set_exception(refused)  # peers waiting for this group fail at once
+            self._running_groups[group_id].exception()  # (retrieved: no "never retrieved" warning without them)
+            raise refused
+        runner = CanonicalAllReduce(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            claims=self._claims(group_info),
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        assert runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX
+        async for _ in runner:  # the runner writes the canonical result into ``tensors`` as parts arrive
+            pass
+        await runner.finish_serving()
+        if not hasattr(self, "_round_stats"):
+            self._round_stats = {}
+        self._round_stats[group_id] = runner.stats()
+
+    def _claims(self, group_info) -> ClaimCheck:
+        """Every peer's claimed ‖Δ‖ (``delta_norm`` in the metadata gathered in matchmaking, the same table on
+        every peer of the group)."""
+        claims, own_theta, metadata = {}, None, {}
+        for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            try:
+                metadata[peer] = self.serializer.loads(self.serializer.loads(blob)[2])
+                claims[peer] = valid_claim(metadata[peer].get("delta_norm"))
+                if peer == self.peer_id:
+                    own_theta = valid_claim(metadata[peer].get("theta_norm"))
+            except Exception:  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
+                claims[peer] = None
+        stale = frozenset(out_of_cohort(metadata))
+        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta, stale)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        stats = self._round_stats.pop(group_info.group_id)
+        return dict(gathered={peer.to_base58(): data for peer, data in gathered.items()}, **stats)
+
+    def run(self) -> None:
+        become_galaxy_child(self._parent_pid)
+        CanonicalAverager._process_allowlist = self.allowlist
+        logging.getLogger("hivemind.averaging.averager").addFilter(one_line_download_failures)
+        super().run()
+
+    # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
+    # Parts need no check of their own: hivemind's runner takes parts only from its group's senders, and a group
+    # with a stranger is refused before its runner exists (``_run_allreduce_inplace_``).
+    def _admits(self, peer, what: str) -> bool:
+        if self.allowlist is None or peer == self.peer_id or self.allowlist.admits(peer):
+            return True
+        self.allowlist.refuse(peer, what)
+        return False
+
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace=None):
+        """Every outgoing averager RPC (join a leader, send a part, download state) gets its stub here."""
+        allowlist = cls._process_allowlist
+        if allowlist is not None and peer != p2p.peer_id and not allowlist.admits(peer):
+            allowlist.refuse(peer, "to contact it")
+            return RefusedStub()
+        return super().get_stub(p2p, peer, namespace=namespace)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's AsyncIterator here
+        if not self._admits(context.remote_id, "its join request"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        else:
+            async for response in super().rpc_join_group(request, context):
+                yield response
+        await _until_the_caller_closes()
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        if not self._admits(context.remote_id, "its state download"):
+            return  # an empty answer: hivemind's "this peer does not share state"
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in time.
+
+        hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one cluster
+        could then assemble a θ_outer from two clusters. A re-sync names its source instead (``outer/adoption.py``)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
+        try:
+            return future.result(timeout=timeout + GRACE_SECONDS)
+        except TimeoutError:
+            return None
+
+    async def _download_state_from(self, peer: str, timeout: float, future: MPFuture) -> None:
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+            metadata: list[bytes] = []
+
+            async def parts():
+                async for message in aiter_with_timeout(stream, timeout=timeout):
+                    if message.metadata:
+                        metadata.append(message.metadata)
+                    yield [message.tensor_part]
+
+            tensors = await asyncio.wait_for(deserialize_tensor_stream(parts()), timeout)
+            future.set_result((self.serializer.loads(metadata[0]), tensors) if metadata else None)
+        except Exception as err:  # unreachable, gone, refused, slow: the caller tries again or elsewhere
+            log.warning("state download from %s failed: %r", peer, err)
+            if not future.done():
+                future.set_result(None)
+
+    def get_current_state(self):
+        """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``, and
+        the size of every tensor, so the downloader can tell a download cut short (see ``download_state``)."""
+        if self.get_state is None:
+            return {}, [], None
+        metadata, tensors = self.get_state()
+        return {**metadata, STATE_NUMELS: [tensor.numel() for tensor in tensors]}, list(tensors), None
+
+
+async def _until_the_caller_closes() -> None:
+    """Keep a stream we answered open until the caller has read our last message and closed its end (hivemind
+    cancels the handler then), for :data:`LINGER_SECONDS` at most. A stream its answerer ends first can lose the
+    messages the caller had not read yet (the all-reduce's one-sided race, ``galaxy/allreduce.py``); here that
+    would be a follower that never reads the leader's ``BEGIN_ALLREDUCE`` and is left out of a group its leader
+    averages with (what an e2e failure looked like, docs/LOG.md: the leader's round waited for its follower and
+    came out partial, the follower found no group)."""
+    await asyncio.sleep(LINGER_SECONDS)
+
+
+def one_line_download_failures(record: logging.LogRecord) -> bool:
+    """hivemind logs a failed state download as an ERROR with a full traceback, though it is routine: a cluster
+    that starts beside a peer not yet listening (libp2p's "dial backoff"), or a peer that left, and the download
+    is tried again or from another peer. Its message already names the peer and the error: keep that one line, as
+    a warning."""
+    if record.funcName == "_load_state_from_peers" and record.exc_info:
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+    return True
