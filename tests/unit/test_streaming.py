@@ -12,7 +12,7 @@ import torch
 
 from open_diloco.config import HvConfig
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.state import outer_sgd_step_
+from open_diloco.outer.optimizer import outer_sgd_step_
 from open_diloco.outer.streaming import SyncSchedule, fragment_length
 from open_diloco.outer.testing import InProcessGalaxy
 
