@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from open_diloco.outer.codecs import PseudoGradCompressor, Selection
+from open_diloco.outer.codecs import PseudoGradCompressor
 from open_diloco.outer.optimizer import outer_sgd_step_, round_hparams
+from open_diloco.outer.sparse import Selection
 from open_diloco.outer.state_transfer import OuterStateTransfer
 from open_diloco.outer.streaming import fragment_length
 
