@@ -23,7 +23,7 @@ from open_diloco.errors import ConfigError, OpenDilocoError
 
 EXIT_USAGE = 2
 
-# Help panels for the training flags, in the order of config.py's sections. The grouping is presentation
+# Help panels for the training flags, in the order of Config's sections (config/run.py). The grouping is presentation
 # only, so it lives here rather than on every field of Config; a unit test checks every field has a panel.
 FLAG_PANELS: dict[str, tuple[str, ...]] = {
     "Model": ("path_model", "seq_length"),
