@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from open_diloco.config import Config
-from open_diloco.corpus import PackedCorpus, find_source, prepare_cached
+from open_diloco.corpus import PackedCorpus, find_source
+from open_diloco.corpus_cache import prepare_cached
 from open_diloco.errors import ConfigError
 from open_diloco.tokenizer import check_fits_model, load_tokenizer
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from open_diloco.config import Config
-from open_diloco.corpus import PackedCorpus, _wait_for_lock, find_source, pack_corpus, prepare_cached
+from open_diloco.corpus import PackedCorpus, find_source, pack_corpus
+from open_diloco.corpus_cache import _wait_for_lock, prepare_cached
 from open_diloco.data import (
     ClusterSampler,
     PackedSamples,
