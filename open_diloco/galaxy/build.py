@@ -90,6 +90,20 @@ def wire_compression(hv: HvConfig) -> CompressionBase:
     return CodecCompression(wire_codecs(hv.compression, hv.sparse_rule))
 
 
+def averaging_settings(hv: HvConfig) -> dict[str, Any]:
+    """The arguments of a hivemind ``DecentralizedAverager`` that decide whom a round waits for, how long, and what
+    goes on the wire (a benchmark's plain hivemind baseline takes the same)."""
+    return dict(
+        target_group_size=hv.galaxy_size,
+        min_group_size=2,
+        min_matchmaking_time=hv.matchmaking_time,
+        request_timeout=min(3.0, hv.matchmaking_time / 2),
+        allreduce_timeout=hv.averaging_timeout,
+        next_chunk_timeout=max(1.0, min(hv.averaging_timeout / 4, 30.0)),
+        compression=wire_compression(hv),
+    )
+
+
 def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> GalaxyPart:
     """Start this rank's shard averager and, on rank 0, the cluster's status record; every rank of the cluster calls
     it at once (it gathers the ranks' PeerIDs).
@@ -134,16 +148,10 @@ def start_shard_averager(hv: HvConfig, shard: ClusterShard, *, initial_peers: Se
         dht,
         start=False,
         prefix=f"{hv.run_id}/shard{shard.index}",
-        target_group_size=hv.galaxy_size,
-        min_group_size=2,
-        min_matchmaking_time=hv.matchmaking_time,
-        request_timeout=min(3.0, hv.matchmaking_time / 2),
-        allreduce_timeout=hv.averaging_timeout,
-        next_chunk_timeout=max(1.0, min(hv.averaging_timeout / 4, 30.0)),
-        compression=wire_compression(hv),
         client_mode=False,
         allow_state_sharing=False,
         shutdown_timeout=SHUTDOWN_SECONDS,
+        **averaging_settings(hv),
     )
     averager.delta_norm_bound, averager.robust_mean = hv.delta_norm_bound, hv.robust_mean  # before the fork
     averager.allowlist = allowlist

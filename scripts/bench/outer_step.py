@@ -41,7 +41,7 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     from hivemind.averaging import DecentralizedAverager
 
     from open_diloco.config import HvConfig
-    from open_diloco.galaxy.build import ClusterShard, start_shard_averager, wire_compression
+    from open_diloco.galaxy.build import ClusterShard, averaging_settings, start_shard_averager
     from open_diloco.outer.diloco import DiLoCo
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(1)))
@@ -55,18 +55,8 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
         averaging_timeout=args.timeout, join_timeout=30.0, compression=args.compression,
     )
     ours = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
-    raw = DecentralizedAverager(
-        [torch.zeros(numel)],
-        ours.dht,
-        prefix=f"raw{numel}",
-        target_group_size=args.peers,
-        min_group_size=2,
-        min_matchmaking_time=args.matchmaking_time,
-        request_timeout=min(3.0, args.matchmaking_time / 2),
-        allreduce_timeout=args.timeout,
-        compression=wire_compression(hv),
-        start=True,
-    )
+    raw = DecentralizedAverager([torch.zeros(numel)], ours.dht, prefix=f"raw{numel}", start=True,
+                                **averaging_settings(hv))
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
