@@ -28,7 +28,7 @@ def run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -42,8 +42,11 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--torch-compile", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     torchrun = [
         sys.executable,
         "-m",

@@ -25,25 +25,14 @@ DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "s
 SMALL = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=10"]
 
 
-@pytest.fixture
-def slurm(tmp_path_factory):
-    """A running two-node Slurm cluster; yields the environment its clients need. Ends every daemon by PID."""
-    missing = [name for name in DAEMONS if shutil.which(name) is None]
-    if missing:
-        pytest.skip(f"no Slurm here ({', '.join(missing)} missing; Debian: apt-get install slurm-wlm)")
-    if os.geteuid() != 0:
-        pytest.skip("slurmd must run as root")
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool/n1", "spool/n2", "log"):
-        (d / sub).mkdir(parents=True)
+def slurm_conf(d: Path) -> str:
+    """slurm.conf of two one-CPU nodes on this host; their state, spool, logs and PID files go under ``d``."""
     host = socket.gethostname()
-    subprocess.run(["mungekey", "-c", "-f", "-k", str(d / "munge.key")], check=True, capture_output=True)
-    (d / "munge.key").chmod(0o600)
     nodes = "\n".join(
         f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 RealMemory=1000"
         for name in ("n1", "n2")
     )
-    (d / "slurm.conf").write_text(f"""ClusterName=opstest
+    return f"""ClusterName=opstest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 AuthType=auth/munge
@@ -66,7 +55,23 @@ MpiDefault=none
 ReturnToService=2
 {nodes}
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
-""")
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    """A running two-node Slurm cluster; yields the environment its clients need. Ends every daemon by PID."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"no Slurm here ({', '.join(missing)} missing; Debian: apt-get install slurm-wlm)")
+    if os.geteuid() != 0:
+        pytest.skip("slurmd must run as root")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool/n1", "spool/n2", "log"):
+        (d / sub).mkdir(parents=True)
+    subprocess.run(["mungekey", "-c", "-f", "-k", str(d / "munge.key")], check=True, capture_output=True)
+    (d / "munge.key").chmod(0o600)
+    (d / "slurm.conf").write_text(slurm_conf(d))
     env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
     conf = ["-f", str(d / "slurm.conf")]
     pid_files = [d / "munged.pid", d / "slurmctld.pid", d / "slurmd.n1.pid", d / "slurmd.n2.pid"]
