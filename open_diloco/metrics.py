@@ -55,15 +55,16 @@ class JsonlMetrics:
 
 
 WANDB_RUN_FILE = "wandb_run.json"
-"""Kept in ``--ckpt.path`` beside the checkpoints: the id of the wandb run a cluster resumed from them continues."""
+"""Kept in ``--ckpt.path`` beside the checkpoints: the id of the wandb run that a cluster resumed from them
+continues."""
 
 
 class WandbMetrics:
-    """Logs to Weights & Biases the way a multi-run job is read there: each cluster is one run, named after its
-    galaxy rank (``cluster{rank}``, or ``--run-name``), the clusters of a galaxy share a group (its
+    """Logs to Weights & Biases the way a multi-run job is read there: each cluster is one run, named after
+    its galaxy rank (``cluster{rank}``, or ``--run-name``), the clusters of a galaxy share a group (its
     ``--hv.run-id``), and a cluster resumed from a checkpoint continues its own run (the id kept in
-    :data:`WANDB_RUN_FILE` beside the checkpoints, resumed with ``resume="allow"``) rather than starting a new one
-    for the rest of its curve. Never prompts for a login: without credentials it runs offline."""
+    :data:`WANDB_RUN_FILE` beside the checkpoints, resumed with ``resume="allow"``) rather than starting a new
+    one for the rest of its curve. Never prompts for a login: without credentials it runs offline."""
 
     def __init__(self, config: Config, wandb_mode: str | None, resumed_from: Path | None):
         import wandb  # imported here: wandb is heavy and most runs do not use it
@@ -88,15 +89,16 @@ class WandbMetrics:
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")
-        self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        self.run.log(numbers, step=step)
 
     def close(self) -> None:
         self.run.finish()
 
 
 def read_run_id(checkpoints: Path) -> str | None:
-    """The wandb run id kept beside the checkpoints under ``checkpoints``; ``None`` when there is none (they were
-    written without wandb, or before the id was kept) or it cannot be read: then the run starts afresh."""
+    """The wandb run id kept beside the checkpoints under ``checkpoints``; ``None`` when there is none (they
+    were written without wandb, or before ids were kept) or it cannot be read: then the run starts afresh."""
     try:
         run_id = json.loads((checkpoints / WANDB_RUN_FILE).read_text())["run_id"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -105,7 +107,8 @@ def read_run_id(checkpoints: Path) -> str | None:
 
 
 def keep_run_id(checkpoints: Path, run_id: str) -> None:
-    """Write :data:`WANDB_RUN_FILE` under ``checkpoints`` (whole or not at all: a new file renamed over the old)."""
+    """Write :data:`WANDB_RUN_FILE` under ``checkpoints``, whole or not at all (a new file renamed over the
+    old one)."""
     checkpoints.mkdir(parents=True, exist_ok=True)
     partial = checkpoints / f".{WANDB_RUN_FILE}.partial"
     partial.write_text(json.dumps({"run_id": run_id}) + "\n")
@@ -113,12 +116,14 @@ def keep_run_id(checkpoints: Path, run_id: str) -> None:
 
 
 def build_metrics(config: Config, is_main: bool, run_name: str, resumed_from: Path | None) -> Metrics:
-    """The sink for this rank (``--metric-logger-type`` on rank 0, nothing on the others). ``run_name`` names the
-    run in the jsonl file's start record; ``resumed_from``: the checkpoint this run resumed from, if any."""
+    """The sink for this rank (``--metric-logger-type`` on rank 0, nothing on the others). ``run_name`` names
+    the run in the jsonl file's start record; ``resumed_from``: the checkpoint this run resumed from (if
+    any)."""
     if not is_main or config.metric_logger_type == "dummy":
         return DummyMetrics()
     if config.metric_logger_type == "jsonl":
-        return JsonlMetrics(config.metrics_path, {"run_name": run_name, "config": config.model_dump(mode="json")})
+        run_info = {"run_name": run_name, "config": config.model_dump(mode="json")}
+        return JsonlMetrics(config.metrics_path, run_info)
     from open_diloco.world import env_flag
 
     return WandbMetrics(config, env_flag("WANDB_MODE"), resumed_from)

@@ -53,8 +53,8 @@ SHAPE_FIELDS = (
 
 
 def shape_fields(model_config: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`SHAPE_FIELDS` a model config sets: what two clusters' models must share to average, so that a
-    mismatch can name the field that differs rather than a hash."""
+    """The :data:`SHAPE_FIELDS` a model config sets: what two clusters' models must share to average, so that
+    a mismatch can name the field that differs rather than a hash."""
     return {key: model_config[key] for key in SHAPE_FIELDS if key in model_config}
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# The helpers benchmarks share live in the package (open_diloco/local_galaxy.py); tests import them from here too.
+# The helpers benchmarks share live in the package (open_diloco/local_galaxy.py); tests import them from here.
 from open_diloco.local_galaxy import (  # noqa: F401
     REPO,
     TINY_MODEL,

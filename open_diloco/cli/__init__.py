@@ -1,6 +1,6 @@
-"""Command line: parse flags (and an optional config file) into a :class:`~open_diloco.config.Config` and run a
-command. ``app.py`` holds the app, parsing and the one-line errors, ``config_files.py`` the ``--config`` files,
-and each command has a module of its own; this file registers them, in the order ``--help`` lists them.
+"""Command line: parse flags (and an optional config file) into a :class:`~open_diloco.config.Config` and run
+a command. ``app.py`` holds the app, parsing and the one-line errors, ``config_files.py`` the ``--config``
+files, and each command has a module of its own; this file registers them, in the order ``--help`` lists them.
 
 Commands import what they run inside their body: ``open-diloco --help`` loads neither torch nor hivemind.
 """

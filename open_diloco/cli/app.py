@@ -1,5 +1,5 @@
-"""The ``open-diloco`` app: its help panels, parsing argv (with ``--config FILE``) to a command, running it, and
-turning every user error into one line.
+"""The ``open-diloco`` app: its help panels, parsing argv (with ``--config FILE``) to a command, running it,
+and turning every user error into one line.
 
 Every user error — an unknown flag, a bad value, a config check — ends as one line on stderr naming the
 problem and the fix, and exit code 2, on every rank, before any rank waits on another. The commands live in
@@ -23,8 +23,9 @@ from open_diloco.errors import ConfigError, OpenDilocoError
 
 EXIT_USAGE = 2
 
-# Help panels for the training flags, in the order of Config's sections (config/run.py). The grouping is presentation
-# only, so it lives here rather than on every field of Config; a unit test checks every field has a panel.
+# Help panels for the training flags, in the order of Config's sections (config/run.py). The grouping is
+# presentation only, so it lives here rather than on every field of Config; a unit test checks every field has
+# a panel.
 FLAG_PANELS: dict[str, tuple[str, ...]] = {
     "Model": ("path_model", "seq_length"),
     "Batch and optimizer": (
@@ -106,7 +107,8 @@ def describe_unused_tokens(err: cyclopts.UnusedCliTokensError) -> str:
     word = err.unused_tokens[0] if err.unused_tokens else ""
     if err.command_chain:
         command = " ".join(err.command_chain)
-        return f"unexpected argument {word!r} after {command}: see open-diloco {command} --help for its arguments"
+        return (f"unexpected argument {word!r} after {command}: see open-diloco {command} --help for its "
+                "arguments")
     return (
         f"unexpected argument {word!r}: training takes only --flags, each value after its flag "
         f"(e.g. --path-model DIR); the commands are {', '.join(_command_names())}"

@@ -21,6 +21,7 @@ def export(checkpoint_path: Path, out_dir: Path, *, force: bool = False) -> None
     """
     from open_diloco.checkpoint import export_pretrained, read_metadata
 
-    read_metadata(checkpoint_path, checked_by="CHECKPOINT-PATH")  # a bad checkpoint fails before OUT_DIR is made
+    # a bad checkpoint fails before OUT_DIR is made
+    read_metadata(checkpoint_path, checked_by="CHECKPOINT-PATH")
     ensure_empty_output_dir(out_dir, "OUT-DIR", force)
     print(f"exported {checkpoint_path} to {export_pretrained(checkpoint_path, out_dir)}")

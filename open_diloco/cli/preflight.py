@@ -1,4 +1,5 @@
-"""``open-diloco preflight [OPTIONS] -- TRAINER_FLAGS``: check that this node can launch its part of a cluster."""
+"""``open-diloco preflight [OPTIONS] -- TRAINER_FLAGS``: check that this node can launch its part of a
+cluster."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def preflight(
     timeout: Annotated[float, Parameter(validator=validators.Number(gt=0))] = 5.0,
     master_wait: Annotated[float, Parameter(validator=validators.Number(gte=0))] = 60.0,
 ) -> None:
-    """Check that this node can launch its part of a cluster: one PASS/FAIL line per check, exit 1 on a failure.
+    """Check that this node can launch its part of a cluster: one PASS/FAIL line per check, exit 1 on a
+    failure.
 
     Usage: open-diloco preflight [OPTIONS] -- TRAINER_FLAGS, where TRAINER_FLAGS are the flags torchrun will
     give the trainer (e.g. --config configs/demo-2m.toml --hv.initial-peers ...). scripts/cluster_train.sh

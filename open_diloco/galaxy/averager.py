@@ -59,7 +59,7 @@ class HivemindAverager:
     def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, hv: HvConfig, *, shard_index: int,
                  schema: dict[str, Any], initial_peers: Sequence[str], allowlist: Allowlist | None,
                  wire_buffer: torch.Tensor):
-        """Built by ``galaxy.build.start_shard_averager``, which starts ``dht`` and ``averager`` from ``hv``."""
+        """Made by ``galaxy.build.start_shard_averager``, which starts ``dht`` and ``averager``."""
         self.dht, self.averager = dht, averager
         self.wire_buffer = wire_buffer
         """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``) the

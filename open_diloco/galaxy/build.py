@@ -1,10 +1,10 @@
-"""The one place that turns a cluster's ``--hv.*`` configuration into its part of the galaxy: every rank's shard
-averager (its DHT node, identity, allowlist, wire compression) and rank 0's status record.
+"""The one place that turns a cluster's ``--hv.*`` configuration into its part of the galaxy: every rank's
+shard averager (its DHT node, identity, allowlist, wire compression) and rank 0's status record.
 
-Everything below takes its settings from the :class:`~open_diloco.config.HvConfig` handed down from here and keeps
-no defaults of its own: a default repeated below ``config.py`` drifts from it (``sparse_rule`` once read
-``random`` in four places while the flag said ``magnitude``). What the galaxy needs from the world and the model
-besides the flags, a caller states in a :class:`ClusterShard`.
+Everything below takes its settings from the :class:`~open_diloco.config.HvConfig` handed down from here and
+keeps no defaults of its own: a default repeated below the configuration drifts from it (``sparse_rule``
+once read ``random`` in four places while the flag said ``magnitude``). What the galaxy needs from the world
+and the model besides the flags, a caller states in a :class:`ClusterShard`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ClusterShard:
     index: int
     """The rank in its cluster: its shard averages with shard ``index`` of every other cluster."""
     ranks: int
-    """The cluster's ranks (its torchrun world size), one shard each: every cluster of a galaxy must have as many."""
+    """The cluster's ranks (its torchrun world size), one shard each: the same in every cluster."""
     numel: int
     """Values one round averages on this shard: the shard, or one fragment of it (``--hv.fragments``)."""
     model_fingerprint: str
@@ -52,13 +52,14 @@ class ClusterShard:
 
     @classmethod
     def flat(cls, numel: int) -> ClusterShard:
-        """The one shard of a one-rank cluster whose model is ``numel`` values, no more: benchmarks and tests of the
-        averager alone."""
-        return cls(index=0, ranks=1, numel=numel, model_fingerprint=f"numel {numel}", model_config={"numel": numel})
+        """The one shard of a one-rank cluster whose model is ``numel`` values, no more: benchmarks and tests
+        of the averager alone."""
+        return cls(index=0, ranks=1, numel=numel, model_fingerprint=f"numel {numel}",
+                   model_config={"numel": numel})
 
     def schema(self, hv: HvConfig) -> dict[str, Any]:
-        """What this cluster must share with every other to average (``galaxy.status.SCHEMA_KEYS``, compared at every
-        round), and the model fields a mismatch is explained with."""
+        """What this cluster must share with every other to average (``galaxy.status.SCHEMA_KEYS``, compared
+        at every round), and the model fields a mismatch is explained with."""
         return {
             "model_fingerprint": self.model_fingerprint,
             "ranks": self.ranks,
@@ -78,10 +79,10 @@ class GalaxyPart:
 
 def wire_compression(hv: HvConfig) -> CompressionBase:
     """``--hv.compression`` as a hivemind compression: none and fp16 are hivemind's own, the others ours
-    (``open_diloco.outer.codecs``, carried by ``galaxy/allreduce.py``'s :class:`CodecCompression`); ours take the
-    sparse rule (``magnitude`` adds a tensor of block scores). None of hivemind's 8-bit codecs is offered: in
-    hivemind 1.1.12 ``Uniform8BitQuantization``/``Quantile8BitQuantization`` do not round-trip with NumPy 2.4
-    (``TypeError: only 0-dimensional arrays can be converted to Python scalars`` in ``extract``), and
+    (``open_diloco.outer.codecs``, carried by ``galaxy/allreduce.py``'s :class:`CodecCompression`); ours take
+    the sparse rule (``magnitude`` adds a tensor of block scores). None of hivemind's 8-bit codecs is offered:
+    in hivemind 1.1.12 ``Uniform8BitQuantization``/``Quantile8BitQuantization`` do not round-trip with NumPy
+    2.4 (``TypeError: only 0-dimensional arrays can be converted to Python scalars`` in ``extract``), and
     ``BLOCKWISE_8BIT`` needs bitsandbytes."""
     if hv.compression == "none":
         return NoCompression()
@@ -91,8 +92,8 @@ def wire_compression(hv: HvConfig) -> CompressionBase:
 
 
 def averaging_settings(hv: HvConfig) -> dict[str, Any]:
-    """The arguments of a hivemind ``DecentralizedAverager`` that decide whom a round waits for, how long, and what
-    goes on the wire (a benchmark's plain hivemind baseline takes the same)."""
+    """The arguments of a hivemind ``DecentralizedAverager`` that decide whom a round waits for, how long, and
+    what goes on the wire (a benchmark's plain hivemind baseline takes the same)."""
     return dict(
         target_group_size=hv.galaxy_size,
         min_group_size=2,
@@ -105,10 +106,10 @@ def averaging_settings(hv: HvConfig) -> dict[str, Any]:
 
 
 def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> GalaxyPart:
-    """Start this rank's shard averager and, on rank 0, the cluster's status record; every rank of the cluster calls
-    it at once (it gathers the ranks' PeerIDs).
+    """Start this rank's shard averager and, on rank 0, the cluster's status record; every rank of the cluster
+    calls it at once (it gathers the ranks' PeerIDs).
 
-    With no ``--hv.initial-peers`` and several ranks, rank 0's DHT is the entry point and the other ranks join it.
+    With no ``--hv.initial-peers`` and several ranks, rank 0's DHT is the entry point and the others join it.
     """
     if hv.initial_peers or shard.ranks == 1:
         averager = start_shard_averager(hv, shard, initial_peers=hv.initial_peers)
@@ -120,29 +121,34 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
         shard_peer_ids = cluster.gather_strings(averager.peer_id)
         status = None
         if shard.index == 0:
-            identity = cluster_identity(hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids)
-            status = StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry)
+            identity = cluster_identity(hv.world_rank, averager.schema, hv.local_steps, version_line(),
+                                        shard_peer_ids)
+            status = StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval,
+                                     hv.member_expiry)
         return GalaxyPart(averager, status)
     except BaseException:
         averager.shutdown()  # the caller only knows what this returns, which does not exist yet
         raise
 
 
-def start_shard_averager(hv: HvConfig, shard: ClusterShard, *, initial_peers: Sequence[str]) -> HivemindAverager:
-    """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{index}``), joining ``initial_peers``
-    (``--hv.initial-peers``, or rank 0's DHT; empty: a DHT of its own).
+def start_shard_averager(hv: HvConfig, shard: ClusterShard, *,
+                         initial_peers: Sequence[str]) -> HivemindAverager:
+    """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{index}``), joining
+    ``initial_peers`` (``--hv.initial-peers``, or rank 0's DHT; empty: a DHT of its own).
 
     hivemind matches only peers with the same tensor schema, so the buffer is ``shard.numel`` values; with
-    ``--hv.compression sparse`` and the ``magnitude`` rule a second tensor carries the block scores, both views of
-    one flat buffer (:meth:`HivemindAverager.buffer`), values first. Every wait is bounded by
+    ``--hv.compression sparse`` and the ``magnitude`` rule a second tensor carries the block scores, both
+    views of one flat buffer (:meth:`HivemindAverager.buffer`), values first. Every wait is bounded by
     ``--hv.join-timeout``; bad addresses, unreachable peers and busy ports raise :class:`ConfigError` with a
     one-line fix.
     """
     allowlist = Allowlist.load(hv.allowlist) if hv.allowlist is not None else None
     identity_path = _rank_identity(hv, shard.index, allowlist)
-    dht = start_dht(initial_peers, hv.host_maddrs, hv.announce_maddrs, hv.join_timeout, identity_path=identity_path)
+    dht = start_dht(initial_peers, hv.host_maddrs, hv.announce_maddrs, hv.join_timeout,
+                    identity_path=identity_path)
     numel, scores = shard.numel, score_values(shard.numel, hv.compression, hv.sparse_rule)
-    wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()  # before the views: one segment
+    # shared before the views are cut: one segment
+    wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()
     averager = CanonicalAverager(
         [wire_buffer[:numel], wire_buffer[numel:]] if scores else [wire_buffer],
         dht,
@@ -166,16 +172,16 @@ def start_shard_averager(hv: HvConfig, shard: ClusterShard, *, initial_peers: Se
 
 
 def _rank_identity(hv: HvConfig, rank: int, allowlist: Allowlist | None) -> str | None:
-    """This rank's libp2p key file under ``--hv.identity-path`` (made if missing; the rank names it, so the shard's
-    PeerID is the same at every start), or ``None``: a new PeerID every start."""
+    """This rank's libp2p key file under ``--hv.identity-path`` (made if missing; the rank names it, so the
+    shard's PeerID is the same at every start), or ``None``: a new PeerID every start."""
     if hv.identity_path is None:
         return None
     peer_id = ensure_identity(hv.identity_path, rank)
     key_file = str(rank_key_file(hv.identity_path, rank))
     log.info("rank %d: PeerID %s (%s)", rank, peer_id, key_file)
     if allowlist is not None and not allowlist.admits(peer_id):
-        log.warning("this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name it",
-                    peer_id, hv.allowlist)
+        log.warning("this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name "
+                    "it", peer_id, hv.allowlist)
     return key_file
 
 

@@ -156,8 +156,8 @@ tensors differ (another model, another number of ranks, so other shard sizes) or
 
 def cluster_identity(galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str,
                      shard_peer_ids: Sequence[str]) -> dict[str, Any]:
-    """The fixed part of a cluster's record: who it is, its :data:`SCHEMA_KEYS`, and the model config's fields that
-    decide the fingerprint (``model_config``, to say what differs when fingerprints do).
+    """The fixed part of a cluster's record: who it is, its :data:`SCHEMA_KEYS`, and the model config's fields
+    that decide the fingerprint (``model_config``, to say what differs when fingerprints do).
 
     ``shard_peer_ids``: the PeerID of each local rank's averager, in rank order. Shard k averages with shard k
     of every other cluster, each over a connection of its own, so a cluster that heals a partition must reach
@@ -194,20 +194,22 @@ def schema_conflict(
         for key in SCHEMA_KEYS:
             if key in record and record[key] != schema[key]:
                 fields = model_difference(schema.get("model_config"), record.get("model_config"))
-                what = f"its model differs ({fields})" if key == "model_fingerprint" and fields else \
-                    f"its {key} is {record[key]!r}, here {schema[key]!r}"
+                if key == "model_fingerprint" and fields:
+                    what = f"its model differs ({fields})"
+                else:
+                    what = f"its {key} is {record[key]!r}, here {schema[key]!r}"
+                who = f"cluster {record['galaxy_rank']} (host {record.get('host', '?')})"
                 return (
-                    f"cluster {record['galaxy_rank']} (host {record.get('host', '?')}) cannot average with this one: "
-                    f"{what}; every cluster of a galaxy must train the same model with the same number of ranks, "
-                    "--hv.compression and --hv.fragments"
+                    f"{who} cannot average with this one: {what}; every cluster of a galaxy must train the "
+                    "same model with the same number of ranks, --hv.compression and --hv.fragments"
                 )
     return None
 
 
 def model_difference(here: dict[str, Any] | None, there: dict[str, Any] | None) -> str | None:
     """The model config fields that differ between this cluster (``here``) and another (``there``), as
-    ``num_hidden_layers 3 here, 2 there``; ``None`` when either side published none (a record of an older version)
-    or they agree (then the fingerprint is all that tells the models apart)."""
+    ``num_hidden_layers 3 here, 2 there``; ``None`` when either side published none (a record of an older
+    version) or they agree (then the fingerprint is all that tells the models apart)."""
     if not here or not there:
         return None
     differ = [f"{key} {here.get(key, 'unset')} here, {there.get(key, 'unset')} there"

@@ -50,9 +50,10 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     # OpenMP pools oversubscribe the machine and every local op stalls behind the other peer's threads.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.peers))
     hv = HvConfig(  # with momentum, as the figures in docs/results/outer-step.md were taken
-        local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed", outer_momentum=0.9,
-        host_maddrs=LOOPBACK, run_id=f"bench{numel}", matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.timeout, join_timeout=30.0, compression=args.compression,
+        local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed",
+        outer_momentum=0.9, host_maddrs=LOOPBACK, run_id=f"bench{numel}",
+        matchmaking_time=args.matchmaking_time, averaging_timeout=args.timeout, join_timeout=30.0,
+        compression=args.compression,
     )
     ours = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
     raw = DecentralizedAverager([torch.zeros(numel)], ours.dht, prefix=f"raw{numel}", start=True,

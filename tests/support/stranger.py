@@ -42,8 +42,9 @@ def main() -> None:
     # galaxy rank 7 of a galaxy of 2: no member's rank, which no valid configuration says (model_construct
     # skips the checks, nothing else)
     hv = HvConfig.model_construct(
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_id=args.run_id, world_rank=7, galaxy_size=2, matchmaking_time=3.0,
-        averaging_timeout=10.0, join_timeout=10.0, compression="none", member_expiry=15.0,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_id=args.run_id, world_rank=7, galaxy_size=2,
+        matchmaking_time=3.0, averaging_timeout=10.0, join_timeout=10.0, compression="none",
+        member_expiry=15.0,
     )
     shard = ClusterShard(index=0, ranks=1, numel=args.numel, model_fingerprint=args.model_fingerprint)
     averager = start_shard_averager(hv, shard, initial_peers=[args.initial_peers])

@@ -1,5 +1,5 @@
-"""galaxy/build.py: the galaxy is built from the configuration objects, and nothing below them keeps a default of
-its own (one that drifted once: ``sparse_rule`` was ``random`` below config.py, ``magnitude`` in it)."""
+"""galaxy/build.py: the galaxy is built from the configuration objects, and nothing below them keeps a default
+of its own (one that drifted once: ``sparse_rule`` was ``random`` below config.py, ``magnitude`` in it)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ def test_every_compression_flag_has_a_wire_compression(compression):
     assert isinstance(wire_compression(HvConfig(compression=compression)), CompressionBase)
 
 
-@pytest.mark.parametrize("function", [start_shard_averager, HivemindAverager.__init__, wire_codecs, score_values])
+BELOW_CONFIG = [start_shard_averager, HivemindAverager.__init__, wire_codecs, score_values]
+
+
+@pytest.mark.parametrize("function", BELOW_CONFIG)
 def test_nothing_below_config_has_a_default_of_its_own(function):
     defaults = [name for name, parameter in inspect.signature(function).parameters.items()
                 if parameter.default is not inspect.Parameter.empty]

@@ -1,9 +1,10 @@
 """The package's import graph has no cycle, and every module imports on its own.
 
-A cycle (``cli`` importing ``trainer`` importing ``cli`` for the version line, as it once was) works only as long as
-every import in it stays inside a function; the next top-level import turns it into a half-initialised module
-error that depends on which module a program happens to import first. Imports inside functions count here too:
-they are the same dependency, only deferred. Imports under ``if TYPE_CHECKING:`` do not: they never run.
+A cycle (``cli`` importing ``trainer`` importing ``cli`` for the version line, as it once was) works only as
+long as every import in it stays inside a function; the next top-level import turns it into a half-initialised
+module error that depends on which module a program happens to import first. Imports inside functions count
+here too: they are the same dependency, only deferred. Imports under ``if TYPE_CHECKING:`` do not: they never
+run.
 """
 
 from __future__ import annotations
@@ -29,21 +30,22 @@ def module_names() -> dict[str, Path]:
 
 
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``path`` imports, anywhere in the file; ``from a import b`` counts as importing
-    ``a.b`` when that is a module, else ``a``."""
+    """The package's modules that ``path`` imports, anywhere in the file; ``from a import b`` counts as
+    importing ``a.b`` when that is a module, else ``a``."""
     found = set()
     for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                         for alias in node.names)
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
     return {name for name in found if name in modules}
 
 
 def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of ``tree`` except those under ``if TYPE_CHECKING:``, which never run: an annotation may name a
-    type of a module that imports this one."""
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:``, which never run: an annotation may
+    name a type of a module that imports this one."""
     nodes, todo = [], [tree]
     while todo:
         node = todo.pop()
@@ -56,7 +58,7 @@ def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as a list of nodes (first == last), or None (depth-first, colouring the nodes)."""
+    """One cycle of ``graph`` as a list of nodes (first == last), or None (depth first, colouring nodes)."""
     state: dict[str, str] = {}
     path: list[str] = []
 

@@ -43,32 +43,37 @@ def test_a_record_without_shard_peers_names_rank_zero_only():
 
 
 def _schema_of(path_model) -> dict:
-    """The schema a trainer publishes for the model at ``path_model`` (on ``meta``: only names and shapes count)."""
+    """The schema a trainer publishes for the model at ``path_model`` (built on ``meta``: only names and
+    shapes count)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path_model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {**SCHEMA, "model_fingerprint": model_fingerprint(model), "model_config": shape_fields(config.to_dict())}
+    fields = shape_fields(config.to_dict())
+    return {**SCHEMA, "model_fingerprint": model_fingerprint(model), "model_config": fields}
 
 
 def test_a_model_mismatch_names_the_fields_that_differ():
     here, there = _schema_of(TINY_MODEL), _schema_of(REPO / "configs/models/llama-25m-fresh")
-    record = {**cluster_identity(1, there, 20, "open-diloco test", ["QmRank0"]), "last_seen_seconds": 1.0}
+    record = {**cluster_identity(1, there, 20, "test", ["QmRank0"]), "last_seen_seconds": 1.0}
     line = schema_conflict([record], 0, here, expiry=15.0)
     assert "cluster 1 (host " in line and "cannot average with this one: its model differs (" in line, line
     assert "num_hidden_layers 6 here, 8 there" in line and "hidden_size 128 here, 512 there" in line, line
-    assert "vocab_size" not in line and here["model_fingerprint"] not in line, line  # what agrees is not named
+    assert "vocab_size" not in line, line  # what agrees is not named
+    assert here["model_fingerprint"] not in line, line
 
 
 def test_a_model_mismatch_with_a_record_of_no_model_config_names_the_fingerprints():
     here = {**SCHEMA, "model_config": {"num_hidden_layers": 3}}
-    old = {"galaxy_rank": 1, **SCHEMA, "model_fingerprint": "def", "last_seen_seconds": 1.0}  # an older version's
+    # a record of an older version: no model_config
+    old = {"galaxy_rank": 1, **SCHEMA, "model_fingerprint": "def", "last_seen_seconds": 1.0}
     line = schema_conflict([old], 0, here, expiry=15.0)
     assert "its model_fingerprint is 'def', here 'abc'" in line, line
     same_fields = {**old, "model_config": {"num_hidden_layers": 3}}  # the fields agree, the layouts do not
-    assert "its model_fingerprint is 'def', here 'abc'" in schema_conflict([same_fields], 0, here, expiry=15.0)
+    line = schema_conflict([same_fields], 0, here, expiry=15.0)
+    assert "its model_fingerprint is 'def', here 'abc'" in line, line
 
 
 def test_gone_by_silence_is_told_apart_from_said_it_ended():

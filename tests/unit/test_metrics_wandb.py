@@ -1,6 +1,6 @@
-"""wandb as its users expect of a multi-run job: one run per cluster named after its galaxy rank, the clusters of a
-galaxy in one group (the run id), and a cluster resumed from a checkpoint continuing its own run. Offline: no
-network, no account (WANDB_MODE=offline, the runs written under tmp_path)."""
+"""wandb as its users expect of a multi-run job: one run per cluster named after its galaxy rank, the clusters
+of a galaxy in one group (the run id), and a cluster resumed from a checkpoint continuing its own run.
+Offline: no network, no account (WANDB_MODE=offline, the runs written under tmp_path)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,12 @@ def test_clusters_of_a_galaxy_are_runs_of_one_group_named_after_their_rank(offli
 def test_a_resumed_cluster_continues_its_own_run(offline):
     ckpt = offline / "ckpt"
     first = started(cluster(1, ckpt))
-    assert json.loads((ckpt / WANDB_RUN_FILE).read_text()) == {"run_id": first.id}  # kept beside the checkpoints
+    kept = json.loads((ckpt / WANDB_RUN_FILE).read_text())  # beside the checkpoints
+    assert kept == {"run_id": first.id}
     resumed = started(cluster(1, ckpt), resumed_from=ckpt / "step_00000010")
     assert (resumed.id, resumed.group, resumed.name) == (first.id, "galaxy-a", "cluster1")
-    written = [path.name for path in (offline / "wandb").glob("offline-run-*")]  # offline-run-<time>-<id>[-<n>]
+    # what wandb wrote: offline-run-<time>-<id>[-<n>], one directory per run started
+    written = [path.name for path in (offline / "wandb").glob("offline-run-*")]
     assert len(written) == 2 and all(f"-{first.id}" in name for name in written), written
     fresh = started(cluster(1, ckpt))  # the same --ckpt.path without --ckpt.resume: a new run
     assert fresh.id != first.id and json.loads((ckpt / WANDB_RUN_FILE).read_text()) == {"run_id": fresh.id}
