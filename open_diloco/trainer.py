@@ -7,7 +7,8 @@ import logging
 import resource
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,14 @@ from open_diloco.world import (
     process_group_timeout,
 )
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from open_diloco.data import DataPlan
+    from open_diloco.metrics import Metrics
+    from open_diloco.outer.round import RoundResult
+
 log = logging.getLogger(__name__)
 
 
@@ -46,11 +55,10 @@ def train(config: Config) -> None:
     grad_accum = check_against_world(config, world.world_size)
     precision = resolve_precision(config.precision, world.device)
     model_config = load_model_config(config.path_model).to_dict()
-    vocab_size = model_config["vocab_size"]
     resume = checkpoint.resolve_resume(config.ckpt, model_config)
     galaxy_rank, galaxy_size = (config.hv.world_rank, config.hv.galaxy_size) if config.hv else (0, 1)
     log_from_every_rank(galaxy_rank, world.rank, world.local_rank, env_flag("LOG_LEVEL"))
-    data = plan_data(config, vocab_size, world.world_size, galaxy_rank, galaxy_size)
+    data = plan_data(config, model_config["vocab_size"], world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
     ensure_run_outputs_writable(config, world.is_main)
 
@@ -63,32 +71,17 @@ def train(config: Config) -> None:
     )
     ending = "stopped"  # how the run ended, for the status board
     try:
-        model = build_model(config.path_model, config.seed)
-        model = parallelize(
-            model, world.device, precision, config.activation_checkpointing, config.torch_compile
-        )
+        model = build_sharded_model(config, world, precision)
         outer = build_outer_loop(config.hv, model, world, model_config)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(
             optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
         )
-        batch_args = dict(
-            per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
-        )
-        loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
-        eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
-        start_step = 0
-        if resume is not None:
-            start_step = checkpoint.load(*resume, model=model, optimizer=optimizer, outer=outer)
-            _say(world, f"resumed from {resume[0]} at step {start_step}")
+        loader, eval_loader = build_loaders(config, data, world)
+        start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
         batches = position_at(start_step, loader, scheduler, grad_accum)
-        tokens_per_step = config.total_batch_size * config.seq_length
-        _say(
-            world,
-            f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
-            f"grad accumulation {grad_accum}, steps {start_step + 1}..{config.max_steps}",
-        )
+        _say(world, format_start_line(run_name, world, precision, grad_accum, start_step, config.max_steps))
 
         step = start_step
         while step < config.max_steps:
@@ -97,19 +90,9 @@ def train(config: Config) -> None:
             loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
             scheduler.step()
             seconds = time.perf_counter() - started
-            record: dict[str, Any] = {
-                "step": step,
-                "loss": loss,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "tokens_per_second": tokens_per_step / seconds,
-                "step_seconds": seconds,
-                "memory_gib": _memory_gib(world.device),
-            }
+            record = step_record(step, loss, grad_norm, scheduler, seconds, config, world)
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps)
-            for earlier in syncs[:-1]:  # two syncs ended at this step (--hv.sync-delay = H/P): a line for each
-                metrics.log({**record, **earlier.metrics()})
-            record.update(syncs[-1].metrics() if syncs else {})
+            add_sync_metrics(record, syncs, metrics)
             if any(sync.diverged for sync in syncs):
                 optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
             galaxy_step = outer.inner_step_of_galaxy()
@@ -132,10 +115,7 @@ def train(config: Config) -> None:
         ending = f"stopped ({stop.reason})"
         raise SystemExit(stop.exit_code) from None
     except Exception as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        ending = f"failed ({first_line[:200]})"
-        if not isinstance(err, ConfigError):  # a user error is already one line on every rank, from cli/app.py
-            log.error("training stopped: %s", first_line)  # when and on which rank; the traceback follows
+        ending = f"failed ({log_failure(err)[:200]})"
         raise
     finally:
         guard.begin_shutdown()
@@ -144,6 +124,69 @@ def train(config: Config) -> None:
         outer.close()
         metrics.close()
         leave_process_group(synchronize=ending == "finished")
+
+
+def build_sharded_model(config: Config, world: World, precision: str) -> torch.nn.Module:
+    """The model of ``--path-model``, initialised from ``--seed`` and sharded over the cluster's ranks."""
+    model = build_model(config.path_model, config.seed)
+    return parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+
+
+def resume_from(
+    resume: tuple[Path, dict[str, Any]],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: OuterLoop,
+    world: World,
+) -> int:
+    """Load the checkpoint ``resume`` names (from ``checkpoint.resolve_resume``) into the model, the inner
+    optimizer and the outer loop; returns the inner step it was saved at."""
+    step = checkpoint.load(*resume, model=model, optimizer=optimizer, outer=outer)
+    _say(world, f"resumed from {resume[0]} at step {step}")
+    return step
+
+
+def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[StatefulDataLoader, DataLoader]:
+    """This rank's training loader and its held-out evaluation batches."""
+    batch_args = dict(
+        per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
+    )
+    loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
+    eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
+    return loader, eval_loader
+
+
+def step_record(
+    step: int, loss: float, grad_norm: float, scheduler: Any, seconds: float, config: Config, world: World
+) -> dict[str, Any]:
+    """The metrics of inner step ``step`` that took ``seconds``: what the step line shows and the metrics log
+    keeps (an outer step adds its own, :func:`add_sync_metrics`)."""
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": scheduler.get_last_lr()[0],
+        "grad_norm": grad_norm,
+        "tokens_per_second": config.total_batch_size * config.seq_length / seconds,
+        "step_seconds": seconds,
+        "memory_gib": _memory_gib(world.device),
+    }
+
+
+def add_sync_metrics(record: dict[str, Any], syncs: list[RoundResult], metrics: Metrics) -> None:
+    """The metrics of the syncs (outer steps) that ended at this step into its ``record``. Two end at one step
+    with ``--hv.sync-delay`` = H/P: the earlier one is logged at once, as a line of its own."""
+    for earlier in syncs[:-1]:
+        metrics.log({**record, **earlier.metrics()})
+    record.update(syncs[-1].metrics() if syncs else {})
+
+
+def log_failure(err: Exception) -> str:
+    """The first line of the error a run failed with, logged with when and on which rank (the traceback
+    follows) unless it is a user error, which ``cli/app.py`` already prints as one line on every rank."""
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not isinstance(err, ConfigError):
+        log.error("training stopped: %s", first_line)
+    return first_line
 
 
 def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -223,6 +266,16 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]],
     if world.world_size > 1:
         dist.all_reduce(loss_sum)
     return loss_sum.item() / (count * world.world_size)
+
+
+def format_start_line(
+    run_name: str, world: World, precision: str, grad_accum: int, start_step: int, max_steps: int
+) -> str:
+    """The line a run starts with: its name, where it trains, and the steps it will take."""
+    return (
+        f"training {run_name}: {world.world_size} rank(s) on {world.device.type}, {precision}, "
+        f"grad accumulation {grad_accum}, steps {start_step + 1}..{max_steps}"
+    )
 
 
 def format_step_line(record: dict[str, Any], max_steps: int) -> str:
