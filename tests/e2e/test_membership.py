@@ -79,24 +79,9 @@ def _identity(directory) -> str:
     return made.stdout
 
 
-def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy(galaxy, tmp_path):
-    # The galaxy runs with identity files and an allowlist naming its two clusters. A stranger who knows the
-    # run id and the DHT starts beside them: it is refused both ways (no state, no group) and named once, and the
-    # galaxy's rounds go on as before. Then cluster 1 is stopped with Ctrl+C, which costs cluster 0 nothing, and
-    # started again from its checkpoint with the same identity directory: it is let back in.
-    lines = {name: _identity(tmp_path / name) for name in ("id0", "id1")}
-    allowlist = tmp_path / "allowlist.txt"
-    allowlist.write_text("# the galaxy\n" + lines["id0"] + lines["id1"])
-    common = ["--max-steps", "400", "--hv.local-steps", "5", "--hv.heartbeat-interval", "1",
-              "--hv.member-expiry", str(EXPIRY), "--hv.averaging-timeout", "30"]
-    members = [*common, "--ckpt.interval", "5", "--hv.allowlist", str(allowlist)]
-
-    def member(rank: int, *extra: str, name: str | None = None):
-        return galaxy.start_cluster(rank, 2, *members, "--ckpt.path", str(tmp_path / f"ckpt{rank}"),
-                                    "--hv.identity-path", str(tmp_path / f"id{rank}"), *extra, nproc=1, name=name)
-
-    metrics = [member(rank) for rank in (0, 1)]
-    galaxy.wait_for_step(metrics[1], 12, 240)
+def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
+    """A stranger who knows the run id and the DHT starts beside the galaxy's two members (``metrics``: theirs):
+    it is refused both ways (no state, no group) and named once, and the galaxy's rounds go on as before."""
     # the stranger: a real averager for the members' shard (same size and model fingerprint, so matchmaking and
     # the schema check would let it in), with hivemind's debug log on to show what the members answered it
     model = build_model(TINY_MODEL, seed=0)
@@ -139,6 +124,27 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
         assert a["param_hash"] == b["param_hash"], (r, a, b)
         assert r in retried or (a["galaxy_peers"] == b["galaxy_peers"] == 2
                                 and a["allreduce_seconds"] <= before + 3.0), (r, a, b, before)
+
+
+def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy(galaxy, tmp_path):
+    # The galaxy runs with identity files and an allowlist naming its two clusters. A stranger who knows the
+    # run id and the DHT starts beside them: it is refused both ways (no state, no group) and named once, and the
+    # galaxy's rounds go on as before. Then cluster 1 is stopped with Ctrl+C, which costs cluster 0 nothing, and
+    # started again from its checkpoint with the same identity directory: it is let back in.
+    lines = {name: _identity(tmp_path / name) for name in ("id0", "id1")}
+    allowlist = tmp_path / "allowlist.txt"
+    allowlist.write_text("# the galaxy\n" + lines["id0"] + lines["id1"])
+    common = ["--max-steps", "400", "--hv.local-steps", "5", "--hv.heartbeat-interval", "1",
+              "--hv.member-expiry", str(EXPIRY), "--hv.averaging-timeout", "30"]
+    members = [*common, "--ckpt.interval", "5", "--hv.allowlist", str(allowlist)]
+
+    def member(rank: int, *extra: str, name: str | None = None):
+        return galaxy.start_cluster(rank, 2, *members, "--ckpt.path", str(tmp_path / f"ckpt{rank}"),
+                                    "--hv.identity-path", str(tmp_path / f"id{rank}"), *extra, nproc=1, name=name)
+
+    metrics = [member(rank) for rank in (0, 1)]
+    galaxy.wait_for_step(metrics[1], 12, 240)
+    _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path)
 
     galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # Ctrl+C: torchrun forwards it to the rank
     assert galaxy.wait("cluster1", 60) != 0
