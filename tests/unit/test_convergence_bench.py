@@ -1,4 +1,4 @@
-"""The quality yardstick's own arithmetic (scripts/bench/convergence.py)."""
+"""The quality yardstick's own arithmetic (scripts/bench/convergence_arms.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from scripts.bench.convergence import drift
+from scripts.bench.convergence_arms import drift
 
 
 @pytest.mark.parametrize("clusters", [2, 3, 4])
