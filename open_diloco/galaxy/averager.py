@@ -34,14 +34,13 @@ from open_diloco.galaxy.status import (
 )
 from open_diloco.outer.codecs import wire_codecs
 from open_diloco.outer.guard import wire_norm
-from open_diloco.outer.protocols import Membership, RoundReport
+from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, Membership, RoundReport
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
 
 log = logging.getLogger(__name__)
 
-MEMBERSHIP_READ_SECONDS = 3.0  # what reading the membership records may add to a round's start, at most
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
 FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it

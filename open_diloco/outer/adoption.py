@@ -64,17 +64,23 @@ class StateAdoption:
         self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
 
     def download(self, at_least: int, timeout: float, exact: int | None = None,
-                 refuse: Callable[[int], bool] | None = None) -> Downloaded | None:
+                 refuse: Callable[[int], bool] | None = None, appear_within: float | None = None
+                 ) -> Downloaded | None:
         """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact`` first),
         tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
 
         ``refuse(step)``: a state the caller would rather wait for a better one than take (the step is agreed
-        before it is asked), e.g. a step past ``exact`` while ``exact`` may still come."""
-        deadline = time.monotonic() + timeout
+        before it is asked), e.g. a step past ``exact`` while ``exact`` may still come. ``appear_within``: give up
+        sooner when no record has shown a source at all after that many seconds (nobody has that state)."""
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
             view = self.averager.membership()
             pick = choose_source(view, self.galaxy_rank, at_least, exact)
             chosen = self.cluster.gather_strings("" if pick is None else str(pick[0]))[0]  # rank 0's pick
+            if appear_within is not None and not chosen and self.cluster.all_true(
+                    time.monotonic() - started > appear_within):
+                return None
             got = self._fetch(int(chosen), view.sources.get(int(chosen)), deadline) if chosen else None
             step = -1 if got is None else int(got[0].get("outer_step", -1))
             whole = self.cluster.all_true(got is not None and step >= at_least)

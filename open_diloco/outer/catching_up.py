@@ -73,7 +73,7 @@ class CatchingUp:
         while True:
             view = self.averager.membership()
             others = [step for rank, step in view.steps.items() if rank != self.galaxy_rank]
-            known = -self.cluster.min_int(-len(others))
+            known = -self.cluster.min_int(-len(set(view.reported) - {self.galaxy_rank}))  # someone's record came
             ahead = -self.cluster.min_int(-max(others, default=-1)) > self.outer_step
             if ahead:
                 got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
@@ -116,14 +116,14 @@ class CatchingUp:
                 target = max(start, min(lead_now, next_sync - margin))
         return self.cluster.min_int(target)
 
-    def _take_round(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float
-                    ) -> RoundResult:
+    def _take_round(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float,
+                    appear_within: float | None = None) -> RoundResult:
         """Take the round's result from a cluster that committed it, instead of applying anything of our own.
         When this cluster is in the group the round was committed with (the served state says), that average
         holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
         commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a re-sync."""
         round_no = self.outer_step + 1
-        got = self.adoption.download(round_no, self.hv.join_timeout, exact=round_no)
+        got = self.adoption.download(round_no, self.hv.join_timeout, exact=round_no, appear_within=appear_within)
         fragment = self.state.fragment
         if got is not None and got.step == round_no and self.galaxy_rank in got.metadata.get("committed_group", ()):
             self.state.adopt_round(got.metadata, got.tensors)

@@ -19,7 +19,7 @@ from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.codecs import all_finite
 from open_diloco.outer.guard import wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome
-from open_diloco.outer.protocols import AloneRound, PendingRound, RoundReport
+from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
 from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
 from open_diloco.outer.state import combine_hashes
 
@@ -159,8 +159,13 @@ class Committing:
                 f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
                 "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
             )
-        alone = None if view.committable else ("no attempt came out whole and no cluster committed the round")
-        return self._commit(flight, view, report, network_wait, clusters, alive, decision, alone)
+        if not view.committable or (clusters <= 1 < alive and self.policy.on_partial_round == "retry"):
+            # out of attempts with nothing whole, or whole but alone: the others are likely committing this round
+            # right now, their records a heartbeat behind. Take it from one when its record shows up; apply our own
+            # Δ alone only when none does. Seen in the soak: applying alone at once split the galaxy's last round.
+            record_lag = self.hv.heartbeat_interval + 2 * MEMBERSHIP_READ_SECONDS
+            return self._take_round(flight, view, report, network_wait, appear_within=record_lag)
+        return self._commit(flight, view, report, network_wait, clusters, alive, decision)
 
     def _say_why_again(self, round_no: int, view: RoundView, clusters: int, flight: RoundInFlight) -> None:
         what = (f"partial round ({clusters} of {flight.alive} live clusters)" if view.committable else

@@ -44,6 +44,11 @@ class RoundReport:
     with; the cluster adopts the galaxy's state at once rather than wait for the galaxy's next round."""
 
 
+MEMBERSHIP_READ_SECONDS = 3.0
+"""The most one read of the membership records may take (``Averager.membership`` is bounded so): what a read adds
+to a round's start, and what a wait for a record to show up allows per read."""
+
+
 @dataclass(frozen=True)
 class Membership:
     """The galaxy as its clusters' membership records describe it when a round starts."""

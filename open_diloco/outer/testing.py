@@ -133,7 +133,8 @@ class InProcessAverager:
         return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
                           silent=frozenset(self.galaxy.silent), lead_inner_step=self.galaxy.lead_progress[0],
                           lead_seen_seconds=self.galaxy.lead_progress[1], steps=steps,
-                          sources={rank: str(rank) for rank in serving})
+                          sources={rank: str(rank) for rank in serving},
+                          reported={rank: (-1, None, rank not in galaxy.departed) for rank in galaxy.averagers})
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

@@ -216,3 +216,29 @@ def test_a_cluster_that_never_started_stops_counting_as_alive_after_the_join_tim
     assert outer._membership()[0] == 3  # within the join timeout: it may be starting
     outer._started -= 1.0
     assert outer._membership()[0] == 2
+
+
+def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rather_than_its_own():
+    # the soak's split last round: a late cluster's attempts all came out alone while the other two committed the
+    # round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer. Now it
+    # waits for a committer's record (a heartbeat or so) and takes that round.
+    served = {1: _served([0.25], step=1, group=[1, 2])}
+    peer = ShardPeer(1, [_report([0])], served, membership_after=4)  # the record shows up after the 3 attempts
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0]), peer, _hv(galaxy_size=3, heartbeat_interval=1.0, member_expiry=3.0),
+                   warn=warnings.append)
+    started = {}
+    membership = peer.membership
+
+    def later_membership():
+        started.setdefault("reads", 0)
+        started["reads"] += 1
+        if peer.calls >= 3 and started["reads"] > 6:  # a few reads after the last attempt
+            peer.membership_after = 0
+        return membership()
+
+    peer.membership = later_membership
+    record = outer.after_inner_step(1)
+    assert peer.calls == 3 and record["round_outcome"] == "resynced" and record["state_source"] == 1, warnings
+    torch.testing.assert_close(outer.state.params, torch.tensor([0.25]))  # the galaxy's round, not its own Δ
+    assert not any("applies its own pseudo-gradient alone" in line for line in warnings)
