@@ -2,264 +2,27 @@
 
 Every peer runs in its own spawned process (its DHT, averager and p2pd daemon are its children). The test
 records every descendant process by PID once the peers are up, and asserts at the end that all of them are
-gone: no p2pd daemon or averager may outlive a test. Processes are only ever ended by PID.
+gone: no p2pd daemon or averager may outlive a test. Processes are only ever ended by PID. The peers, their
+faults and :class:`Galaxy` are in tests/support/averager_peers.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
-import math
-import multiprocessing as mp
 import os
 import signal
 import socket
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from open_diloco import processes
+from tests.support.averager_peers import CTX, NUMEL, Galaxy, descendants_named, peer_input, start_galaxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
-CTX = mp.get_context("spawn")
-NUMEL = 250_007  # odd, and more than one 512 KiB part so every peer reduces a span
-BASE = dict(
-    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-    run_id="e2e",
-    matchmaking_time=2.0,
-    averaging_timeout=15.0,
-    join_timeout=10.0,
-    member_expiry=15.0,
-)
-"""The ``--hv.*`` settings of every peer here; a test adds its own (``galaxy_size``, ``world_rank``, ...)."""
-
-
-def _buffer(round_id: int, rank: int, numel: int, scores: int = 0) -> torch.Tensor:
-    """A peer's input: ``numel`` values, then ``scores`` block scores (powers of two, as the outer loop sends them)."""
-    generator = torch.Generator().manual_seed(1000 * round_id + rank)
-    values = torch.randn(numel, generator=generator)
-    return torch.cat([values, 2.0 ** -torch.randint(0, 40, (scores,), generator=generator).float()])
-
-
-def _power_of_two(values: torch.Tensor) -> torch.Tensor:
-    """Each non-negative value truncated to the power of two at or below it (0 stays 0), written out."""
-    return torch.tensor([2.0 ** math.floor(math.log2(v)) if v > 0 else 0.0 for v in values.tolist()])
-
-
-def _crash_when_reducing() -> None:
-    """Fault injection: the first time this peer's averager serializes an averaged part (the all-reduce is
-    under way), SIGKILL the whole peer: worker, DHT, averager and p2pd, as if the machine died."""
-    from open_diloco.galaxy.allreduce import CanonicalAllReduce
-
-    def crash(*args, **kwargs):
-        worker = os.getppid()  # we run inside the averager process, a child of the worker
-        tree = [worker, *processes.descendants(worker)]
-        for pid in sorted(set(tree), key=lambda pid: pid == os.getpid()):  # ourselves last
-            os.kill(pid, signal.SIGKILL)
-
-    CanonicalAllReduce._serialize_result = crash
-
-
-def _send_garbage(fault: str) -> None:
-    """Fault injection: every part this peer sends to another reducer is NaN (``nan``: a broken sender) or 1000x
-    what it claimed (``liar``: a hostile one); the span it reduces itself stays as it is."""
-    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-
-    from open_diloco.galaxy.allreduce import CanonicalAllReduce
-
-    honest = CanonicalAllReduce._generate_input_for_peer
-
-    async def garbage(self, peer_index):
-        async for msg in honest(self, peer_index):
-            part = deserialize_torch_tensor(msg.tensor_part)
-            bad = torch.full_like(part, float("nan")) if fault == "nan" else part * 1000
-            msg.tensor_part.CopyFrom(serialize_torch_tensor(bad))
-            yield msg
-
-    CanonicalAllReduce._generate_input_for_peer = garbage
-
-
-def _read_averages_slowly(seconds: float) -> None:
-    """Fault injection: this peer waits ``seconds`` before it reads each average a reducer sends it (a loaded
-    machine, a slow link), so the reducer has written them all long before they are read."""
-    from open_diloco.galaxy.allreduce import CountingStub
-
-    original = CountingStub.rpc_aggregate_part
-
-    async def slowly(self, inputs):
-        stream = (await original(self, inputs)).__aiter__()
-
-        async def averages():
-            while True:
-                await asyncio.sleep(seconds)
-                try:
-                    yield await stream.__anext__()
-                except StopAsyncIteration:
-                    return
-
-        return averages()
-
-    CountingStub.rpc_aggregate_part = slowly
-
-
-def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
-          fault=None):
-    """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
-    from open_diloco.config import HvConfig
-    from open_diloco.galaxy.build import ClusterShard, start_shard_averager
-    from open_diloco.outer.codecs import score_values
-
-    if crash:
-        _crash_when_reducing()
-    if fault in ("nan", "liar"):
-        _send_garbage(fault)
-    if fault == "slow reader":
-        _read_averages_slowly(0.4)
-
-    def on_sigterm(signum, frame):
-        raise SystemExit(1)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
-    try:
-        hv = HvConfig(**kwargs)
-        av = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
-    except Exception as e:
-        queue.put(("error", rank, type(e).__name__, str(e)))
-        return
-    if handlers != (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)):
-        queue.put(("error", rank, "SignalHandlers", "start_shard_averager changed SIGINT/SIGTERM handlers"))
-    queue.put(("ready", rank, av.visible_maddrs, av.peer_id))
-    try:
-        if serve:
-            av.serve_state(lambda: ({"outer_step": 7, "lr": 0.5}, [_buffer(7, 0, 1001), torch.arange(5)]))
-        if download:
-            start = time.monotonic()
-            state = av.download_state(download)
-            queue.put(("state", rank, state, time.monotonic() - start))
-        n = hv.galaxy_size
-        scores = score_values(numel, hv.compression, hv.sparse_rule)
-        for round_id in range(rounds):
-            barrier.wait(60)
-            inputs = [_buffer(round_id, r, numel, scores) for r in range(n)]
-            mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
-            start = time.monotonic()
-            try:
-                report = av.all_reduce(mine, round_id, {"fingerprint": f"rank{rank}"})
-            except Exception as e:
-                queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
-                continue
-            present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
-            mean = present.mean(0)
-            honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()
-            honest_mean = honest_mean.mean(0)
-            error = (mine.double() - mean).abs()
-            # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
-            fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
-            result = dict(
-                sha256=hashlib.sha256(mine.numpy().tobytes()).hexdigest(),
-                rel_err=float(error.max() / mean.abs().max()),
-                fp16_ok=bool((error <= fp16_tolerance).all()),
-                unchanged=bool(torch.equal(mine, inputs[rank])),
-                each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
-                finite=bool(torch.isfinite(mine).all()),
-                honest_share=float(((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()),
-                wall=time.monotonic() - start,
-                # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
-                scores_are_the_mean=bool(torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))),
-            )
-            queue.put(("round", rank, round_id, asdict(report), result))
-        if not rounds and not serve and not download:
-            time.sleep(300)  # idle: waits to be killed
-        if serve:
-            barrier.wait(60)  # keep serving until the downloader is done
-    finally:
-        av.shutdown()
-        queue.put(("done", rank))
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """Live descendants of ``root`` with their process names (p2pd, python ...)."""
-    names = {}
-    for pid in processes.descendants(root):
-        with contextlib.suppress(psutil.Error):
-            names[pid] = psutil.Process(pid).name()
-    return names
-
-
 _alive = processes.alive
-
-
-class Galaxy:
-    """Starts peers, collects their messages, and accounts for every process they start."""
-
-    def __init__(self):
-        self.queue = CTX.Queue()
-        self.workers: list = []
-        self.seen: dict[int, str] = {}
-        self.messages: list[tuple] = []
-        self.barriers: list = []
-
-    def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
-        if barrier is not None and barrier not in self.barriers:
-            self.barriers.append(barrier)
-        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "fault") if k in kwargs}
-        args = (rank, {**BASE, "world_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
-        worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
-        worker.start()
-        self.workers.append(worker)
-
-    def wait_for(self, kind: str, count: int, timeout: float = 45.0) -> list[tuple]:
-        deadline = time.monotonic() + timeout
-        while len(got := [m for m in self.messages if m[0] == kind]) < count:
-            errors = [m for m in self.messages if m[0] == "error"]
-            assert not errors or kind == "error", f"a peer failed to start: {errors}"
-            self.messages.append(self.queue.get(timeout=max(0.1, deadline - time.monotonic())))
-        self.snapshot()
-        return got
-
-    def snapshot(self) -> None:
-        """Record every process our peers started (not multiprocessing's own resource tracker)."""
-        for worker in self.workers:
-            if worker.pid is not None:
-                self.seen.update({worker.pid: "worker", **_descendants(worker.pid)})
-
-    def kill_tree(self, worker) -> None:
-        """SIGKILL a peer and everything it started, by PID: a crashed machine."""
-        tree = {worker.pid: "worker", **_descendants(worker.pid)}
-        self.seen.update(tree)
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        worker.join(10)
-
-    def close(self) -> None:
-        self.snapshot()
-        for barrier in self.barriers:
-            barrier.abort()  # a failed test must not leave peers waiting for rounds that never come
-        for worker in self.workers:
-            worker.join(20)
-        leftovers = {}
-        for worker in self.workers:
-            if worker.is_alive():
-                self.kill_tree(worker)
-                leftovers[worker.pid] = "worker (did not exit)"
-        deadline = time.monotonic() + 10
-        while _alive(self.seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in _alive(self.seen):
-            leftovers[pid] = self.seen[pid]
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"processes left behind: {leftovers}"
 
 
 @pytest.fixture
@@ -272,20 +35,12 @@ def galaxy():
         assert "p2pd" in g.seen.values() or not any(m[0] == "ready" for m in g.messages), "never saw a p2pd"
 
 
-def _start_galaxy(galaxy: Galaxy, n: int, rounds: int, barrier, **kwargs) -> list[tuple]:
-    galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, **kwargs)
-    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
-    for rank in range(1, n):
-        galaxy.start(rank, rounds, barrier, initial_peers=maddrs, galaxy_size=n, **kwargs)
-    return galaxy.wait_for("ready", n)
-
-
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_rounds_are_bitwise_identical(galaxy, n, compression):
     rounds = 3
     barrier = CTX.Barrier(n + 1)
-    _start_galaxy(galaxy, n, rounds, barrier, compression=compression)
+    start_galaxy(galaxy, n, rounds, barrier, compression=compression)
     for round_id in range(rounds):
         barrier.wait(60)
         results = [m for m in galaxy.wait_for("round", n * (round_id + 1)) if m[2] == round_id]
@@ -352,7 +107,7 @@ def test_codec_rounds_are_bitwise_identical(galaxy, codec):
     barrier = CTX.Barrier(n + 1)
     compression, _, rule = codec.partition(" ")
     rule_flag = {"sparse_rule": rule} if rule else {}
-    _start_galaxy(galaxy, n, rounds, barrier, compression=compression, numel=CODEC_NUMEL, **rule_flag)
+    start_galaxy(galaxy, n, rounds, barrier, compression=compression, numel=CODEC_NUMEL, **rule_flag)
     for round_id in range(rounds):
         barrier.wait(60)
         results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]
@@ -393,7 +148,7 @@ def test_a_peer_slow_to_read_gets_every_average(galaxy):
 
 def test_group_of_one_returns_at_once_unchanged(galaxy):
     barrier = CTX.Barrier(2)
-    _start_galaxy(galaxy, 1, 1, barrier)
+    start_galaxy(galaxy, 1, 1, barrier)
     barrier.wait(60)
     ((_, _, _, report, result),) = galaxy.wait_for("round", 1)
     assert report["group_size"] == 1 and report["complete"] and list(report["peers"]) == [0]
@@ -439,7 +194,7 @@ def test_peer_killed_mid_round_does_not_hang_survivor(galaxy):
 def test_trainer_killed_alone_takes_dht_averager_and_p2pd_along(galaxy):
     galaxy.start(0, 0, None, initial_peers=[], galaxy_size=2)  # idles
     galaxy.wait_for("ready", 1)
-    children = _descendants(galaxy.workers[0].pid)
+    children = descendants_named(galaxy.workers[0].pid)
     assert "p2pd" in children.values() and len(children) == 3, children  # DHT, averager, p2pd
     # p2pd dials from fresh ports (galaxy.dht.REUSEPORT_ENV: a reconnect after a partition must not reuse the
     # dead connection's ports)
@@ -465,7 +220,7 @@ def test_late_joiner_downloads_state(galaxy):
     assert metadata == {"outer_step": 7, "lr": 0.5}
     assert (
         len(tensors) == 2
-        and torch.equal(tensors[0], _buffer(7, 0, 1001))
+        and torch.equal(tensors[0], peer_input(7, 0, 1001))
         and torch.equal(tensors[1], torch.arange(5))
     )
     assert tensors[0].dtype == torch.float32 and tensors[1].dtype == torch.int64

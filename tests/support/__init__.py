@@ -1,2 +1,3 @@
-"""Helpers only tests use: two-rank clusters in threads, the allowlist test's stranger. What benchmarks share
-with tests lives in the package (open_diloco/outer/testing.py, open_diloco/local_galaxy.py)."""
+"""Helpers only tests use: two-rank clusters in threads, the allowlist test's stranger, the averager tests'
+peers. What benchmarks share with tests lives in the package (open_diloco/outer/testing.py,
+open_diloco/local_galaxy.py)."""
