@@ -1,7 +1,9 @@
-"""The shell launchers parse and pass shellcheck; the Dockerfile passes hadolint (tools from the dev extra)."""
+"""The shell launchers parse and pass shellcheck; the Dockerfile passes hadolint (tools from the dev extra);
+no Python file or function is over its size limit."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -70,3 +72,33 @@ def test_docker_image_builds_and_runs():
     for args in (["check-config", "configs/demo-2m.toml"], ["--entrypoint", "hivemind-dht", tag, "--help"]):
         cmd = ["docker", "run", "--rm", *(args if args[0] == "--entrypoint" else [tag, *args])]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+SIZED_TREES = ("open_diloco", "scripts", "tests")
+
+
+def oversized(path: Path) -> list[str]:
+    """The file if it is over MAX_FILE_LINES lines, and each def/async def in it (nested ones too) over
+    MAX_FUNCTION_LINES, counted from its ``def`` line to its last line."""
+    source = path.read_text()
+    name = path.relative_to(REPO).as_posix()
+    found = []
+    if (lines := len(source.splitlines())) > MAX_FILE_LINES:
+        found.append(f"{name}: {lines} lines")
+    for node in ast.walk(ast.parse(source, filename=name)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                found.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
+    return found
+
+
+def test_no_source_file_over_400_lines_and_no_function_over_80():
+    paths = sorted(p for top in SIZED_TREES for p in (REPO / top).rglob("*.py"))
+    assert paths, "no Python files found"
+    found = [line for path in paths for line in oversized(path)]
+    assert not found, (
+        f"over {MAX_FILE_LINES} lines a file, {MAX_FUNCTION_LINES} a function; split along a real seam "
+        "(a module that owns one thing, a helper named for what it does):\n" + "\n".join(found)
+    )
