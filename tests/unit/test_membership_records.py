@@ -132,14 +132,15 @@ class _StillLooking:
 
 
 def _looking_round(monkeypatch, view):
-    from open_diloco.galaxy import averager as galaxy_averager
+    from open_diloco.galaxy import round_wait
+    from open_diloco.galaxy.averager import HivemindAverager
 
-    monkeypatch.setattr(galaxy_averager, "MEMBERSHIP_POLL_SECONDS", 0.01)
-    owner = galaxy_averager.HivemindAverager.__new__(galaxy_averager.HivemindAverager)
+    monkeypatch.setattr(round_wait, "MEMBERSHIP_POLL_SECONDS", 0.01)
+    owner = HivemindAverager.__new__(HivemindAverager)
     owner.galaxy_rank, owner.galaxy_size, owner.averaging_timeout = 0, 2, 5.0
     owner.membership = lambda: view
     control = _StillLooking()
-    pending = galaxy_averager.HivemindRound(owner, control, {"round_id": 3, "galaxy_rank": 0}, time.monotonic())
+    pending = round_wait.HivemindRound(owner, control, {"round_id": 3, "galaxy_rank": 0}, time.monotonic())
     return pending, control
 
 
