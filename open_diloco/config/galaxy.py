@@ -77,9 +77,11 @@ class HvConfig(BaseModel):
     """Multiaddrs other clusters should dial, where they differ from what the host listens on (NAT, docker)."""
 
     matchmaking_time: Annotated[float, Field(gt=0)] = 2.0
-    """Seconds a peer waits for the rest of the live galaxy before an all-reduce goes on with a partial group (a
-    full group starts at once). Matchmaking takes a few round trips through the DHT: over a WAN set it to at least
-    10 × the round-trip time between sites (2 s is enough on one site), or rounds come out partial and retry."""
+    """Seconds a peer waits for the rest of the live galaxy before an all-reduce goes on with a partial
+    group (a full group starts at once). Over a WAN set it to at least the time a cluster takes to download
+    θ_outer over its slowest link (a cluster that re-synced is that late for the next round), and 10 × the
+    round-trip time between sites; 2 s is enough on one site. Too short, a re-synced cluster misses every
+    later round (docs/round-protocol.md)."""
 
     averaging_timeout: Annotated[float, Field(gt=0)] = 120.0
     """Seconds an outer-step all-reduce may take, matchmaking included, before the round counts as failed."""
