@@ -83,12 +83,16 @@ done
 [ -n "$maddr" ] || { echo "the DHT did not start within 30 s; see $workdir/dht.log" >&2; exit 1; }
 echo "DHT bootstrap peer: $maddr  (logs and metrics in $workdir)"
 
+# a round waits this long for a late cluster: on loopback 1 s; over the lab, long enough to cover a re-synced
+# cluster's download of the demo model's θ_outer over the slowest profile (docs/round-protocol.md)
+matchmaking=1.0
+[ -n "$wan" ] && matchmaking=8.0
 # the demo's model, batch, schedule and flags, each dropped where the trainer flags after `--` set it again (the CLI
 # refuses a flag given twice): `-- --num-workers 2` or `-- --max-steps 100` wins over the script's own
 user=" $* "
 defaults=(--path-model tests/models/llama-2m-fresh --seq-length 128 --per-device-train-batch-size 4 --lr 1e-2
           --warmup-steps 5 --max-steps "$steps" --log-interval 5 --num-workers 0 --hv.local-steps "$local_steps"
-          --hv.matchmaking-time 1.0)
+          --hv.matchmaking-time "$matchmaking")
 [[ "$user" == *" --per-device-train-batch-size "* ]] || defaults+=(--total-batch-size $((4 * ranks)))
 demo_defaults=(--fake-data)
 for ((i = 0; i < ${#defaults[@]}; i += 2)); do

@@ -57,6 +57,13 @@ def with_overrides(defaults: list[str], extra: list[str]) -> list[str]:
     return [*base, *extra]
 
 
+def matchmaking_time(cfg: SoakConfig) -> str:
+    """How long a round waits for a late cluster: over the lab, long enough to cover a re-synced cluster's download
+    of the 2M model's θ_outer at the slowest profile's 10 Mbit/s (6-7 s; at 1 s such a cluster missed every later
+    round, docs/results/chaos-soak.md); on loopback 1 s."""
+    return "1.0" if cfg.profile in (None, "none") else "8.0"
+
+
 def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None) -> list[str]:
     """Every flag of cluster ``cluster``: the soak's defaults (replaceable), then its identity (fixed)."""
     h = cfg.local_steps
@@ -64,7 +71,7 @@ def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None
                 "--total-batch-size", str(4 * cfg.ranks), "--lr", "1e-2", "--warmup-steps", "5",
                 "--num-workers", "0", "--log-interval", "10", "--max-steps", str(cfg.steps),
                 "--hv.local-steps", str(h), "--hv.fragments", str(cfg.fragments),
-                "--hv.sync-delay", str(cfg.stride), "--hv.matchmaking-time", "1.0",
+                "--hv.sync-delay", str(cfg.stride), "--hv.matchmaking-time", matchmaking_time(cfg),
                 "--ckpt.interval", str(2 * h), "--ckpt.path", str(cfg.out / f"ckpt{cluster}"), "--ckpt.keep", "2"]
     switches = ["--fake-data"] + ([] if any("torch-compile" in arg for arg in cfg.extra) else ["--no-torch-compile"])
     identity = ["--metric-logger-type", "jsonl", "--metrics-path", str(cfg.out / f"cluster{cluster}.jsonl"),
