@@ -176,7 +176,8 @@ class Committing:
 
     def _committed_elsewhere(self, round_no: int) -> bool:
         """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state now."""
-        return -self.cluster.min_int(-max(self.averager.membership().steps.values(), default=-1)) >= round_no
+        steps = [step for rank, step in self.averager.membership().steps.items() if rank != self.galaxy_rank]
+        return -self.cluster.min_int(-max(steps, default=-1)) >= round_no  # (our own record may be an older life's)
 
     def _commit(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float,
                 clusters: int, alive: int, decision: Decision, alone: str | None = None) -> RoundResult:
