@@ -46,7 +46,6 @@ class Committing:
     warn: Any
     bad_rounds: int
     _alive_before: int
-    _started: float
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
@@ -103,16 +102,12 @@ class Committing:
 
         Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
         any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
-        cluster that is there. A cluster with no record at all counts as alive for ``--hv.join-timeout`` after this
-        one started (a galaxy that starts together waits for all of it), then as absent until its record appears:
-        a cluster that never started must not cost every round its retries. Lead: the highest outer step any rank
-        saw in a live cluster's record. Silent: the most gone-by-silence clusters any rank saw (see
-        ``Membership.silent``)."""
+        cluster that is there. A cluster with no record at all counts as alive (a galaxy that starts together waits
+        for all of it). Lead: the highest outer step any rank saw in a live cluster's record. Silent: the most
+        gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
         view = self.averager.membership()
         ours = range(self.hv.galaxy_size)
         gone = {rank for rank in view.departed if rank != self.galaxy_rank and rank in ours}
-        if view.reported and time.monotonic() - self._started > self.hv.join_timeout:  # (the DHT answered)
-            gone |= {rank for rank in ours if rank != self.galaxy_rank and rank not in view.reported}
         silent = {rank for rank in view.silent if rank != self.galaxy_rank and rank in ours}
         alive = -self.cluster.min_int(-(self.hv.galaxy_size - len(gone)))
         attempt = -self.cluster.min_int(-view.attempt_of(self.outer_step + 1))

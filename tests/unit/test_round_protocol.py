@@ -205,19 +205,6 @@ def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_st
     assert len(warnings) == 1 and "unlike that of cluster(s) [2]" in warnings[0]
 
 
-def test_a_cluster_that_never_started_stops_counting_as_alive_after_the_join_timeout():
-    # a galaxy that starts together waits for all of it; a cluster with no record at all, past --hv.join-timeout,
-    # no longer makes every round retry for it (the soak's late joiner cost each sync its retries: ~16 s)
-    class TwoOfThree(ShardPeer):
-        def membership(self):
-            return Membership(reported={0: (0, "h", True), 1: (0, "h", True)})
-
-    outer = DiLoCo(_model([1.0]), TwoOfThree(1, [], {}), _hv(galaxy_size=3, join_timeout=0.5), warn=lambda *_: None)
-    assert outer._membership()[0] == 3  # within the join timeout: it may be starting
-    outer._started -= 1.0
-    assert outer._membership()[0] == 2
-
-
 def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rather_than_its_own():
     # the soak's split last round: a late cluster's attempts all came out alone while the other two committed the
     # round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer. Now it
