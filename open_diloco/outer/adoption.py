@@ -64,13 +64,10 @@ class StateAdoption:
         self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
 
     def download(self, at_least: int, timeout: float, exact: int | None = None,
-                 refuse: Callable[[int], bool] | None = None, appear_within: float | None = None
-                 ) -> Downloaded | None:
+                 appear_within: float | None = None) -> Downloaded | None:
         """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact`` first),
         tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
-
-        ``refuse(step)``: a state the caller would rather wait for a better one than take (the step is agreed
-        before it is asked), e.g. a step past ``exact`` while ``exact`` may still come. ``appear_within``: give up
+        ``appear_within``: give up
         sooner when no record has shown a source at all after that many seconds (nobody has that state)."""
         started = time.monotonic()
         deadline = started + timeout
@@ -85,7 +82,7 @@ class StateAdoption:
             step = -1 if got is None else int(got[0].get("outer_step", -1))
             whole = self.cluster.all_true(got is not None and step >= at_least)
             agreed = whole and self.cluster.min_int(step) == -self.cluster.min_int(-step)
-            if agreed and not (refuse is not None and refuse(step)):
+            if agreed:
                 return Downloaded(int(chosen), step, *got)
             if not self.cluster.all_true(time.monotonic() + RETRY_SECONDS < deadline):
                 return None

@@ -46,7 +46,6 @@ class CatchingUp:
     bad_rounds: int
     _catch_up_step: int
     _step_seconds: float | None
-    _joined_from: int
 
     def join_galaxy(self) -> int:
         """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late joiner, or a
@@ -54,10 +53,11 @@ class CatchingUp:
         cluster is ahead: the records carry each cluster's outer step. The state comes from one source cluster,
         every rank's shard from it (``outer/adoption.py``), or is not taken at all."""
         wanted = self.hv.galaxy_size > 1 and not self.hv.skip_load_from_peers
+        previous = self.outer_step
         got = self._find_and_take_newer() if wanted else None
         if got is not None:
             self.warn(
-                f"the galaxy is at outer step {got.step} (this cluster was at {self._joined_from}): downloaded "
+                f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
                 f"θ_outer and the outer momentum from cluster {got.source}"
             )
         elif self.state.local_at_start is not None:  # a checkpoint taken with a round in flight: send it again
@@ -68,7 +68,6 @@ class CatchingUp:
         """Wait (up to ``--hv.join-timeout``) for the records of the other clusters to show up: a cluster that
         starts beside running ones must not train alone from scratch because the DHT had not answered yet. Once
         any other cluster's record is seen, download only if one of them is ahead."""
-        self._joined_from = self.outer_step
         deadline = time.monotonic() + self.hv.join_timeout
         while True:
             view = self.averager.membership()

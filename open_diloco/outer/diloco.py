@@ -89,7 +89,6 @@ class DiLoCo(Committing, CatchingUp):
         )
         self.averager.serve_state(self._served_state)
         self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
-        self._joined_from = self.outer_step
         self._final_hash: str | None = None
         """``param_hash`` of the last round this cluster ended, for :meth:`verify_final`."""
 
