@@ -26,6 +26,8 @@ def listen_address(maddr: str) -> tuple[socket.AddressFamily, str, int]:
     """Address family, host and TCP port of a ``--hv.host-maddrs`` entry (``/ip4/0.0.0.0/tcp/0``)."""
     match = _MULTIADDR.fullmatch(maddr.strip())
     if match is None or match[1] not in ("ip4", "ip6") or match[4]:
-        raise ConfigError(f"--hv.host-maddrs {maddr!r} is not a valid listen multiaddr; e.g. /ip4/0.0.0.0/tcp/0")
+        raise ConfigError(
+            f"--hv.host-maddrs {maddr!r} is not a valid listen multiaddr; e.g. /ip4/0.0.0.0/tcp/0"
+        )
     family = socket.AF_INET6 if match[1] == "ip6" else socket.AF_INET
     return family, match[2], int(match[3])

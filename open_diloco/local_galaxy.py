@@ -138,21 +138,44 @@ class Galaxy:
         raise AssertionError(f"hivemind-dht did not start: {log.read_text()}")
 
     def start_cluster(
-        self, rank: int, size: int, *extra: str, nproc: int = 2, name: str | None = None,
+        self,
+        rank: int,
+        size: int,
+        *extra: str,
+        nproc: int = 2,
+        name: str | None = None,
         env: dict[str, str] | None = None,
     ) -> Path:
         """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path. ``env``: added to the
         trainers' environment (a fault injected into one cluster, say)."""
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
-        identity = ["--total-batch-size", str(4 * nproc), "--metrics-path", str(metrics), "--run-name", name,
-                    "--hv.initial-peers", self.maddr, "--hv.galaxy-size", str(size),
-                    "--hv.world-rank", str(rank)]
+        identity = [
+            "--total-batch-size",
+            str(4 * nproc),
+            "--metrics-path",
+            str(metrics),
+            "--run-name",
+            name,
+            "--hv.initial-peers",
+            self.maddr,
+            "--hv.galaxy-size",
+            str(size),
+            "--hv.world-rank",
+            str(rank),
+        ]
         if self.lab:
             identity += ["--hv.host-maddrs", f"/ip4/{self.lab.address(f'cluster{rank}')}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
-        cmd = [*self._place(f"cluster{rank}"), *TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
-               str(TRAIN_SCRIPT), *flags, *identity]
+        cmd = [
+            *self._place(f"cluster{rank}"),
+            *TORCHRUN,
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(TRAIN_SCRIPT),
+            *flags,
+            *identity,
+        ]
         log = (self.workdir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             cmd, cwd=REPO, env={**trainer_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT

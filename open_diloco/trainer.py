@@ -197,8 +197,9 @@ def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iter
     return iter(loader)
 
 
-def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World,
-                     model_config: dict[str, Any]) -> OuterLoop:
+def build_outer_loop(
+    hv: HvConfig | None, model: torch.nn.Module, world: World, model_config: dict[str, Any]
+) -> OuterLoop:
     """DiLoCo over hivemind when a galaxy is configured, else the no-op loop. Each local rank averages its own
     FSDP shard with the same shard of every other cluster (``galaxy/build.py`` starts its part of the galaxy)."""
     if hv is None:
@@ -216,7 +217,9 @@ def build_outer_loop(hv: HvConfig | None, model: torch.nn.Module, world: World,
     galaxy = join_galaxy(hv, shard, cluster)
     try:
         outer_log = logging.getLogger("open_diloco.outer")
-        return DiLoCo(model, galaxy.averager, hv, cluster=cluster, warn=outer_log.warning, status=galaxy.status)
+        return DiLoCo(
+            model, galaxy.averager, hv, cluster=cluster, warn=outer_log.warning, status=galaxy.status
+        )
     except BaseException:
         galaxy.averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
         raise

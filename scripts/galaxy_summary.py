@@ -12,8 +12,10 @@ def main(paths: list[str]) -> int:
     runs = {}
     missing = [path for path in paths if not Path(path).is_file()]
     if missing or not paths:
-        print(f"no metrics from {', '.join(missing) or 'any cluster'}: a cluster failed before its first step "
-              "(its log beside the metrics says why)")
+        print(
+            f"no metrics from {', '.join(missing) or 'any cluster'}: a cluster failed before its first step "
+            "(its log beside the metrics says why)"
+        )
         return 1
     for path in paths:
         records = [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev scripts/setup_env.sh
 started=$(date +%s)
+.venv/bin/ruff format --check open_diloco tests scripts
 .venv/bin/ruff check open_diloco tests scripts
 .venv/bin/python -m pytest "$@"
 echo "suite time: $(( $(date +%s) - started )) s"

@@ -58,8 +58,6 @@ FLAG_PANELS: dict[str, tuple[str, ...]] = {
 }
 
 
-
-
 def _put_flags_in_panels() -> None:
     """Attach each Config field's help panel the way cyclopts reads it (a Parameter in the field's metadata);
     a nested model's panel covers all its flags."""
@@ -107,8 +105,10 @@ def describe_unused_tokens(err: cyclopts.UnusedCliTokensError) -> str:
     word = err.unused_tokens[0] if err.unused_tokens else ""
     if err.command_chain:
         command = " ".join(err.command_chain)
-        return (f"unexpected argument {word!r} after {command}: see open-diloco {command} --help for its "
-                "arguments")
+        return (
+            f"unexpected argument {word!r} after {command}: see open-diloco {command} --help for its "
+            "arguments"
+        )
     return (
         f"unexpected argument {word!r}: training takes only --flags, each value after its flag "
         f"(e.g. --path-model DIR); the commands are {', '.join(_command_names())}"

@@ -109,4 +109,3 @@ def split_config_flag(argv: list[str]) -> tuple[Path | None, list[str]]:
         else:
             rest.append(arg)
     return config_path, rest
-

@@ -84,4 +84,3 @@ def status(
 
 class StatusEmpty(OpenDilocoError):
     """``open-diloco status`` found nobody: exit 1, as a monitoring script expects of an empty galaxy."""
-

@@ -48,4 +48,3 @@ def show_ranges_in_help(model: type[BaseModel]) -> None:
         text = _range_text(properties[name])
         if text is not None:
             field.description = f"{field.description} [range: {text}]"
-

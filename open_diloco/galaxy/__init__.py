@@ -17,4 +17,6 @@ import os as _os
 # show from WARNING up unless the operator asks for it (LOG_LEVEL=DEBUG, as scripts/cluster_train.sh takes it,
 # or hivemind's own HIVEMIND_LOGLEVEL). Set before any hivemind import: hivemind reads it once.
 if "HIVEMIND_LOGLEVEL" not in _os.environ:
-    _os.environ["HIVEMIND_LOGLEVEL"] = "DEBUG" if _os.environ.get("LOG_LEVEL", "").upper() == "DEBUG" else "WARNING"
+    _os.environ["HIVEMIND_LOGLEVEL"] = (
+        "DEBUG" if _os.environ.get("LOG_LEVEL", "").upper() == "DEBUG" else "WARNING"
+    )

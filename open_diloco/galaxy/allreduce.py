@@ -77,8 +77,12 @@ class CodecCompression(CompressionBase):
     def __init__(self, codecs: WireCodecs):
         self.codecs = codecs
 
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return encoded_message(self.codecs.for_key(info.key).encode(tensor.detach().reshape(-1), on_grid=True))
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
+    ) -> runtime_pb2.Tensor:
+        return encoded_message(
+            self.codecs.for_key(info.key).encode(tensor.detach().reshape(-1), on_grid=True)
+        )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return self.codecs.decode(NoCompression().extract(serialized_tensor))
@@ -101,10 +105,14 @@ class CanonicalAllReduce(AllReduceRunner):
         self.tensor_part_container = InPlaceParts.like(self.tensor_part_container)
         own_index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
-        self.tensor_part_container.own_span_parts = list(self.tensor_part_container._input_parts_by_peer[own_index])
+        self.tensor_part_container.own_span_parts = list(
+            self.tensor_part_container._input_parts_by_peer[own_index]
+        )
         compression = self.tensor_part_container.compression
         self.result_compression = compression.compression_type
-        self.codecs: WireCodecs | None = compression.codecs if isinstance(compression, CodecCompression) else None
+        self.codecs: WireCodecs | None = (
+            compression.codecs if isinstance(compression, CodecCompression) else None
+        )
         self.tensor_part_container.codecs = self.codecs
         self.bytes_sent = self.bytes_received = 0
         self.rejected_senders: set = set()
@@ -138,15 +146,22 @@ class CanonicalAllReduce(AllReduceRunner):
         if peer_id != self.peer_id:
             try:
                 return await super()._communicate_with_peer(peer_id)
-            except Exception as err:  # hivemind says why only at DEBUG; a partial round should say which peer, why
-                log.warning("all-reduce: the exchange with peer %s failed: %r (its span keeps our values)",
-                            peer_id, err)
+            except (
+                Exception
+            ) as err:  # hivemind says why only at DEBUG; a partial round should say which peer, why
+                log.warning(
+                    "all-reduce: the exchange with peer %s failed: %r (its span keeps our values)",
+                    peer_id,
+                    err,
+                )
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         scale = self.claims.scale(peer_id) if self.claims is not None else 1.0
         weight = self.weight
-        if self.claims is not None and peer_id in self.claims.stale:  # we started elsewhere: the cohort's average
+        if (
+            self.claims is not None and peer_id in self.claims.stale
+        ):  # we started elsewhere: the cohort's average
             weight = 0.0
             self.rejected_senders.add(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
@@ -157,10 +172,15 @@ class CanonicalAllReduce(AllReduceRunner):
             if self.codecs is not None:
                 codec = self._codec_of_part(part_index)
                 canonical = codec.decode(codec.encode(averaged))  # what the others decode
-            elif self.result_compression == runtime_pb2.CompressionType.NONE and averaged.dtype == torch.float32:
+            elif (
+                self.result_compression == runtime_pb2.CompressionType.NONE
+                and averaged.dtype == torch.float32
+            ):
                 canonical = averaged  # fp32 on the wire is exact: the others got these very bytes
             else:
-                canonical = deserialize_torch_tensor(self._serialize_result(averaged, part_index))  # what the others got
+                canonical = deserialize_torch_tensor(
+                    self._serialize_result(averaged, part_index)
+                )  # what the others got
             self.tensor_part_container.register_processed_part(peer_index, part_index, canonical)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
@@ -171,7 +191,9 @@ class CanonicalAllReduce(AllReduceRunner):
         claims = self.claims
         try:
             if claims is not None and not claims.admits(sender):
-                self.rejected_senders.add(sender)  # no valid claim, or a Δ far larger than ours: not even read
+                self.rejected_senders.add(
+                    sender
+                )  # no valid claim, or a Δ far larger than ours: not even read
                 yield _REFUSED
                 return
             scale = claims.scale(sender) if claims is not None else 1.0
@@ -190,7 +212,10 @@ class CanonicalAllReduce(AllReduceRunner):
                     break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part if scale == 1.0 else tensor_part * scale, weight=weight
+                        sender_index,
+                        part_index,
+                        tensor_part if scale == 1.0 else tensor_part * scale,
+                        weight=weight,
                     )
                     this_part, part_index = part_index, part_index + 1
                 except BannedException:  # too late (hivemind's sender timeout): averaged without it
@@ -337,13 +362,17 @@ class CountingStub:
             while not read["over"] and read["averages"] < expected:
                 progress.clear()
                 try:
-                    await asyncio.wait_for(progress.wait(), runner.reducer_timeout or _READ_ALL_FALLBACK_SECONDS)
+                    await asyncio.wait_for(
+                        progress.wait(), runner.reducer_timeout or _READ_ALL_FALLBACK_SECONDS
+                    )
                 except asyncio.TimeoutError:
                     break  # hivemind's own reading gives up on this reducer at the same time
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
 
         writing = asyncio.create_task(write())
-        writing.add_done_callback(lambda task: task.cancelled() or task.exception())  # (an error is read below)
+        writing.add_done_callback(
+            lambda task: task.cancelled() or task.exception()
+        )  # (an error is read below)
 
         async def averages():
             with contextlib.closing(writer):

@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
-FINISH_DRAIN_SECONDS = 15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
+FINISH_DRAIN_SECONDS = (
+    15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
+)
 
 
 class HivemindAverager:
@@ -55,9 +57,18 @@ class HivemindAverager:
     a Δ being computed.
     """
 
-    def __init__(self, dht: GalaxyDHT, averager: CanonicalAverager, hv: HvConfig, *, shard_index: int,
-                 schema: dict[str, Any], initial_peers: Sequence[str], allowlist: Allowlist | None,
-                 wire_buffer: torch.Tensor):
+    def __init__(
+        self,
+        dht: GalaxyDHT,
+        averager: CanonicalAverager,
+        hv: HvConfig,
+        *,
+        shard_index: int,
+        schema: dict[str, Any],
+        initial_peers: Sequence[str],
+        allowlist: Allowlist | None,
+        wire_buffer: torch.Tensor,
+    ):
         """Made by ``galaxy.build.start_shard_averager``, which starts ``dht`` and ``averager``."""
         self.dht, self.averager = dht, averager
         self.wire_buffer = wire_buffer
@@ -112,7 +123,9 @@ class HivemindAverager:
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
         self.averager.set_group_bits(round_key_bits(round_id, attempt))
-        control = self.averager.step(gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False)
+        control = self.averager.step(
+            gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False
+        )
         return HivemindRound(self, control, metadata, start)
 
     def membership(self) -> Membership:
@@ -121,7 +134,9 @@ class HivemindAverager:
         if self.galaxy_size == 1:
             return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
-        if self.allowlist is not None:  # a stranger's record (say, a mismatched schema) must not stop or stall us
+        if (
+            self.allowlist is not None
+        ):  # a stranger's record (say, a mismatched schema) must not stop or stall us
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
@@ -129,22 +144,45 @@ class HivemindAverager:
         gone = frozenset(departed(records, self.member_expiry))
         quiet = frozenset(silent(records, self.member_expiry))
         if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
-            peers = {rank: peer for record in records if (rank := record["galaxy_rank"]) != self.galaxy_rank
-                     and (peer := shard_peer(record, self.shard_index))}
-            self._find_the_others_again([peer for rank, peer in peers.items() if rank in quiet],
-                                        [peer for rank, peer in peers.items() if rank not in gone])
+            peers = {
+                rank: peer
+                for record in records
+                if (rank := record["galaxy_rank"]) != self.galaxy_rank
+                and (peer := shard_peer(record, self.shard_index))
+            }
+            self._find_the_others_again(
+                [peer for rank, peer in peers.items() if rank in quiet],
+                [peer for rank, peer in peers.items() if rank not in gone],
+            )
         lead = lead_outer_step(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
         live = [record for record in records if record["galaxy_rank"] not in gone]
-        return Membership(departed=gone, lead=lead, silent=quiet,
-                          lead_inner_step=lead_step, lead_seen_seconds=lead_seen,
-                          steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in live},
-                          sources={record["galaxy_rank"]: peer for record in live
-                                   if (peer := shard_peer(record, self.shard_index))},
-                          attempts={record["galaxy_rank"]: (int(attempt[0]), int(attempt[1])) for record in live
-                                    if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2},
-                          reported={record["galaxy_rank"]: (int(record.get("outer_step", -1)), record.get("param_hash"),
-                                                            record["galaxy_rank"] not in gone) for record in records})
+        return Membership(
+            departed=gone,
+            lead=lead,
+            silent=quiet,
+            lead_inner_step=lead_step,
+            lead_seen_seconds=lead_seen,
+            steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in live},
+            sources={
+                record["galaxy_rank"]: peer
+                for record in live
+                if (peer := shard_peer(record, self.shard_index))
+            },
+            attempts={
+                record["galaxy_rank"]: (int(attempt[0]), int(attempt[1]))
+                for record in live
+                if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2
+            },
+            reported={
+                record["galaxy_rank"]: (
+                    int(record.get("outer_step", -1)),
+                    record.get("param_hash"),
+                    record["galaxy_rank"] not in gone,
+                )
+                for record in records
+            },
+        )
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:
         """While some cluster looks gone, re-bootstrap this peer's DHT node every ``REBOOTSTRAP_SECONDS``
@@ -161,26 +199,39 @@ class HivemindAverager:
         others = set(range(self.galaxy_size)) - {self.galaxy_rank}
         return others <= view.departed
 
-    def lonely_report(self, metadata: dict[str, Any], start: float, overtaken: bool = False,
-                      moved_on: bool = False) -> RoundReport:
-        return RoundReport(group_size=1, complete=not moved_on, peers={self.galaxy_rank: metadata},
-                           seconds=time.monotonic() - start, overtaken=overtaken, moved_on=moved_on)
+    def lonely_report(
+        self, metadata: dict[str, Any], start: float, overtaken: bool = False, moved_on: bool = False
+    ) -> RoundReport:
+        return RoundReport(
+            group_size=1,
+            complete=not moved_on,
+            peers={self.galaxy_rank: metadata},
+            seconds=time.monotonic() - start,
+            overtaken=overtaken,
+            moved_on=moved_on,
+        )
 
-    def all_reduce(self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any],
-                   attempt: int = 0) -> RoundReport:
+    def all_reduce(
+        self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any], attempt: int = 0
+    ) -> RoundReport:
         """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
         with self.buffer() as shared:
             shared.copy_(values.view(-1))
         codecs = wire_codecs(self.compression, self.sparse_rule)
         on_wire = values.reshape(-1)
-        if codecs is not None:  # what the parts will decode to, tensor by tensor (values, then any block scores)
+        if (
+            codecs is not None
+        ):  # what the parts will decode to, tensor by tensor (values, then any block scores)
             pieces = []
             for key, tensor in enumerate(values.reshape(-1).split(self._tensor_sizes())):
                 codec = codecs.for_key(key)
                 pieces.append(codec.decode(codec.encode(tensor, on_grid=True)))
             on_wire = torch.cat(pieces)
-        fingerprint = {"delta_norm": wire_norm(on_wire), **fingerprint}  # the claim: what the parts will carry
+        fingerprint = {
+            "delta_norm": wire_norm(on_wire),
+            **fingerprint,
+        }  # the claim: what the parts will carry
         report = self.start_round(round_id, fingerprint, attempt).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
@@ -194,8 +245,9 @@ class HivemindAverager:
         self.averager.get_state = get_state
         self.averager.allow_state_sharing = True
 
-    def download_state(self, timeout: float, source: str | None = None
-                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def download_state(
+        self, timeout: float, source: str | None = None
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download ``(metadata, tensors)`` from ``source`` (a PeerID), or any peer serving this shard; ``None``
         if none answers in time.
 
@@ -215,8 +267,11 @@ class HivemindAverager:
                 sizes = [tensor.numel() for tensor in tensors]
                 if announced is None or announced == sizes:
                     return metadata, [tensor.clone() for tensor in tensors]  # own memory, not the IPC segment
-                log.warning("a state download came short (%s values of the %s announced): trying again",
-                            sizes, announced)
+                log.warning(
+                    "a state download came short (%s values of the %s announced): trying again",
+                    sizes,
+                    announced,
+                )
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
@@ -241,8 +296,12 @@ class HivemindAverager:
         """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is empty)."""
         if not ranks:
             return True
-        return past_round(read_records(self.dht, self.status_key, timeout, self.record_ages), round_id, ranks,
-                          self.member_expiry)
+        return past_round(
+            read_records(self.dht, self.status_key, timeout, self.record_ages),
+            round_id,
+            ranks,
+            self.member_expiry,
+        )
 
     def shutdown(self, finished: bool = False) -> None:
         """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``: the
@@ -252,7 +311,9 @@ class HivemindAverager:
         self._closed = True
         # a finished run serves the last round's state until the others took it (or join_timeout at most): a
         # cluster whose last average never came takes the round from us (outer/diloco.py)
-        self._let_last_averages_drain(max(FINISH_DRAIN_SECONDS, self.join_timeout) if finished else DRAIN_SECONDS)
+        self._let_last_averages_drain(
+            max(FINISH_DRAIN_SECONDS, self.join_timeout) if finished else DRAIN_SECONDS
+        )
         try:
             if self.averager.is_alive():
                 self.averager.shutdown()  # joins for at most SHUTDOWN_SECONDS, then terminates

@@ -54,8 +54,9 @@ class ClusterShard:
     def flat(cls, numel: int) -> ClusterShard:
         """The one shard of a one-rank cluster whose model is ``numel`` values, no more: benchmarks and tests
         of the averager alone."""
-        return cls(index=0, ranks=1, numel=numel, model_fingerprint=f"numel {numel}",
-                   model_config={"numel": numel})
+        return cls(
+            index=0, ranks=1, numel=numel, model_fingerprint=f"numel {numel}", model_config={"numel": numel}
+        )
 
     def schema(self, hv: HvConfig) -> dict[str, Any]:
         """What this cluster must share with every other to average (``galaxy.status.SCHEMA_KEYS``, compared
@@ -121,18 +122,21 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
         shard_peer_ids = cluster.gather_strings(averager.peer_id)
         status = None
         if shard.index == 0:
-            identity = cluster_identity(hv.world_rank, averager.schema, hv.local_steps, version_line(),
-                                        shard_peer_ids)
-            status = StatusPublisher(averager.dht, hv.run_id, identity, hv.heartbeat_interval,
-                                     hv.member_expiry)
+            identity = cluster_identity(
+                hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids
+            )
+            status = StatusPublisher(
+                averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry
+            )
         return GalaxyPart(averager, status)
     except BaseException:
         averager.shutdown()  # the caller only knows what this returns, which does not exist yet
         raise
 
 
-def start_shard_averager(hv: HvConfig, shard: ClusterShard, *,
-                         initial_peers: Sequence[str]) -> HivemindAverager:
+def start_shard_averager(
+    hv: HvConfig, shard: ClusterShard, *, initial_peers: Sequence[str]
+) -> HivemindAverager:
     """Start this shard's DHT node and averager (key prefix ``{run_id}/shard{index}``), joining
     ``initial_peers`` (``--hv.initial-peers``, or rank 0's DHT; empty: a DHT of its own).
 
@@ -144,8 +148,9 @@ def start_shard_averager(hv: HvConfig, shard: ClusterShard, *,
     """
     allowlist = Allowlist.load(hv.allowlist) if hv.allowlist is not None else None
     identity_path = _rank_identity(hv, shard.index, allowlist)
-    dht = start_dht(initial_peers, hv.host_maddrs, hv.announce_maddrs, hv.join_timeout,
-                    identity_path=identity_path)
+    dht = start_dht(
+        initial_peers, hv.host_maddrs, hv.announce_maddrs, hv.join_timeout, identity_path=identity_path
+    )
     numel, scores = shard.numel, score_values(shard.numel, hv.compression, hv.sparse_rule)
     # shared before the views are cut: one segment
     wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()
@@ -167,8 +172,16 @@ def start_shard_averager(hv: HvConfig, shard: ClusterShard, *,
         end_child(averager)
         shutdown_dht(dht)
         raise
-    return HivemindAverager(dht, averager, hv, shard_index=shard.index, schema=shard.schema(hv),
-                            initial_peers=initial_peers, allowlist=allowlist, wire_buffer=wire_buffer)
+    return HivemindAverager(
+        dht,
+        averager,
+        hv,
+        shard_index=shard.index,
+        schema=shard.schema(hv),
+        initial_peers=initial_peers,
+        allowlist=allowlist,
+        wire_buffer=wire_buffer,
+    )
 
 
 def _rank_identity(hv: HvConfig, rank: int, allowlist: Allowlist | None) -> str | None:
@@ -180,8 +193,11 @@ def _rank_identity(hv: HvConfig, rank: int, allowlist: Allowlist | None) -> str 
     key_file = str(rank_key_file(hv.identity_path, rank))
     log.info("rank %d: PeerID %s (%s)", rank, peer_id, key_file)
     if allowlist is not None and not allowlist.admits(peer_id):
-        log.warning("this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name "
-                    "it", peer_id, hv.allowlist)
+        log.warning(
+            "this rank's PeerID %s is not on --hv.allowlist %s: the other clusters' lists must name it",
+            peer_id,
+            hv.allowlist,
+        )
     return key_file
 
 

@@ -34,7 +34,9 @@ from open_diloco.outer.policy import out_of_cohort
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
 log = logging.getLogger(__name__)
 
-GRACE_SECONDS = 1.0  # past averaging_timeout: for hivemind to report a lonely deadline, or a download to come in
+GRACE_SECONDS = (
+    1.0  # past averaging_timeout: for hivemind to report a lonely deadline, or a download to come in
+)
 LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
 STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
 
@@ -63,7 +65,9 @@ class CanonicalAverager(DecentralizedAverager):
         if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
             refused = AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
             self._running_groups[group_id].set_exception(refused)  # peers waiting for this group fail at once
-            self._running_groups[group_id].exception()  # (retrieved: no "never retrieved" warning without them)
+            self._running_groups[
+                group_id
+            ].exception()  # (retrieved: no "never retrieved" warning without them)
             raise refused
         runner = CanonicalAllReduce(
             p2p=self._p2p,
@@ -94,7 +98,9 @@ class CanonicalAverager(DecentralizedAverager):
                 claims[peer] = valid_claim(metadata[peer].get("delta_norm"))
                 if peer == self.peer_id:
                     own_theta = valid_claim(metadata[peer].get("theta_norm"))
-            except Exception:  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
+            except (
+                Exception
+            ):  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
                 claims[peer] = None
         stale = frozenset(out_of_cohort(metadata))
         return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta, stale)
@@ -146,7 +152,9 @@ class CanonicalAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
-    def download_state_from(self, peer: str, timeout: float) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def download_state_from(
+        self, peer: str, timeout: float
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in time.
 
         hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one cluster

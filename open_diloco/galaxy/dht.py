@@ -52,8 +52,9 @@ REBOOTSTRAP_SECONDS = 2.0
 _REBOOTSTRAP_STEP_SECONDS = 3.0
 
 
-def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[str] = (),
-                live_peers: Sequence[str] = ()) -> None:
+def rebootstrap(
+    dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[str] = (), live_peers: Sequence[str] = ()
+) -> None:
     """Ping the initial peers and the silent clusters' peers again, and look up this node's neighbours, in the
     DHT's process; returns at once.
 
@@ -77,7 +78,9 @@ def rebootstrap(dht: DHT, initial_peers: Sequence[str], silent_peers: Sequence[s
 
 async def _ping_and_refresh(peer_ids: list[str], keep: frozenset[str], _dht: DHT, node) -> None:
     try:
-        pings = [_ping_or_drop(node, PeerID.from_base58(peer), may_drop=peer not in keep) for peer in peer_ids]
+        pings = [
+            _ping_or_drop(node, PeerID.from_base58(peer), may_drop=peer not in keep) for peer in peer_ids
+        ]
         await asyncio.gather(*pings, return_exceptions=True)
         await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), _REBOOTSTRAP_STEP_SECONDS)
     except Exception as err:  # unreachable for now: the next call tries again
@@ -101,8 +104,9 @@ async def _ping_or_drop(node, peer: PeerID, may_drop: bool = True) -> None:
     Once only: a later failed ping is a failed dial, and closing again could cut a fresh connection the other
     side has just dialed, in the middle of a round (seen: "Connection reset by peer" in the first round back)."""
     try:
-        answered = await asyncio.wait_for(node.protocol.call_ping(peer, validate=False, strict=False),
-                                          _REBOOTSTRAP_STEP_SECONDS)
+        answered = await asyncio.wait_for(
+            node.protocol.call_ping(peer, validate=False, strict=False), _REBOOTSTRAP_STEP_SECONDS
+        )
     except asyncio.TimeoutError:
         answered = None
     if answered is not None:
@@ -193,7 +197,9 @@ def _check_ports_free(host_maddrs: Sequence[str]) -> None:
                 probe.bind((host, port))
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
-                    raise ConfigError(f"--hv.host-maddrs {maddr!r}: cannot listen there ({e.strerror})") from None
+                    raise ConfigError(
+                        f"--hv.host-maddrs {maddr!r}: cannot listen there ({e.strerror})"
+                    ) from None
                 raise ConfigError(
                     f"--hv.host-maddrs {maddr!r}: port {port} is already in use; pick a free port or tcp/0"
                 ) from None

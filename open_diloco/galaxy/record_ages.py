@@ -49,7 +49,9 @@ class RecordAges:
     def __init__(self, expiry: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._expiry, self._clock = expiry, clock
         self._lock = threading.Lock()  # a round's polls and the drain at shutdown may read from two threads
-        self._known: dict[int, tuple[dict[str, Any], float, float]] = {}  # rank: (version, published, last read)
+        self._known: dict[
+            int, tuple[dict[str, Any], float, float]
+        ] = {}  # rank: (version, published, last read)
         self._incarnations: dict[int, set[Any]] = {}  # rank: every started_at read (a restart is news once)
         self._warned: set[int] = set()
 
@@ -74,7 +76,9 @@ class RecordAges:
         elif _newer(version, known[0], incarnations):
             old, _, last_read = known
             between = float(version["published_at"] or 0.0) - float(old["published_at"] or 0.0)
-            if version["started_at"] != old["started_at"] or between < 0:  # a restart, or a clock stepped back
+            if (
+                version["started_at"] != old["started_at"] or between < 0
+            ):  # a restart, or a clock stepped back
                 published = max(last_read, now - self._first_age(record, clock_age))  # not readable before
             else:
                 published = min(now, last_read + between)
@@ -98,16 +102,26 @@ class RecordAges:
         and ``oldest`` (+ :data:`PUBLISH_DELAY_SECONDS`), proves its publisher's clock off by more than
         :data:`SKEW_WARNING_SECONDS`."""
         oldest += PUBLISH_DELAY_SECONDS
-        behind, ahead = clock_age - oldest, youngest - clock_age  # the least skew each way that the read proves
+        behind, ahead = (
+            clock_age - oldest,
+            youngest - clock_age,
+        )  # the least skew each way that the read proves
         if rank in self._warned or max(behind, ahead) <= SKEW_WARNING_SECONDS:
             return
         self._warned.add(rank)
         dated = f"{clock_age:.1f} s ago" if clock_age >= 0 else f"{-clock_age:.1f} s in the future"
-        off = (f"{behind:.1f} to {clock_age - youngest:.1f} s behind" if behind > 0
-               else f"{ahead:.1f} to {oldest - clock_age:.1f} s ahead of")
+        off = (
+            f"{behind:.1f} to {clock_age - youngest:.1f} s behind"
+            if behind > 0
+            else f"{ahead:.1f} to {oldest - clock_age:.1f} s ahead of"
+        )
         off += f" this one's (a record it published at most {oldest:.1f} s ago is dated {dated})"
-        log.warning("cluster %d's clock is %s: keep every site on NTP; membership ages here do not depend on it, "
-                    "hivemind's matchmaking and DHT expiry do", rank, off)
+        log.warning(
+            "cluster %d's clock is %s: keep every site on NTP; membership ages here do not depend on it, "
+            "hivemind's matchmaking and DHT expiry do",
+            rank,
+            off,
+        )
 
 
 def _newer(version: dict[str, Any], known: dict[str, Any], incarnations: set[Any]) -> bool:

@@ -28,7 +28,9 @@ MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whe
 class HivemindRound:
     """A hivemind round in flight (see ``PendingRound``)."""
 
-    def __init__(self, owner: HivemindAverager, control: StepControl | None, metadata: dict[str, Any], start: float):
+    def __init__(
+        self, owner: HivemindAverager, control: StepControl | None, metadata: dict[str, Any], start: float
+    ):
         self.owner, self.control, self.metadata, self.start = owner, control, metadata, start
 
     def wait(self) -> RoundReport:
@@ -65,8 +67,13 @@ class HivemindRound:
         owner.last_group = (round_id, frozenset(peers) - {owner.galaxy_rank})
         stale_peers = out_of_cohort(result["gathered"])
         stale = sorted(result["gathered"][peer].get("galaxy_rank", -1) for peer in stale_peers)
-        rejected = sorted({result["gathered"][peer].get("galaxy_rank", -1) for peer in result["rejected"]
-                           if peer in result["gathered"] and peer not in stale_peers})
+        rejected = sorted(
+            {
+                result["gathered"][peer].get("galaxy_rank", -1)
+                for peer in result["rejected"]
+                if peer in result["gathered"] and peer not in stale_peers
+            }
+        )
         return RoundReport(
             group_size=len(result["gathered"]),
             complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
@@ -77,7 +84,6 @@ class HivemindRound:
             rejected=rejected,
             stale=stale,
         )
-
 
     def _result_unless_left_alone(self) -> dict[str, Any]:
         """The round's result, within the averaging timeout. While this peer still looks for a group, the
@@ -107,8 +113,9 @@ class HivemindRound:
                 raise _MovedOn
 
     def _everyone_moved_on(self, view: Membership) -> bool:
-        return everyone_moved_on(view, self.owner.galaxy_rank, self.metadata["round_id"] + 1,
-                                 self.metadata.get("attempt", 0))
+        return everyone_moved_on(
+            view, self.owner.galaxy_rank, self.metadata["round_id"] + 1, self.metadata.get("attempt", 0)
+        )
 
 
 def everyone_moved_on(view: Membership, galaxy_rank: int, round_no: int, attempt: int) -> bool:
@@ -137,5 +144,6 @@ def round_key_bits(round_id: int, attempt: int) -> str:
     """hivemind's group bits for (round, attempt): its matchmaking key is ``{prefix}.0b{bits}``, so only peers of
     the same round and attempt can ever form a group. Attempts past 255 wrap (a round is never retried that often:
     ``--hv.max-retries``)."""
-    return format(round_id % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + format(attempt % (1 << ATTEMPT_BITS),
-                                                                           f"0{ATTEMPT_BITS}b")
+    return format(round_id % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + format(
+        attempt % (1 << ATTEMPT_BITS), f"0{ATTEMPT_BITS}b"
+    )

@@ -121,7 +121,9 @@ class StatusPublisher:
 
     def _run(self) -> None:
         while True:
-            closing = self._closed.is_set()  # read first: the publication after close() carries the final state
+            closing = (
+                self._closed.is_set()
+            )  # read first: the publication after close() carries the final state
             self._publish()
             if closing:
                 return
@@ -154,8 +156,9 @@ SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments")
 tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs (codec)."""
 
 
-def cluster_identity(galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str,
-                     shard_peer_ids: Sequence[str]) -> dict[str, Any]:
+def cluster_identity(
+    galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str, shard_peer_ids: Sequence[str]
+) -> dict[str, Any]:
     """The fixed part of a cluster's record: who it is, its :data:`SCHEMA_KEYS`, and the model config's fields
     that decide the fingerprint (``model_config``, to say what differs when fingerprints do).
 
@@ -212,8 +215,11 @@ def model_difference(here: dict[str, Any] | None, there: dict[str, Any] | None) 
     version) or they agree (then the fingerprint is all that tells the models apart)."""
     if not here or not there:
         return None
-    differ = [f"{key} {here.get(key, 'unset')} here, {there.get(key, 'unset')} there"
-              for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key)]
+    differ = [
+        f"{key} {here.get(key, 'unset')} here, {there.get(key, 'unset')} there"
+        for key in sorted(set(here) | set(there))
+        if here.get(key) != there.get(key)
+    ]
     return "; ".join(differ) or None
 
 
@@ -275,7 +281,8 @@ def past_round(records: list[dict[str, Any]], round_id: int, ranks: frozenset[in
     record is not past it: the DHT may just not have answered."""
     by_rank = {record["galaxy_rank"]: record for record in records}
     return all(
-        rank in by_rank and (int(by_rank[rank].get("outer_step", -1)) > round_id or not is_live(by_rank[rank], expiry))
+        rank in by_rank
+        and (int(by_rank[rank].get("outer_step", -1)) > round_id or not is_live(by_rank[rank], expiry))
         for rank in ranks
     )
 
@@ -285,11 +292,16 @@ def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
     return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)
 
 
-def lead_progress(records: list[dict[str, Any]], expiry: float, galaxy_rank: int, lead: int) -> tuple[int, float]:
+def lead_progress(
+    records: list[dict[str, Any]], expiry: float, galaxy_rank: int, lead: int
+) -> tuple[int, float]:
     """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after the
     lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
-    at_lead = [r for r in records if is_live(r, expiry) and int(r.get("outer_step", -1)) == lead
-               and r["galaxy_rank"] != galaxy_rank]
+    at_lead = [
+        r
+        for r in records
+        if is_live(r, expiry) and int(r.get("outer_step", -1)) == lead and r["galaxy_rank"] != galaxy_rank
+    ]
     furthest = max(at_lead, key=lambda r: int(r.get("inner_step", -1)), default=None)
     if furthest is None:
         return -1, 0.0
@@ -298,8 +310,11 @@ def lead_progress(records: list[dict[str, Any]], expiry: float, galaxy_rank: int
 
 def silent(records: list[dict[str, Any]], expiry: float) -> set[int]:
     """Galaxy ranks gone by silence alone: their record still says training but is older than ``expiry``."""
-    return {record["galaxy_rank"] for record in records
-            if record.get("state") == "training" and not is_live(record, expiry)}
+    return {
+        record["galaxy_rank"]
+        for record in records
+        if record.get("state") == "training" and not is_live(record, expiry)
+    }
 
 
 def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:

@@ -38,13 +38,18 @@ class Downloaded:
     tensors: list[torch.Tensor]
 
 
-def choose_source(view: Membership, own_rank: int, at_least: int, exact: int | None = None) -> tuple[int, int] | None:
+def choose_source(
+    view: Membership, own_rank: int, at_least: int, exact: int | None = None
+) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
     later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to the
     lowest galaxy rank, so clusters that re-sync at once pick the same source. ``None``: no live cluster qualifies
     (or none whose record names this shard's averager)."""
-    candidates = [(rank, step) for rank, step in view.steps.items()
-                  if rank != own_rank and step >= at_least and rank in view.sources]
+    candidates = [
+        (rank, step)
+        for rank, step in view.steps.items()
+        if rank != own_rank and step >= at_least and rank in view.sources
+    ]
     if not candidates:
         return None
     return min(candidates, key=lambda item: (item[1] != exact, -item[1], item[0]))
@@ -60,11 +65,14 @@ def served_hash(metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
 class StateAdoption:
     """Downloads of one cluster's shards, agreed by its ranks (see the module docstring)."""
 
-    def __init__(self, averager: Averager, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]):
+    def __init__(
+        self, averager: Averager, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]
+    ):
         self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
 
-    def download(self, at_least: int, timeout: float, exact: int | None = None,
-                 appear_within: float | None = None) -> Downloaded | None:
+    def download(
+        self, at_least: int, timeout: float, exact: int | None = None, appear_within: float | None = None
+    ) -> Downloaded | None:
         """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact`` first),
         tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
         ``appear_within``: give up
@@ -75,8 +83,11 @@ class StateAdoption:
             view = self.averager.membership()
             pick = choose_source(view, self.galaxy_rank, at_least, exact)
             chosen = self.cluster.gather_strings("" if pick is None else str(pick[0]))[0]  # rank 0's pick
-            if appear_within is not None and not chosen and self.cluster.all_true(
-                    time.monotonic() - started > appear_within):
+            if (
+                appear_within is not None
+                and not chosen
+                and self.cluster.all_true(time.monotonic() - started > appear_within)
+            ):
                 return None
             got = self._fetch(int(chosen), view.sources.get(int(chosen)), deadline) if chosen else None
             step = -1 if got is None else int(got[0].get("outer_step", -1))
@@ -88,8 +99,9 @@ class StateAdoption:
                 return None
             time.sleep(RETRY_SECONDS)
 
-    def _fetch(self, source: int, peer: str | None, deadline: float
-               ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def _fetch(
+        self, source: int, peer: str | None, deadline: float
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """This rank's shard of ``source``'s state (from ``peer``, that cluster's averager of this shard), its bytes
         checked against the hash the source sent with them."""
         left = deadline - time.monotonic()
@@ -100,6 +112,8 @@ class StateAdoption:
             return None
         metadata, tensors = got
         if "shard_hash" in metadata and served_hash(metadata, tensors) != metadata["shard_hash"]:
-            self.warn(f"a state download from cluster {source} does not match the hash it came with: trying again")
+            self.warn(
+                f"a state download from cluster {source} does not match the hash it came with: trying again"
+            )
             return None
         return metadata, tensors

@@ -60,7 +60,9 @@ class CatchingUp:
                 f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
                 f"θ_outer and the outer momentum from cluster {got.source}"
             )
-        elif self.state.local_at_start is not None:  # a checkpoint taken with a round in flight: send it again
+        elif (
+            self.state.local_at_start is not None
+        ):  # a checkpoint taken with a round in flight: send it again
             self._resume_round_in_flight()
         return self.inner_step_of_galaxy()
 
@@ -72,7 +74,9 @@ class CatchingUp:
         while True:
             view = self.averager.membership()
             others = [step for rank, step in view.steps.items() if rank != self.galaxy_rank]
-            known = -self.cluster.min_int(-len(set(view.reported) - {self.galaxy_rank}))  # someone's record came
+            known = -self.cluster.min_int(
+                -len(set(view.reported) - {self.galaxy_rank})
+            )  # someone's record came
             ahead = -self.cluster.min_int(-max(others, default=-1)) > self.outer_step
             if ahead:
                 got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
@@ -87,7 +91,9 @@ class CatchingUp:
         """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step does
         the same, so the round meets and lands where it would have)."""
         started_at = self.schedule.inner_step_of(self.outer_step + 1)
-        self.warn(f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again")
+        self.warn(
+            f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again"
+        )
         self._hold(self.start_round(), started_at + self.schedule.sync_delay)
 
     def inner_step_of_galaxy(self) -> int:
@@ -105,7 +111,10 @@ class CatchingUp:
         steps (their batches are not trained on, as for a late joiner) puts it at the sync with the others, and
         its Δ of fewer steps enters that round's average. The margin keeps it inside the lead's wait when the lead
         is already waiting at the sync. The same on every rank of the cluster."""
-        start, next_sync = self.schedule.inner_step_of(self.outer_step), self.schedule.inner_step_of(self.outer_step + 1)
+        start, next_sync = (
+            self.schedule.inner_step_of(self.outer_step),
+            self.schedule.inner_step_of(self.outer_step + 1),
+        )
         target = start
         if self.hv.galaxy_size > 1 and self._step_seconds:
             view = self.averager.membership()
@@ -115,33 +124,62 @@ class CatchingUp:
                 target = max(start, min(lead_now, next_sync - margin))
         return self.cluster.min_int(target)
 
-    def _take_round(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float,
-                    appear_within: float | None = None) -> RoundResult:
+    def _take_round(
+        self,
+        flight: RoundInFlight,
+        view: RoundView,
+        report: RoundReport,
+        network_wait: float,
+        appear_within: float | None = None,
+    ) -> RoundResult:
         """Take the round's result from a cluster that committed it, instead of applying anything of our own.
         When this cluster is in the group the round was committed with (the served state says), that average
         holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
         commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a re-sync."""
         round_no = self.outer_step + 1
-        got = self.adoption.download(round_no, self.hv.join_timeout, exact=round_no, appear_within=appear_within)
+        got = self.adoption.download(
+            round_no, self.hv.join_timeout, exact=round_no, appear_within=appear_within
+        )
         fragment = self.state.fragment
-        if got is not None and got.step == round_no and self.galaxy_rank in got.metadata.get("committed_group", ()):
+        if (
+            got is not None
+            and got.step == round_no
+            and self.galaxy_rank in got.metadata.get("committed_group", ())
+        ):
             self.state.adopt_round(got.metadata, got.tensors)
             self.state.land()
             outcome = "adopted"
         elif got is not None:
             self.state.adopt(got.metadata, got.tensors)
-            self.warn(f"outer step {round_no - 1}: took cluster {got.source}'s state at outer step {got.step}")
+            self.warn(
+                f"outer step {round_no - 1}: took cluster {got.source}'s state at outer step {got.step}"
+            )
             self._catch_up()
             outcome = "resynced"
         else:  # nobody served it in time: our own Δ alone keeps our progress; the next round's check repairs it
-            return self._commit(flight, view, report, network_wait, 1, flight.alive, Decision.PROCEED,
-                                alone="no cluster served the round's state within --hv.join-timeout")
+            return self._commit(
+                flight,
+                view,
+                report,
+                network_wait,
+                1,
+                flight.alive,
+                Decision.PROCEED,
+                alone="no cluster served the round's state within --hv.join-timeout",
+            )
         # adopted: our Δ is in the round, which its committer checked started from our θ_outer (else it would
         # have left us out of the group it committed with): in sync when that group is every live cluster
         in_sync = outcome == "adopted" and len(self.state.committed_group) >= flight.alive
-        return self._result(outcome, flight, report, network_wait, fragment=fragment,
-                            state_source=None if got is None else got.source, galaxy_complete=view.whole,
-                            in_sync=in_sync)
+        return self._result(
+            outcome,
+            flight,
+            report,
+            network_wait,
+            fragment=fragment,
+            state_source=None if got is None else got.source,
+            galaxy_complete=view.whole,
+            in_sync=in_sync,
+        )
 
     @torch.no_grad()
     def sit_out(self, flight: RoundInFlight) -> RoundResult:
@@ -163,7 +201,11 @@ class CatchingUp:
                     "in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or resume from an "
                     "earlier checkpoint"
                 )
-            detail = "" if flight.diverged else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
+            detail = (
+                ""
+                if flight.diverged
+                else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
+            )
             self.warn(
                 f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training diverged; it "
                 f"sends nothing and adopts the galaxy's θ_outer ({self.bad_rounds}/{self.hv.max_bad_rounds})"
@@ -179,16 +221,23 @@ class CatchingUp:
         if taken is not None and not (flight.diverged or flight.out_of_bound):
             self._catch_up()
         self.state.scatter_into_model()
-        self.state.local_at_start = None  # the whole model is θ_outer again: nothing of the fragment's to keep
-        return self._result("resynced" if taken is not None else "sat_out", flight,
-                            state_source=None if taken is None else taken.source)
+        self.state.local_at_start = (
+            None  # the whole model is θ_outer again: nothing of the fragment's to keep
+        )
+        return self._result(
+            "resynced" if taken is not None else "sat_out",
+            flight,
+            state_source=None if taken is None else taken.source,
+        )
 
     def _catch_up(self) -> None:
         """After taking the state of a galaxy that trains past it, go on where it is (:meth:`_catch_up_target`)."""
         self._catch_up_step = self._catch_up_target()
         if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
-            self.warn(f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
-                      f"this cluster goes on from inner step {self._catch_up_step} to meet it there")
+            self.warn(
+                f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
+                f"this cluster goes on from inner step {self._catch_up_step} to meet it there"
+            )
 
     def _resync(self, at_least: int, why: str) -> Downloaded | None:
         """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later, within
@@ -197,7 +246,9 @@ class CatchingUp:
         if got is not None:
             previous = self.outer_step
             self.state.adopt(got.metadata, got.tensors)
-            self.warn(f"outer step {previous}: {why}: adopted cluster {got.source}'s state at outer step {got.step}")
+            self.warn(
+                f"outer step {previous}: {why}: adopted cluster {got.source}'s state at outer step {got.step}"
+            )
         else:
             self.warn(f"outer step {self.outer_step}: {why} and re-sync failed")
         return got
@@ -212,17 +263,29 @@ class CatchingUp:
             return None
         deadline = time.monotonic() + seconds
         while True:
-            reported = {rank: seen for rank, seen in self.averager.membership().reported.items()
-                        if rank != self.galaxy_rank}
+            reported = {
+                rank: seen
+                for rank, seen in self.averager.membership().reported.items()
+                if rank != self.galaxy_rank
+            }
             waiting = [rank for rank, (step, _, live) in reported.items() if live and step < self.outer_step]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
-        same = [rank for rank, (step, theirs, _) in reported.items() if step == self.outer_step and theirs == param_hash]
-        differ = [rank for rank, (step, theirs, _) in reported.items()
-                  if step == self.outer_step and theirs is not None and theirs != param_hash]
+        same = [
+            rank
+            for rank, (step, theirs, _) in reported.items()
+            if step == self.outer_step and theirs == param_hash
+        ]
+        differ = [
+            rank
+            for rank, (step, theirs, _) in reported.items()
+            if step == self.outer_step and theirs is not None and theirs != param_hash
+        ]
         if differ:
-            self.warn(f"the run ends at outer step {self.outer_step} with a θ_outer unlike that of cluster(s) "
-                      f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from the "
-                      "checkpoint of the cluster you trust, or compare their exports")
+            self.warn(
+                f"the run ends at outer step {self.outer_step} with a θ_outer unlike that of cluster(s) "
+                f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from the "
+                "checkpoint of the cluster you trust, or compare their exports"
+            )
         return same or None

@@ -47,8 +47,13 @@ class PseudoGradCompressor:
     def __init__(self, codec: Codec, sparse: SparseSelection | None = None):
         self.codec, self.sparse = codec, sparse
 
-    def to_wire_(self, flat: torch.Tensor, error: torch.Tensor | None, selection: Selection | None = None,
-                 scores: torch.Tensor | None = None) -> None:
+    def to_wire_(
+        self,
+        flat: torch.Tensor,
+        error: torch.Tensor | None,
+        selection: Selection | None = None,
+        scores: torch.Tensor | None = None,
+    ) -> None:
         """Δ in ``flat`` → what this cluster sends (in place). ``error`` is read, not changed: a retried round
         sends the same again. Sparse: ``selection`` says what is sent; with the ``magnitude`` rule this cluster's
         block scores go into ``scores`` (the buffer's second tensor)."""
@@ -84,7 +89,9 @@ class PseudoGradCompressor:
         selection.scatter_(flat, compact)
 
 
-def build_compressor(compression: str, sparse_density: float, sparse_rule: str) -> PseudoGradCompressor | None:
+def build_compressor(
+    compression: str, sparse_density: float, sparse_rule: str
+) -> PseudoGradCompressor | None:
     """The outer loop's side of ``--hv.compression``; ``None`` for the codecs hivemind applies alone (none, fp16)."""
     if compression == "sparse":
         return PseudoGradCompressor(CODECS[SPARSE_VALUES](), SparseSelection(sparse_density, sparse_rule))

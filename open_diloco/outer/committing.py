@@ -55,35 +55,60 @@ class Committing:
         alive, lead, silent, galaxy_attempt = self._membership()
         attempts = max(attempts, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
         self.status.update({"round_attempt": [self.outer_step + 1, attempts]})
-        if lead > self.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
+        if (
+            lead > self.outer_step
+        ):  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
             return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead, silent=silent)
         with contextlib.ExitStack() as held:
             pseudo_grad = self._locked_buffer(held)
             if pseudo_grad is None:
                 error = "the averager is still busy with a previous round"
-                return RoundInFlight(None, own_hash, float("nan"), alive, attempts, start_error=error, silent=silent)
+                return RoundInFlight(
+                    None, own_hash, float("nan"), alive, attempts, start_error=error, silent=silent
+                )
             local_sq = self.state.pseudo_grad_for_wire_into(pseudo_grad)
             finite = math.isfinite(local_sq)
             # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
-            claim = math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
+            claim = (
+                math.sqrt(local_sq) if self.state.compressor is None or not finite else wire_norm(pseudo_grad)
+            )
         if not self.cluster.all_true(finite):  # never sent: it would poison every cluster
-            return RoundInFlight(None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead, silent=silent)
+            return RoundInFlight(
+                None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead, silent=silent
+            )
         theta_norm = math.sqrt(self.state.sq_norm())
         bound = self.norm_history.bound(theta_norm)
         if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
-            return RoundInFlight(None, own_hash, local_sq, alive, attempts, bound=bound, out_of_bound=True,
-                                 lead=lead, silent=silent)
-        fingerprint = {"param_hash": own_hash, "numel": self.state.numel, "delta_norm": claim,
-                       "theta_norm": theta_norm, "committed_by": len(self.state.committed_group)}
+            return RoundInFlight(
+                None,
+                own_hash,
+                local_sq,
+                alive,
+                attempts,
+                bound=bound,
+                out_of_bound=True,
+                lead=lead,
+                silent=silent,
+            )
+        fingerprint = {
+            "param_hash": own_hash,
+            "numel": self.state.numel,
+            "delta_norm": claim,
+            "theta_norm": theta_norm,
+            "committed_by": len(self.state.committed_group),
+        }
         try:
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
             else:
                 pending = self.averager.start_round(self.outer_step, fingerprint, attempts)
-        except RoundFailed as err:  # the round fails on this rank: its wait reports it, at the same collectives
-            return RoundInFlight(None, own_hash, local_sq, alive, attempts, start_error=str(err), bound=bound,
-                                 silent=silent)
+        except (
+            RoundFailed
+        ) as err:  # the round fails on this rank: its wait reports it, at the same collectives
+            return RoundInFlight(
+                None, own_hash, local_sq, alive, attempts, start_error=str(err), bound=bound, silent=silent
+            )
         return RoundInFlight(pending, own_hash, local_sq, alive, attempts, bound=bound, silent=silent)
 
     def _locked_buffer(self, held: contextlib.ExitStack) -> torch.Tensor | None:
@@ -128,25 +153,38 @@ class Committing:
             self._check_peers(report)
             view = RoundView.agree(self.cluster, report, failed, flight.own_hash, self.galaxy_rank)
             if view.overtaken:
-                self.warn(f"outer step {round_no}: the galaxy applied this round without this cluster while it "
-                          "looked for a group: it takes the galaxy's state rather than wait for the next round")
+                self.warn(
+                    f"outer step {round_no}: the galaxy applied this round without this cluster while it "
+                    "looked for a group: it takes the galaxy's state rather than wait for the next round"
+                )
                 return self._take_round(flight, view, report, network_wait)
             if view.left_out:
-                self.warn(f"outer step {round_no}: this cluster started the round from another θ_outer than the "
-                          "galaxy's most advanced cluster: its Δ was left out, it takes that cluster's state")
+                self.warn(
+                    f"outer step {round_no}: this cluster started the round from another θ_outer than the "
+                    "galaxy's most advanced cluster: its Δ was left out, it takes that cluster's state"
+                )
                 return self._take_round(flight, view, report, network_wait)
             clusters = len(view.group) - len(view.rejected) - len(view.stale)
             alive = flight.alive - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
             if not view.committable or (clusters < alive and self.policy.on_partial_round == "retry"):
-                if self._committed_elsewhere(round_no):  # whoever committed it has our Δ if we were in its group
+                if self._committed_elsewhere(
+                    round_no
+                ):  # whoever committed it has our Δ if we were in its group
                     return self._take_round(flight, view, report, network_wait)
-            decision = Decision.RETRY if not view.committable else self.policy.decide(RoundOutcome(
-                clusters=clusters, alive=alive, attempts=flight.attempts))
+            decision = (
+                Decision.RETRY
+                if not view.committable
+                else self.policy.decide(
+                    RoundOutcome(clusters=clusters, alive=alive, attempts=flight.attempts)
+                )
+            )
             if decision is not Decision.RETRY or flight.attempts >= self.hv.max_retries:
                 break
             self._say_why_again(round_no, view, clusters, flight)
             flight = self.start_round(flight.attempts + 1)
-            if flight.sits_out:  # the galaxy moved on meanwhile: adopt its state rather than meet its next round
+            if (
+                flight.sits_out
+            ):  # the galaxy moved on meanwhile: adopt its state rather than meet its next round
                 return self.sit_out(flight)
 
         if decision is Decision.STOP:
@@ -163,19 +201,36 @@ class Committing:
         return self._commit(flight, view, report, network_wait, clusters, alive, decision)
 
     def _say_why_again(self, round_no: int, view: RoundView, clusters: int, flight: RoundInFlight) -> None:
-        what = (f"partial round ({clusters} of {flight.alive} live clusters)" if view.committable else
-                "an average did not arrive whole on every shard" if not view.whole else
-                "its shards met different groups")
-        self.warn(f"outer step {round_no}: {what}: nothing applied; attempt {flight.attempts + 1}/"
-                  f"{self.hv.max_retries}")
+        what = (
+            f"partial round ({clusters} of {flight.alive} live clusters)"
+            if view.committable
+            else "an average did not arrive whole on every shard"
+            if not view.whole
+            else "its shards met different groups"
+        )
+        self.warn(
+            f"outer step {round_no}: {what}: nothing applied; attempt {flight.attempts + 1}/"
+            f"{self.hv.max_retries}"
+        )
 
     def _committed_elsewhere(self, round_no: int) -> bool:
         """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state now."""
         steps = [step for rank, step in self.averager.membership().steps.items() if rank != self.galaxy_rank]
-        return -self.cluster.min_int(-max(steps, default=-1)) >= round_no  # (our own record may be an older life's)
+        return (
+            -self.cluster.min_int(-max(steps, default=-1)) >= round_no
+        )  # (our own record may be an older life's)
 
-    def _commit(self, flight: RoundInFlight, view: RoundView, report: RoundReport, network_wait: float,
-                clusters: int, alive: int, decision: Decision, alone: str | None = None) -> RoundResult:
+    def _commit(
+        self,
+        flight: RoundInFlight,
+        view: RoundView,
+        report: RoundReport,
+        network_wait: float,
+        clusters: int,
+        alive: int,
+        decision: Decision,
+        alone: str | None = None,
+    ) -> RoundResult:
         """Apply the round: the galaxy's average, or with ``alone`` (why) this cluster's own Δ alone, which keeps
         its progress and which the next round's hash check repairs; then land it in the model."""
         round_no = self.outer_step + 1
@@ -187,23 +242,34 @@ class Committing:
                 " times ours"
             )
         if view.stale:
-            self.warn(f"outer step {round_no}: left cluster(s) {view.stale} out of the average: they started this "
-                      "round from another θ_outer; they take the galaxy's state")
+            self.warn(
+                f"outer step {round_no}: left cluster(s) {view.stale} out of the average: they started this "
+                "round from another θ_outer; they take the galaxy's state"
+            )
         if galaxy_average:
-            self.norm_history.record(meta.get("delta_norm") for rank, meta in report.peers.items()
-                                     if rank not in view.rejected and rank not in view.stale)
+            self.norm_history.record(
+                meta.get("delta_norm")
+                for rank, meta in report.peers.items()
+                if rank not in view.rejected and rank not in view.stale
+            )
         self._note_alive(round_no, flight.alive)
         if clusters < flight.alive and galaxy_average:
             retried = f" after {flight.attempts} retries" if flight.attempts else ""
-            self.warn(f"outer step {round_no}: proceeding with {clusters} of {flight.alive} live clusters{retried}")
+            self.warn(
+                f"outer step {round_no}: proceeding with {clusters} of {flight.alive} live clusters{retried}"
+            )
         elif not galaxy_average:
-            self.warn(f"outer step {round_no}: {alone}: this cluster applies its own pseudo-gradient alone (the "
-                      "next round's hash check re-syncs it)")
+            self.warn(
+                f"outer step {round_no}: {alone}: this cluster applies its own pseudo-gradient alone (the "
+                "next round's hash check re-syncs it)"
+            )
         with contextlib.ExitStack() as held:
             averaged = self._locked_buffer(held)
             if averaged is None:
-                raise GalaxyError(f"outer step {round_no}: the averager is still busy with a previous round past "
-                                  "--hv.averaging-timeout; stopping (resume from the last checkpoint)")
+                raise GalaxyError(
+                    f"outer step {round_no}: the averager is still busy with a previous round past "
+                    "--hv.averaging-timeout; stopping (resume from the last checkpoint)"
+                )
             finite = self.cluster.all_true(not galaxy_average or all_finite(averaged))
             if not finite:
                 self.warn(
@@ -213,31 +279,63 @@ class Committing:
             if not (galaxy_average and finite):  # our own Δ again, never a partial or poisoned average
                 self.state.pseudo_grad_for_wire_into(averaged)
             self.state.apply(averaged)
-        averaged_over = view.group - set(view.rejected) - set(view.stale) if galaxy_average and finite else {
-            self.galaxy_rank}
+        averaged_over = (
+            view.group - set(view.rejected) - set(view.stale)
+            if galaxy_average and finite
+            else {self.galaxy_rank}
+        )
         self.state.committed_group = sorted(averaged_over)
         fragment = self.state.fragment
         self.state.land()
-        in_sync = (view.in_sync and galaxy_average and not view.stale and clusters >= alive
-                   and not (clusters == 1 and flight.silent))
-        return self._result("applied", flight, report, network_wait, in_sync=in_sync, average_finite=finite,
-                            galaxy_complete=view.whole, rejected_peers=view.rejected, fragment=fragment)
+        in_sync = (
+            view.in_sync
+            and galaxy_average
+            and not view.stale
+            and clusters >= alive
+            and not (clusters == 1 and flight.silent)
+        )
+        return self._result(
+            "applied",
+            flight,
+            report,
+            network_wait,
+            in_sync=in_sync,
+            average_finite=finite,
+            galaxy_complete=view.whole,
+            rejected_peers=view.rejected,
+            fragment=fragment,
+        )
 
     def _note_alive(self, round_no: int, alive: int) -> None:
         if alive != self._alive_before:
-            self.warn(f"outer step {round_no}: {alive} of {self.hv.galaxy_size} clusters alive (were "
-                      f"{self._alive_before}): rounds now wait for these")
+            self.warn(
+                f"outer step {round_no}: {alive} of {self.hv.galaxy_size} clusters alive (were "
+                f"{self._alive_before}): rounds now wait for these"
+            )
             self._alive_before = alive
 
-    def _result(self, outcome: str, flight: RoundInFlight, report: RoundReport | None = None,
-                network_wait: float = 0.0, fragment: int | None = None, **fields: Any) -> RoundResult:
+    def _result(
+        self,
+        outcome: str,
+        flight: RoundInFlight,
+        report: RoundReport | None = None,
+        network_wait: float = 0.0,
+        fragment: int | None = None,
+        **fields: Any,
+    ) -> RoundResult:
         """The round's :class:`RoundResult`; the hashes and norms are the cluster's (every shard's, combined)."""
         fragment = self.state.fragment if fragment is None else fragment
         if outcome in ("applied", "adopted"):
-            fields["fragment_hash"] = combine_hashes(self.cluster.gather_strings(self.state.fragment_hash(fragment)))
+            fields["fragment_hash"] = combine_hashes(
+                self.cluster.gather_strings(self.state.fragment_hash(fragment))
+            )
         if report is not None:
-            fields.update(galaxy_peers=report.group_size, allreduce_seconds=report.seconds,
-                          bytes_sent=report.bytes_sent, bytes_received=report.bytes_received)
+            fields.update(
+                galaxy_peers=report.group_size,
+                allreduce_seconds=report.seconds,
+                bytes_sent=report.bytes_sent,
+                bytes_received=report.bytes_received,
+            )
         return RoundResult(
             outcome=outcome,
             outer_step=self.outer_step,

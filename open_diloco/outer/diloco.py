@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from open_diloco.config import HvConfig
 
 
-
 class DiLoCo(Committing, CatchingUp):
     """The outer loop of one shard: θ_outer and momentum in :class:`OuterState`, rounds through an
     :class:`Averager`, decisions by :class:`RoundPolicy`. The inner optimizer is untouched: its state carries
@@ -120,9 +119,11 @@ class DiLoCo(Committing, CatchingUp):
                 f"--hv.fragments {self.hv.fragments}: resume with --hv.fragments {saved_fragments}"
             )
         if not self.state.sparse_scores_fit(state_dict.get("sparse_scores")):
-            self.warn("the checkpoint holds no sparse block scores for this rank's shard (saved with another number "
-                      "of ranks, or another --hv.compression): they start from zero, so each fragment's next round "
-                      "picks its blocks at random, as a first round does")
+            self.warn(
+                "the checkpoint holds no sparse block scores for this rank's shard (saved with another number "
+                "of ranks, or another --hv.compression): they start from zero, so each fragment's next round "
+                "picks its blocks at random, as a first round does"
+            )
         self.state.load_checkpoint_state(state_dict)
 
     # -- the outer step -------------------------------------------------------------------------------------
@@ -145,7 +146,11 @@ class DiLoCo(Committing, CatchingUp):
             results.append(self.finish_round(flight))
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
-        if self.schedule.starts_sync(inner_step) and not skip and (result := self._start_sync(inner_step, last)):
+        if (
+            self.schedule.starts_sync(inner_step)
+            and not skip
+            and (result := self._start_sync(inner_step, last))
+        ):
             results.append(result)
         self._held += time.perf_counter() - began
         if results:
@@ -184,7 +189,9 @@ class DiLoCo(Committing, CatchingUp):
 
     def report(self, record: dict[str, Any]) -> None:
         if isinstance(seconds := record.get("step_seconds"), float) and seconds > 0:
-            self._step_seconds = seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
+            self._step_seconds = (
+                seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
+            )
         self.status.update(record)
         self._finished = record.get("state") == "finished"
 

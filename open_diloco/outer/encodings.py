@@ -119,7 +119,9 @@ class BlockIntCodec(Codec):
 
     def __init__(self, bits: int, block: int, clip_sigmas: float | None = None):
         if bits not in (2, 4, 8) or block % 8 or block < 8:
-            raise ValueError(f"BlockIntCodec(bits={bits}, block={block}): bits is 2, 4 or 8; block a multiple of 8")
+            raise ValueError(
+                f"BlockIntCodec(bits={bits}, block={block}): bits is 2, 4 or 8; block a multiple of 8"
+            )
         self.bits, self.block, self.clip_sigmas = bits, block, clip_sigmas
         self.name = f"int{bits}"
         self.wire_ratio = bits / 32
@@ -251,7 +253,9 @@ class WireCodecs:
             raise ValueError(f"not an encoding: {blob.numel()} {blob.dtype} values")
         tag = int(blob[:4].clone().view(torch.int32))
         if tag not in self._by_tag:
-            raise ValueError(f"an encoding of an unknown codec (tag {tag:#x}); expected {sorted(self._by_tag)}")
+            raise ValueError(
+                f"an encoding of an unknown codec (tag {tag:#x}); expected {sorted(self._by_tag)}"
+            )
         return self._by_tag[tag].decode(blob)
 
 

@@ -58,13 +58,22 @@ def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
     metadata, so every reducer leaves out the same peers, and the cohort's average stays bitwise identical and free
     of Δs taken from another θ_outer (or, with fragments, of another fragment). A peer without the keys is left to
     the claim checks."""
-    valid = {key: meta for key, meta in metadata.items()
-             if isinstance(meta, dict) and "round_id" in meta and "param_hash" in meta}
+    valid = {
+        key: meta
+        for key, meta in metadata.items()
+        if isinstance(meta, dict) and "round_id" in meta and "param_hash" in meta
+    }
     if not valid:
         return set()
     holders = Counter(meta["param_hash"] for meta in valid.values())
-    reference = max(valid.values(), key=lambda meta: (
-        int(meta["round_id"]), holders[meta["param_hash"]], int(meta.get("committed_by", 0)),
-        -int(meta.get("galaxy_rank", 0))))
+    reference = max(
+        valid.values(),
+        key=lambda meta: (
+            int(meta["round_id"]),
+            holders[meta["param_hash"]],
+            int(meta.get("committed_by", 0)),
+            -int(meta.get("galaxy_rank", 0)),
+        ),
+    )
     cohort = (reference["round_id"], reference["param_hash"])
     return {key for key, meta in valid.items() if (meta["round_id"], meta["param_hash"]) != cohort}

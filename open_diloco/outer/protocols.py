@@ -131,8 +131,9 @@ class Averager(Protocol):
         """Let late joiners download the outer state: ``get_state()`` returns ``(metadata, tensors)``."""
         ...
 
-    def download_state(self, timeout: float, source: str | None = None
-                       ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+    def download_state(
+        self, timeout: float, source: str | None = None
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving this
         shard; ``None`` when none answers in time."""
         ...

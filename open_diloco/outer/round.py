@@ -79,16 +79,21 @@ class RoundView:
         return self.whole and self.same_group
 
     @staticmethod
-    def agree(cluster: ClusterComm, report: RoundReport, failed: bool, own_hash: str, galaxy_rank: int
-              ) -> RoundView:
+    def agree(
+        cluster: ClusterComm, report: RoundReport, failed: bool, own_hash: str, galaxy_rank: int
+    ) -> RoundView:
         """Gather what each shard's report says into one view (a fixed sequence of collectives on every rank)."""
         groups = cluster.gather_strings(",".join(map(str, sorted(report.peers))))
         rejected = _ranks_by_any_rank(cluster, report.rejected)
         stale = _ranks_by_any_rank(cluster, report.stale)
         left_out = galaxy_rank in stale
         in_sync = cluster.all_true(
-            not left_out and all(meta.get("param_hash") == own_hash for rank, meta in report.peers.items()
-                                 if rank not in stale or rank == galaxy_rank)
+            not left_out
+            and all(
+                meta.get("param_hash") == own_hash
+                for rank, meta in report.peers.items()
+                if rank not in stale or rank == galaxy_rank
+            )
         )
         return RoundView(
             whole=cluster.all_true(report.complete and not failed),

@@ -94,7 +94,9 @@ class SparseSelection:
         if scores is not None:
             codes = ScoreCodec.exponents(scores[:blocks]).long()
         generator = torch.Generator().manual_seed(0x5C0BE + round_id)
-        keys = codes * blocks + torch.randperm(blocks, generator=generator)  # distinct: a total order, no ties
+        keys = codes * blocks + torch.randperm(
+            blocks, generator=generator
+        )  # distinct: a total order, no ties
         k = min(blocks, max(1, round(self.density * blocks)))
         chosen = keys.topk(k).indices.sort().values
         index = (chosen[:, None] * SCORE_BLOCK + torch.arange(SCORE_BLOCK)).reshape(-1)

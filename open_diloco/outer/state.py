@@ -222,7 +222,11 @@ class OuterState(OuterStateTransfer):
             if kept is None:
                 piece.copy_(theta, non_blocking=True)
             else:
-                mixed = piece.to("cpu", torch.float32).mul_(self.sync_alpha).add_(theta, alpha=1 - self.sync_alpha)
+                mixed = (
+                    piece.to("cpu", torch.float32)
+                    .mul_(self.sync_alpha)
+                    .add_(theta, alpha=1 - self.sync_alpha)
+                )
                 piece.copy_(mixed, non_blocking=True)
         self.local_at_start = None
 
@@ -293,7 +297,9 @@ class OuterState(OuterStateTransfer):
             region = self.region()
             selection = self._selection() if self.keeps_unsent else None
             scores = flat[self.wire_numel :] if self.score_numel else None
-            self.compressor.to_wire_(flat[: region.stop - region.start], self._error(region), selection, scores)
+            self.compressor.to_wire_(
+                flat[: region.stop - region.start], self._error(region), selection, scores
+            )
         return total
 
     def _error(self, region: slice) -> torch.Tensor | None:
@@ -324,8 +330,12 @@ class OuterState(OuterStateTransfer):
             selection = self._settle_own_round()
             if self.compressor is not None:
                 self.compressor.from_wire_(averaged, selection)
-            if self.sparse_scores is not None:  # the galaxy's scores pick what this fragment's next round sends
-                self.sparse_scores[self.fragment].copy_(averaged_pseudo_grad[self.wire_numel : self.wire_buffer_numel])
+            if (
+                self.sparse_scores is not None
+            ):  # the galaxy's scores pick what this fragment's next round sends
+                self.sparse_scores[self.fragment].copy_(
+                    averaged_pseudo_grad[self.wire_numel : self.wire_buffer_numel]
+                )
             lr, momentum = self.hparams(self.outer_step // self.fragments + 1)
             if self.momentum_buffer is None and momentum and self.fragments > 1:
                 # fragments start their momentum at different rounds: one zeroed buffer, each slice fed from 0
@@ -339,7 +349,9 @@ class OuterState(OuterStateTransfer):
                 nesterov=self.nesterov,
             )
             if self.momentum_buffer is None:
-                self.momentum_buffer = momentum_buffer  # one fragment: the buffer SGD made (None without momentum)
+                self.momentum_buffer = (
+                    momentum_buffer  # one fragment: the buffer SGD made (None without momentum)
+                )
             self.outer_step += 1
             self._hash = self._sq_norm = None
 

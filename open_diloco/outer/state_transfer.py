@@ -31,8 +31,12 @@ class OuterStateTransfer:
                 tensors.append(self.momentum_buffer.clone())
             if self.sparse_scores is not None:
                 tensors.append(self.sparse_scores.clone())
-            metadata = {"outer_step": self.outer_step, "sparse_scores": self.sparse_scores is not None,
-                        "shard_hash": self.hash(), "committed_group": list(self.committed_group)}
+            metadata = {
+                "outer_step": self.outer_step,
+                "sparse_scores": self.sparse_scores is not None,
+                "shard_hash": self.hash(),
+                "committed_group": list(self.committed_group),
+            }
             return metadata, tensors
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
@@ -123,7 +127,9 @@ class OuterStateTransfer:
 
     def _placed(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``flat`` split and shaped like this rank's parameter shards (views), placed like the parameters."""
-        pieces = [piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)]
+        pieces = [
+            piece.view_as(shard) for piece, shard in zip(flat.split(self.numels), self._shards, strict=True)
+        ]
         return placed_like_params(self._model, pieces)
 
     def _flat(self, placed: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -63,8 +63,9 @@ class InProcessGalaxy:
 
     def averager(self, rank: int, numel: int) -> InProcessAverager:
         """Cluster ``rank``'s averager of ``numel`` values a round (and their block scores, if any)."""
-        self.averagers[rank] = InProcessAverager(self, rank, numel, score_values(numel, self.compression,
-                                                                                 self.sparse_rule))
+        self.averagers[rank] = InProcessAverager(
+            self, rank, numel, score_values(numel, self.compression, self.sparse_rule)
+        )
         return self.averagers[rank]
 
 
@@ -76,16 +77,25 @@ class InProcessRound:
     def wait(self) -> RoundReport:
         av, galaxy = self.averager, self.averager.galaxy
         galaxy.buffers[av.rank] = av.values.clone()
-        galaxy.meta[av.rank] = {"galaxy_rank": av.rank, "round_id": self.round_id, "attempt": self.attempt,
-                                **self.fingerprint}
+        galaxy.meta[av.rank] = {
+            "galaxy_rank": av.rank,
+            "round_id": self.round_id,
+            "attempt": self.attempt,
+            **self.fingerprint,
+        }
         galaxy.barrier.wait()
         if av.rank in galaxy.drop:
             present = [av.rank]
         else:
             present = [r for r in sorted(galaxy.buffers) if r not in galaxy.drop]
         stale = out_of_cohort({r: galaxy.meta[r] for r in present})  # every reducer of the galaxy leaves out
-        claims = ClaimCheck({r: galaxy.meta[r].get("delta_norm") for r in present}, av.rank, 0.0,
-                            galaxy.robust_mean, stale=frozenset(stale))
+        claims = ClaimCheck(
+            {r: galaxy.meta[r].get("delta_norm") for r in present},
+            av.rank,
+            0.0,
+            galaxy.robust_mean,
+            stale=frozenset(stale),
+        )
         cohort = [r for r in present if r not in stale]
         average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort]).mean(0)
         sent = av.values.numel() * 4
@@ -99,8 +109,9 @@ class InProcessRound:
         peers = {r: galaxy.meta[r] for r in present}
         galaxy.barrier.wait()
         av.values.copy_(average)
-        return RoundReport(group_size=len(present), complete=True, peers=peers, bytes_sent=sent,
-                           stale=sorted(stale))
+        return RoundReport(
+            group_size=len(present), complete=True, peers=peers, bytes_sent=sent, stale=sorted(stale)
+        )
 
 
 class InProcessAverager:
@@ -127,14 +138,22 @@ class InProcessAverager:
         """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its
         served state) and its averager, by galaxy rank (``sources``), when the galaxy serves state."""
         galaxy = self.galaxy
-        serving = {rank: other for rank, other in galaxy.averagers.items()
-                   if galaxy.serve_state and other.get_state is not None and rank not in galaxy.departed}
+        serving = {
+            rank: other
+            for rank, other in galaxy.averagers.items()
+            if galaxy.serve_state and other.get_state is not None and rank not in galaxy.departed
+        }
         steps = {rank: int(other.get_state()[0]["outer_step"]) for rank, other in serving.items()}
-        return Membership(departed=frozenset(self.galaxy.departed), lead=self.galaxy.lead,
-                          silent=frozenset(self.galaxy.silent), lead_inner_step=self.galaxy.lead_progress[0],
-                          lead_seen_seconds=self.galaxy.lead_progress[1], steps=steps,
-                          sources={rank: str(rank) for rank in serving},
-                          reported={rank: (-1, None, rank not in galaxy.departed) for rank in galaxy.averagers})
+        return Membership(
+            departed=frozenset(self.galaxy.departed),
+            lead=self.galaxy.lead,
+            silent=frozenset(self.galaxy.silent),
+            lead_inner_step=self.galaxy.lead_progress[0],
+            lead_seen_seconds=self.galaxy.lead_progress[1],
+            steps=steps,
+            sources={rank: str(rank) for rank in serving},
+            reported={rank: (-1, None, rank not in galaxy.departed) for rank in galaxy.averagers},
+        )
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state

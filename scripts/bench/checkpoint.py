@@ -76,13 +76,21 @@ def bench_save_load(path_model: str, workdir: Path, device: torch.device, precis
 
     started = time.perf_counter()
     plain = workdir / "plain.pt"
-    torch.save({"model": {k: v.full_tensor() for k, v in model.state_dict().items()},
-                "optim": optimizer.state_dict()}, plain)
+    torch.save(
+        {
+            "model": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "optim": optimizer.state_dict(),
+        },
+        plain,
+    )
     plain_s = time.perf_counter() - started
-    print(f"{Path(path_model).name:<20} {n_params / 1e6:7.1f}M params | open_diloco save {save_s:6.2f} s, "
-          f"load {load_s:6.2f} s, {size_of(saved) / 2**20:8.1f} MiB | torch.save {plain_s:6.2f} s, "
-          f"{plain.stat().st_size / 2**20:8.1f} MiB | save ratio {save_s / plain_s:5.2f}x, "
-          f"size ratio {size_of(saved) / plain.stat().st_size:4.2f}x (includes the outer momentum)", flush=True)
+    print(
+        f"{Path(path_model).name:<20} {n_params / 1e6:7.1f}M params | open_diloco save {save_s:6.2f} s, "
+        f"load {load_s:6.2f} s, {size_of(saved) / 2**20:8.1f} MiB | torch.save {plain_s:6.2f} s, "
+        f"{plain.stat().st_size / 2**20:8.1f} MiB | save ratio {save_s / plain_s:5.2f}x, "
+        f"size ratio {size_of(saved) / plain.stat().st_size:4.2f}x (includes the outer momentum)",
+        flush=True,
+    )
 
 
 def bench_rounds(path_model: str, workdir: Path, device: torch.device, precision: str, args) -> None:
@@ -116,20 +124,30 @@ def bench_rounds(path_model: str, workdir: Path, device: torch.device, precision
                 written_in_round.append(not saver.writing)
                 saver.wait()
     saver.close(timeout=0)
-    print(f"  background saves written before their round ended: {sum(written_in_round)} of {len(written_in_round)}")
+    print(
+        f"  background saves written before their round ended: {sum(written_in_round)} of {len(written_in_round)}"
+    )
     base = statistics.median(rounds["no save"])
-    print(f"{Path(path_model).name}: round = {args.local_steps} inner steps (batch {args.batch} x seq {args.seq}) "
-          f"+ outer step, {device.type}, {precision}; medians of {args.rounds}")
+    print(
+        f"{Path(path_model).name}: round = {args.local_steps} inner steps (batch {args.batch} x seq {args.seq}) "
+        f"+ outer step, {device.type}, {precision}; medians of {args.rounds}"
+    )
     for arm in ARMS:
         median = statistics.median(rounds[arm])
-        print(f"  {arm:<16} round {median:7.2f} s ({median / base:5.2f}x no save) | training paused "
-              f"{statistics.median(paused[arm]):6.2f} s | rounds {', '.join(f'{r:.2f}' for r in rounds[arm])}",
-              flush=True)
+        print(
+            f"  {arm:<16} round {median:7.2f} s ({median / base:5.2f}x no save) | training paused "
+            f"{statistics.median(paused[arm]):6.2f} s | rounds {', '.join(f'{r:.2f}' for r in rounds[arm])}",
+            flush=True,
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=["tests/models/llama-2m-fresh", "configs/models/llama-100m-fresh"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "models", nargs="*", default=["tests/models/llama-2m-fresh", "configs/models/llama-100m-fresh"]
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds per arm")
     parser.add_argument("--local-steps", type=int, default=4, help="H: inner steps per round")
     parser.add_argument("--batch", type=int, default=1)

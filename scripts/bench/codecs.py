@@ -33,7 +33,9 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--numel", type=int, default=4_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -45,16 +47,23 @@ def main() -> None:
         loaded = torch.load(args.delta)
         deltas = loaded if isinstance(loaded, dict) else {"delta": loaded}
     else:
-        deltas = {"synthetic": torch.randn(args.numel, generator=generator) * torch.rand(args.numel, generator=generator) ** 4}
+        deltas = {
+            "synthetic": torch.randn(args.numel, generator=generator)
+            * torch.rand(args.numel, generator=generator) ** 4
+        }
     values = torch.randn(args.numel, generator=generator)
-    print(f"{'codec':<6} {'fp32/bytes':>10} {'encode M/s':>10} {'decode M/s':>10} {'round trip M/s':>14}  rel. L2 error")
+    print(
+        f"{'codec':<6} {'fp32/bytes':>10} {'encode M/s':>10} {'decode M/s':>10} {'round trip M/s':>14}  rel. L2 error"
+    )
     for name, make in CODECS.items():
         codec = make()
         blob = codec.encode(values)
         encode = best_seconds(lambda codec=codec: codec.encode(values), args.repeats)
         decode = best_seconds(lambda codec=codec, blob=blob: codec.decode(blob), args.repeats)
         rounded = values.clone()
-        round_trip = best_seconds(lambda codec=codec, rounded=rounded: codec.round_trip_(rounded), args.repeats)
+        round_trip = best_seconds(
+            lambda codec=codec, rounded=rounded: codec.round_trip_(rounded), args.repeats
+        )
         errors = []
         for label, delta in deltas.items():
             q = delta.clone()
@@ -72,7 +81,9 @@ def main() -> None:
         blocks = sparse.score_blocks(args.numel)
         scores = 2.0 ** -torch.randint(0, 40, (blocks,), generator=generator).float() if blocks else None
         selection = sparse.select(args.numel, 3, scores)
-        select = best_seconds(lambda sparse=sparse, scores=scores: sparse.select(args.numel, 3, scores), args.repeats)
+        select = best_seconds(
+            lambda sparse=sparse, scores=scores: sparse.select(args.numel, 3, scores), args.repeats
+        )
         wire, own_scores = values.clone(), torch.zeros(blocks)
 
         def pack(compressor=compressor, selection=selection, wire=wire, own_scores=own_scores, blocks=blocks):

@@ -77,7 +77,12 @@ SETTINGS = {
     ("25m", "quick"): (128, 8, 100, "ddp half:M=2 diloco:M=2,H=20"),
     ("25m", "full"): (128, 16, 200, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 diloco:M=4,H=20"),
     # the 96M config (the third size shipped): a GPU run (--device cuda), not timed on 2 cores
-    ("100m", "quick"): (128, 16, 400, "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 half:M=4 diloco:M=4,H=20"),
+    ("100m", "quick"): (
+        128,
+        16,
+        400,
+        "ddp half:M=2 diloco:M=2,H=20 diloco:M=2,H=50 half:M=4 diloco:M=4,H=20",
+    ),
 }
 PAPER = {  # arXiv 2503.09799, H=30, tuned outer lr, Nesterov 0.9 (final loss vs DDP), as quoted in issue 12
     1: "M=1 beats DDP",
@@ -212,7 +217,9 @@ def append_records(path: str, records: list[dict]) -> None:
         f.writelines(json.dumps(record) + "\n" for record in records)
 
 
-def run_seed(args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int, out: str | None) -> list[dict]:
+def run_seed(
+    args: argparse.Namespace, arms: list[tuple[str, dict]], seed: int, out: str | None
+) -> list[dict]:
     """Every arm with one seed, in this process; each arm's record goes to ``out`` as soon as it is done, so a
     long run that dies keeps the arms it finished."""
     args.seed = seed
@@ -268,7 +275,15 @@ def run_seeds_in_processes(seeds: list[int], jobs: int) -> list[dict]:
             while pending and len(running) < jobs:
                 seed = pending.pop(0)
                 log = open(workdir / f"seed{seed}.log", "w")
-                command = [sys.executable, __file__, *own, "--seeds", str(seed), "--out", str(workdir / f"seed{seed}.jsonl")]
+                command = [
+                    sys.executable,
+                    __file__,
+                    *own,
+                    "--seeds",
+                    str(seed),
+                    "--out",
+                    str(workdir / f"seed{seed}.jsonl"),
+                ]
                 running[seed] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
             time.sleep(1)
             for seed, (child, log) in list(running.items()):
@@ -281,7 +296,10 @@ def run_seeds_in_processes(seeds: list[int], jobs: int) -> list[dict]:
                     raise SystemExit(f"seed {seed} failed (exit {child.returncode}):\n" + "\n".join(tail))
                 records = [json.loads(line) for line in open(workdir / f"seed{seed}.jsonl")]
                 results.extend(records)
-                print(f"seed {seed} done: " + ", ".join(f"{r['arm']} {final_val(r):.4f}" for r in records), flush=True)
+                print(
+                    f"seed {seed} done: " + ", ".join(f"{r['arm']} {final_val(r):.4f}" for r in records),
+                    flush=True,
+                )
     finally:
         for child, _ in running.values():
             child.kill()
@@ -305,7 +323,11 @@ def report(
         arms.setdefault(r["arm"], []).append(r)
     for runs in arms.values():
         runs.sort(key=lambda r: r["seed"])
-    halves = {runs[0]["spec"]["M"]: mean(final_val(r) for r in runs) for name, runs in arms.items() if name.startswith("half")}
+    halves = {
+        runs[0]["spec"]["M"]: mean(final_val(r) for r in runs)
+        for name, runs in arms.items()
+        if name.startswith("half")
+    }
     print(
         f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'±se':>6} {'target':>7} {'ok':>3} {'jump':>6} {'|Δ| r1':>7} "
         f"{'|Δ| last':>8} {'fp32/wire':>9} {'paper':>14}  per seed; checks"
@@ -326,7 +348,11 @@ def report(
         norms = [r["rounds"] for r in runs if r["rounds"]]
         first = mean(x[0]["pseudo_grad_norm"] for x in norms) if norms else math.nan
         last = mean(x[-1]["pseudo_grad_norm"] for x in norms) if norms else math.nan
-        ratio_bytes = sum(x["fp32_bytes"] for x in rounds) / sum(x["bytes_sent"] for x in rounds) if rounds else math.nan
+        ratio_bytes = (
+            sum(x["fp32_bytes"] for x in rounds) / sum(x["bytes_sent"] for x in rounds)
+            if rounds
+            else math.nan
+        )
         jump = mean(r.get("jump", math.nan) for r in runs)
         per_seed = " ".join(f"s{r['seed']}={final_val(r):.4f}" for r in runs)
         checks = all(r["disjoint"] and not r["repeats"] and not r["val_ids_overlap"] for r in runs)

@@ -206,8 +206,12 @@ def start_galaxy(
     hashes = {fingerprint_bytes(flat(c.model)) for c in clusters}
     assert len(hashes) == 1, "clusters start from different weights"
     hvs = [hv_of(spec, m) for m in range(size)]
-    averagers = InProcessGalaxy(size, compression=hvs_compression(spec), robust_mean=bool(spec.get("robust")),
-                                sparse_rule=hvs[0].sparse_rule)
+    averagers = InProcessGalaxy(
+        size,
+        compression=hvs_compression(spec),
+        robust_mean=bool(spec.get("robust")),
+        sparse_rule=hvs[0].sparse_rule,
+    )
     record["outer"] = {
         "outer_lr": hvs[0].outer_lr,
         "outer_momentum": hvs[0].outer_momentum,
@@ -216,8 +220,12 @@ def start_galaxy(
     }
     streaming = SyncSchedule(local_steps, hvs[0].fragments, hvs[0].sync_delay).streaming
     outers = [
-        DiLoCo(c.model, averagers.averager(m, fragment_length(flat(c.model).numel(), hvs[m].fragments)), hvs[m],
-               warn=print)
+        DiLoCo(
+            c.model,
+            averagers.averager(m, fragment_length(flat(c.model).numel(), hvs[m].fragments)),
+            hvs[m],
+            warn=print,
+        )
         for m, c in enumerate(clusters)
     ]
     return outers, ReferenceOuter(outers[0].state.params, hvs[0]), streaming

@@ -42,15 +42,40 @@ def run_trainer(args: argparse.Namespace, work: Path, data_flags: list[str], nam
     metrics = work / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        str(REPO / "open_diloco" / "train_fsdp.py"), "--path-model", str(REPO / "tests/models/llama-2m-fresh"),
-        "--no-torch-compile", "--seq-length", str(args.seq_length), "--per-device-train-batch-size",
-        str(args.per_device_batch), "--total-batch-size", str(args.per_device_batch * args.nproc),
-        "--max-steps", str(args.steps), "--num-workers", str(args.num_workers), "--log-interval", str(args.steps),
-        "--metric-logger-type", "jsonl", "--metrics-path", str(metrics), *data_flags,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(REPO / "open_diloco" / "train_fsdp.py"),
+        "--path-model",
+        str(REPO / "tests/models/llama-2m-fresh"),
+        "--no-torch-compile",
+        "--seq-length",
+        str(args.seq_length),
+        "--per-device-train-batch-size",
+        str(args.per_device_batch),
+        "--total-batch-size",
+        str(args.per_device_batch * args.nproc),
+        "--max-steps",
+        str(args.steps),
+        "--num-workers",
+        str(args.num_workers),
+        "--log-interval",
+        str(args.steps),
+        "--metric-logger-type",
+        "jsonl",
+        "--metrics-path",
+        str(metrics),
+        *data_flags,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         sys.exit(f"{name} run failed:\n{done.stderr[-2000:]}")
@@ -66,11 +91,18 @@ def loader_alone(packed: Path, args: argparse.Namespace, batches: int = 300) -> 
 
     rates = {}
     for name, flags in (("fake", {"fake_data": True}), ("real", {"dataset_path": str(packed)})):
-        config = Config(seq_length=args.seq_length, per_device_train_batch_size=args.per_device_batch,
-                        total_batch_size=args.per_device_batch, **flags)
+        config = Config(
+            seq_length=args.seq_length,
+            per_device_train_batch_size=args.per_device_batch,
+            total_batch_size=args.per_device_batch,
+            **flags,
+        )
         plan = plan_data(config, 2048, world_size=1, galaxy_rank=0, galaxy_size=1)
-        stream = iter(build_train_loader(plan, per_device_batch=args.per_device_batch, rank=0, world_size=1,
-                                         num_workers=0))
+        stream = iter(
+            build_train_loader(
+                plan, per_device_batch=args.per_device_batch, rank=0, world_size=1, num_workers=0
+            )
+        )
         next(stream)
         started = time.perf_counter()
         for _ in range(batches):
@@ -80,7 +112,9 @@ def loader_alone(packed: Path, args: argparse.Namespace, batches: int = 300) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dataset-path", help="raw or packed corpus (default: stdlib sources)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
@@ -96,19 +130,32 @@ def main() -> None:
         work = Path(tmp)
         dataset = args.dataset_path or str(corpus_from_stdlib(work / "corpus", 300))
         packed = work / "packed"
-        subprocess.run([sys.executable, str(REPO / "open_diloco" / "train_fsdp.py"), "prepare-data", dataset,
-                        str(packed)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "open_diloco" / "train_fsdp.py"),
+                "prepare-data",
+                dataset,
+                str(packed),
+            ],
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         rates = loader_alone(packed, args)
-        console.print(f"loader alone (1 process, no workers): fake {rates['fake']:,.0f} samples/s, "
-                      f"real {rates['real']:,.0f} samples/s")
+        console.print(
+            f"loader alone (1 process, no workers): fake {rates['fake']:,.0f} samples/s, "
+            f"real {rates['real']:,.0f} samples/s"
+        )
         fake, real = [], []
         for repeat in range(args.repeats):
             fake.append(run_trainer(args, work, ["--fake-data"], f"fake{repeat}"))
             real.append(run_trainer(args, work, ["--dataset-path", str(packed)], f"real{repeat}"))
             console.print(f"repeat {repeat}: fake {fake[-1]:,.0f} tok/s, real {real[-1]:,.0f} tok/s")
 
-    table = Table(title=f"trainer throughput, 2M model, {args.nproc} rank(s), seq {args.seq_length}, "
-                        f"batch {args.per_device_batch}/rank, {args.num_workers} worker(s)")
+    table = Table(
+        title=f"trainer throughput, 2M model, {args.nproc} rank(s), seq {args.seq_length}, "
+        f"batch {args.per_device_batch}/rank, {args.num_workers} worker(s)"
+    )
     for column in ("data", "median tok/s per run", "median of runs"):
         table.add_column(column)
     for name, values in (("fake", fake), ("real (packed memmap)", real)):

@@ -90,13 +90,21 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     me = os.getpid()
 
     hv = HvConfig(  # with momentum: the outer state at its largest
-        local_steps=1, world_rank=rank, galaxy_size=2, on_partial_round="proceed", outer_momentum=0.9,
-        host_maddrs=LOOPBACK, matchmaking_time=1.0, averaging_timeout=60.0, join_timeout=30.0,
+        local_steps=1,
+        world_rank=rank,
+        galaxy_size=2,
+        on_partial_round="proceed",
+        outer_momentum=0.9,
+        host_maddrs=LOOPBACK,
+        matchmaking_time=1.0,
+        averaging_timeout=60.0,
+        join_timeout=30.0,
     )
 
     def start(numel: int, run_id: str, peers: list[str]):
-        return start_shard_averager(hv.model_copy(update={"run_id": run_id}), ClusterShard.flat(numel),
-                                    initial_peers=peers)
+        return start_shard_averager(
+            hv.model_copy(update={"run_id": run_id}), ClusterShard.flat(numel), initial_peers=peers
+        )
 
     model = FlatModel(numel, seed=0)
     if args.model_memory == "device":
@@ -119,7 +127,9 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
         peers_seen = []
         with PeakSampler(me) as sampler:
             for _ in range(args.rounds):
-                with torch.no_grad():  # "inner steps", a chunk at a time: no full-size temporary of the bench's own
+                with (
+                    torch.no_grad()
+                ):  # "inner steps", a chunk at a time: no full-size temporary of the bench's own
                     for piece in model.weight.split(1 << 20):
                         piece.add_(torch.randn(piece.numel(), generator=noise), alpha=1e-3)
                 barrier.wait(120)
@@ -150,16 +160,20 @@ def measure(numel: int, args) -> float:
         left = wait_gone(seen, 5.0)
         assert not left, f"processes left behind: {left}"
     size = 4 * numel
-    print(f"\n2 peers on 127.0.0.1, shard of {numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds, "
-          f"model memory: {args.model_memory}")
+    print(
+        f"\n2 peers on 127.0.0.1, shard of {numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds, "
+        f"model memory: {args.model_memory}"
+    )
     print("| peer | model | galaxy fixed | peak | outer state | x fp32 shard | peers per round |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     outers = []
     for _, rank, model_pss, fixed, peak, peers, _at_peak in sorted(results, key=lambda r: r[1]):
         outer = peak - model_pss - fixed
         outers.append(outer)
-        print(f"| {rank} | {model_pss / 2**20:.0f} MiB | {fixed / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
-              f"{outer / 2**20:.0f} MiB | {outer / size:.2f} | {peers} |")
+        print(
+            f"| {rank} | {model_pss / 2**20:.0f} MiB | {fixed / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
+            f"{outer / 2**20:.0f} MiB | {outer / size:.2f} | {peers} |"
+        )
     for _, rank, *_, at_peak in sorted(results, key=lambda r: r[1]):
         parts = ", ".join(f"{name} {pss / 2**20:.0f}" for name, pss in sorted(at_peak.items()))
         print(f"peer {rank} at its peak (MiB PSS): {parts}")
@@ -171,8 +185,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 96_000_000])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model-memory", choices=["device", "host"], default="device",
-                        help="device: parameters outside the forks' copy-on-write, as on a GPU; host: a CPU run")
+    parser.add_argument(
+        "--model-memory",
+        choices=["device", "host"],
+        default="device",
+        help="device: parameters outside the forks' copy-on-write, as on a GPU; host: a CPU run",
+    )
     args = parser.parse_args()
     sizes = [4 * numel for numel in args.numel]
     outers = [measure(numel, args) for numel in args.numel]

@@ -50,14 +50,22 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
     # OpenMP pools oversubscribe the machine and every local op stalls behind the other peer's threads.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.peers))
     hv = HvConfig(  # with momentum, as the figures in docs/results/outer-step.md were taken
-        local_steps=1, world_rank=rank, galaxy_size=args.peers, on_partial_round="proceed",
-        outer_momentum=0.9, host_maddrs=LOOPBACK, run_id=f"bench{numel}",
-        matchmaking_time=args.matchmaking_time, averaging_timeout=args.timeout, join_timeout=30.0,
+        local_steps=1,
+        world_rank=rank,
+        galaxy_size=args.peers,
+        on_partial_round="proceed",
+        outer_momentum=0.9,
+        host_maddrs=LOOPBACK,
+        run_id=f"bench{numel}",
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.timeout,
+        join_timeout=30.0,
         compression=args.compression,
     )
     ours = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
-    raw = DecentralizedAverager([torch.zeros(numel)], ours.dht, prefix=f"raw{numel}", start=True,
-                                **averaging_settings(hv))
+    raw = DecentralizedAverager(
+        [torch.zeros(numel)], ours.dht, prefix=f"raw{numel}", start=True, **averaging_settings(hv)
+    )
     try:
         queue.put(("ready", rank, ours.visible_maddrs))
         model = FlatModel(numel, seed=0)  # every cluster starts from the same θ
@@ -76,8 +84,17 @@ def _peer(rank: int, args: argparse.Namespace, numel: int, queue, barrier, initi
             start = time.perf_counter()
             record = diloco.step()
             ours_seconds = time.perf_counter() - start
-            queue.put(("round", rank, round_id, raw_seconds, result is not None and len(result) == args.peers,
-                       ours_seconds, record))
+            queue.put(
+                (
+                    "round",
+                    rank,
+                    round_id,
+                    raw_seconds,
+                    result is not None and len(result) == args.peers,
+                    ours_seconds,
+                    record,
+                )
+            )
     finally:
         raw.shutdown()
         ours.shutdown()
@@ -130,7 +147,11 @@ def run_size(args: argparse.Namespace, numel: int) -> dict:
         allreduce=statistics.median(r[6]["allreduce_seconds"] for r in full),
         sent=statistics.median(r[6]["bytes_sent"] for r in full),
         identical=all(len(h) == 1 for h in hashes.values()),
-        broken=sum(1 for r in rounds if r[1] == 0 and not (r[6]["galaxy_complete"] and r[6]["galaxy_peers"] == args.peers)),
+        broken=sum(
+            1
+            for r in rounds
+            if r[1] == 0 and not (r[6]["galaxy_complete"] and r[6]["galaxy_peers"] == args.peers)
+        ),
     )
 
 
@@ -143,15 +164,22 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
-    print(f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is warm-up)")
-    print("| values | fp32 size | raw hivemind all-reduce | open_diloco outer step (its all-reduce) | ratio "
-          "| bytes sent / peer / round | equal hashes every round | partial rounds |")
+    print(
+        f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is warm-up)"
+    )
+    print(
+        "| values | fp32 size | raw hivemind all-reduce | open_diloco outer step (its all-reduce) | ratio "
+        "| bytes sent / peer / round | equal hashes every round | partial rounds |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for numel in args.numel:
         r = run_size(args, numel)
         size = 4 * numel
-        print(f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s ({r['allreduce']:.3f} s) | {r['ratio']:.2f} | "
-              f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} | {r['broken']} |", flush=True)
+        print(
+            f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s ({r['allreduce']:.3f} s) | {r['ratio']:.2f} | "
+            f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} | {r['broken']} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ REDUCER_ERROR = re.compile(r"exchange with peer \S+ failed: (.*) \(its span keep
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=130, help="inner steps per cluster (H = 2: a round every 2)")
+    parser.add_argument(
+        "--steps", type=int, default=130, help="inner steps per cluster (H = 2: a round every 2)"
+    )
     parser.add_argument("--workdir", help="where logs and metrics go (default: a new temporary directory)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more trainer flags, last")
     args = parser.parse_args()
@@ -37,9 +39,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     galaxy = Galaxy(work)
     try:
-        flags = ["--max-steps", str(args.steps), "--hv.local-steps", "2", "--hv.averaging-timeout", "30", *args.extra]
-        metrics = [galaxy.start_cluster(rank, 2, *flags, nproc=2, env={"HIVEMIND_LOGLEVEL": "DEBUG"})
-                   for rank in (0, 1)]
+        flags = [
+            "--max-steps",
+            str(args.steps),
+            "--hv.local-steps",
+            "2",
+            "--hv.averaging-timeout",
+            "30",
+            *args.extra,
+        ]
+        metrics = [
+            galaxy.start_cluster(rank, 2, *flags, nproc=2, env={"HIVEMIND_LOGLEVEL": "DEBUG"})
+            for rank in (0, 1)
+        ]
         for rank in (0, 1):
             code = galaxy.wait(f"cluster{rank}", 60 + 10 * args.steps)
             if code != 0:
@@ -50,14 +62,21 @@ def main() -> None:
     numbers = sorted(set(rounds[0]) | set(rounds[1]))
     one_sided = [n for n in numbers if not all(n in side and _whole(side[n]) for side in rounds)]
     for n in one_sided:
-        print(f"round {n}: " + " | ".join(
-            f"cluster {rank}: " + (_brief(side[n]) if n in side else "no record") for rank, side in enumerate(rounds)))
+        print(
+            f"round {n}: "
+            + " | ".join(
+                f"cluster {rank}: " + (_brief(side[n]) if n in side else "no record")
+                for rank, side in enumerate(rounds)
+            )
+        )
     for rank in (0, 1):
         for error in REDUCER_ERROR.findall(galaxy.log(f"cluster{rank}")):
             print(f"cluster {rank} reducer error: {error}")
     seconds = [r["allreduce_seconds"] for r in rounds[0].values() if _whole(r)]
-    print(f"rounds {len(numbers)}, one-sided {len(one_sided)}, median all-reduce "
-          f"{statistics.median(seconds) if seconds else float('nan'):.3f} s; logs in {work}")
+    print(
+        f"rounds {len(numbers)}, one-sided {len(one_sided)}, median all-reduce "
+        f"{statistics.median(seconds) if seconds else float('nan'):.3f} s; logs in {work}"
+    )
 
 
 def _whole(record: dict) -> bool:

@@ -46,8 +46,11 @@ sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) is importe
 
 from scripts.wan.lab import Lab  # noqa: E402
 
-MODELS = {"2m": REPO / "tests/models/llama-2m-fresh", "25m": REPO / "configs/models/llama-25m-fresh",
-          "100m": REPO / "configs/models/llama-100m-fresh"}
+MODELS = {
+    "2m": REPO / "tests/models/llama-2m-fresh",
+    "25m": REPO / "configs/models/llama-25m-fresh",
+    "100m": REPO / "configs/models/llama-100m-fresh",
+}
 ROUND_TRIPS = 3
 RAW_ROUND_TIMEOUT = 300.0
 """What one raw hivemind round may take (a 96M model's round over `intercontinental` takes about a minute)."""
@@ -82,13 +85,38 @@ def watch(galaxy: Galaxy, metrics: list[Path], names: list[str], timeout: float)
     return seen
 
 
-def raw_baseline(lab: Lab, dht_maddr: str, numel: int, clusters: int, rounds: int, matchmaking: float) -> list[float]:
+def raw_baseline(
+    lab: Lab, dht_maddr: str, numel: int, clusters: int, rounds: int, matchmaking: float
+) -> list[float]:
     """Seconds of each raw hivemind round (rank 0's), the same fp32 values, one peer per cluster namespace."""
-    procs = [subprocess.Popen(
-        [*lab.exec_prefix(f"cluster{rank}"), sys.executable, "-m", "scripts.bench.wan", "raw",
-         "--initial-peers", dht_maddr, "--host", lab.address(f"cluster{rank}"), "--numel", str(numel),
-         "--peers", str(clusters), "--rounds", str(rounds), "--matchmaking-time", str(matchmaking)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in range(clusters)]
+    procs = [
+        subprocess.Popen(
+            [
+                *lab.exec_prefix(f"cluster{rank}"),
+                sys.executable,
+                "-m",
+                "scripts.bench.wan",
+                "raw",
+                "--initial-peers",
+                dht_maddr,
+                "--host",
+                lab.address(f"cluster{rank}"),
+                "--numel",
+                str(numel),
+                "--peers",
+                str(clusters),
+                "--rounds",
+                str(rounds),
+                "--matchmaking-time",
+                str(matchmaking),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(clusters)
+    ]
     try:
         outputs = [proc.communicate(timeout=rounds * RAW_ROUND_TIMEOUT + 60)[0] for proc in procs]
     finally:
@@ -107,11 +135,17 @@ def raw_peer(args: argparse.Namespace) -> None:
     from hivemind.averaging import DecentralizedAverager
 
     dht = DHT(initial_peers=[args.initial_peers], host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
-    averager = DecentralizedAverager([torch.randn(args.numel)], dht, prefix="rawbench", start=True,
-                                     target_group_size=args.peers, min_group_size=args.peers,
-                                     min_matchmaking_time=args.matchmaking_time,
-                                     request_timeout=args.matchmaking_time / 2,
-                                     allreduce_timeout=600)
+    averager = DecentralizedAverager(
+        [torch.randn(args.numel)],
+        dht,
+        prefix="rawbench",
+        start=True,
+        target_group_size=args.peers,
+        min_group_size=args.peers,
+        min_matchmaking_time=args.matchmaking_time,
+        request_timeout=args.matchmaking_time / 2,
+        allreduce_timeout=600,
+    )
     try:
         for _ in range(args.rounds):
             start = time.monotonic()
@@ -134,13 +168,27 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
     it arrived are not steady."""
     by_round = [{r["outer_step"]: r for r in s.values() if "outer_step" in r} for s in seen]
     last = min(max(rounds_of) for rounds_of in by_round)
-    whole = [k for k in sorted(by_round[0]) if k < last and all(
-        k in rounds_of and rounds_of[k]["galaxy_peers"] == clusters
-        and rounds_of[k]["param_hash"] == by_round[0][k]["param_hash"] for rounds_of in by_round)]
-    steady = whole[1:rounds + 1]
-    if len(steady) < rounds or steady != list(range(steady[0], steady[0] + rounds)) or steady[0] - 1 not in by_round[0]:
-        raise AssertionError(f"expected {rounds} consecutive whole rounds after the first, got rounds {whole} "
-                             f"of {sorted(by_round[0])}; run more rounds (--rounds) or fewer clusters")
+    whole = [
+        k
+        for k in sorted(by_round[0])
+        if k < last
+        and all(
+            k in rounds_of
+            and rounds_of[k]["galaxy_peers"] == clusters
+            and rounds_of[k]["param_hash"] == by_round[0][k]["param_hash"]
+            for rounds_of in by_round
+        )
+    ]
+    steady = whole[1 : rounds + 1]
+    if (
+        len(steady) < rounds
+        or steady != list(range(steady[0], steady[0] + rounds))
+        or steady[0] - 1 not in by_round[0]
+    ):
+        raise AssertionError(
+            f"expected {rounds} consecutive whole rounds after the first, got rounds {whole} "
+            f"of {sorted(by_round[0])}; run more rounds (--rounds) or fewer clusters"
+        )
     return [by_round[0][k] for k in range(steady[0] - 1, steady[-1] + 1)]
 
 
@@ -152,28 +200,55 @@ def codec_flags(codec: str) -> list[str]:
     for option in options:
         key, _, value = option.partition("=")
         if key not in ("rule", "density") or not value:
-            raise SystemExit(f"--codecs {codec}: options are rule=... and density=..., e.g. sparse,rule=random")
+            raise SystemExit(
+                f"--codecs {codec}: options are rule=... and density=..., e.g. sparse,rule=random"
+            )
         flags += [f"--hv.sparse-{key}", value]
     return flags
 
 
-def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: int, matchmaking: float,
-             workdir: Path, codec: str = "none") -> dict:
+def run_case(
+    profile: str,
+    model: str,
+    clusters: int,
+    rounds: int,
+    local_steps: int,
+    matchmaking: float,
+    workdir: Path,
+    codec: str = "none",
+) -> dict:
     numel = model_numel(MODELS[model])
     # one round to warm up and one at the end, plus one per two clusters past two for a late start
     steps = local_steps * (rounds + 2 + (clusters - 1) // 2)
-    flags = ["--path-model", str(MODELS[model]), "--max-steps", str(steps), "--hv.local-steps", str(local_steps),
-             "--hv.averaging-timeout", "900", "--hv.join-timeout", "120", "--hv.matchmaking-time", str(matchmaking),
-             "--seq-length", "64", *codec_flags(codec)]
+    flags = [
+        "--path-model",
+        str(MODELS[model]),
+        "--max-steps",
+        str(steps),
+        "--hv.local-steps",
+        str(local_steps),
+        "--hv.averaging-timeout",
+        "900",
+        "--hv.join-timeout",
+        "120",
+        "--hv.matchmaking-time",
+        str(matchmaking),
+        "--seq-length",
+        "64",
+        *codec_flags(codec),
+    ]
     with Lab(clusters, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
             names = [f"cluster{rank}" for rank in range(clusters)]
-            metrics = [galaxy.start_cluster(rank, clusters, *flags, nproc=1)
-                       for rank in range(clusters)]
+            metrics = [galaxy.start_cluster(rank, clusters, *flags, nproc=1) for rank in range(clusters)]
             seen = watch(galaxy, metrics, names, timeout=3600)
             # the raw baseline moves fp32: it is the yardstick of the uncompressed case only
-            raw = raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking) if codec == "none" else []
+            raw = (
+                raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking)
+                if codec == "none"
+                else []
+            )
         finally:
             galaxy.close()
         link = lab.profile
@@ -183,21 +258,32 @@ def run_case(profile: str, model: str, clusters: int, rounds: int, local_steps: 
     wall = records[last_step]["seen"] - records[first_step]["seen"]
     compute = sum(records[s]["step_seconds"] for s in range(first_step + 1, last_step + 1))
     rtt = 2 * link.delay_ms / 1000
-    wire = [max(r["bytes_sent"], r["bytes_received"]) * 8 / (link.path_mbit() * 1e6) + ROUND_TRIPS * rtt
-            for r in steady]
+    wire = [
+        max(r["bytes_sent"], r["bytes_received"]) * 8 / (link.path_mbit() * 1e6) + ROUND_TRIPS * rtt
+        for r in steady
+    ]
     allreduce = [r["allreduce_seconds"] for r in steady]
     return {
-        "profile": profile, "model": model, "numel": numel, "clusters": clusters, "codec": codec,
-        "rounds": len(steady), "allreduce_s": statistics.median(allreduce),
+        "profile": profile,
+        "model": model,
+        "numel": numel,
+        "clusters": clusters,
+        "codec": codec,
+        "rounds": len(steady),
+        "allreduce_s": statistics.median(allreduce),
         "raw_s": statistics.median(raw[1:] or raw) if raw else None,
-        "wire_bound_s": statistics.median(wire), "ratio": statistics.median(a / w for a, w in zip(allreduce, wire, strict=True)),
+        "wire_bound_s": statistics.median(wire),
+        "ratio": statistics.median(a / w for a, w in zip(allreduce, wire, strict=True)),
         "mb_per_round": statistics.median(r["bytes_sent"] + r["bytes_received"] for r in steady) / 1e6,
-        "utilization": compute / wall, "wall_s": wall,
+        "utilization": compute / wall,
+        "wall_s": wall,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command")
     raw = sub.add_parser("raw", help="(internal) one raw hivemind peer inside a lab namespace")
     raw.add_argument("--initial-peers", required=True)
@@ -209,12 +295,18 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=["continent", "intercontinental"])
     parser.add_argument("--models", nargs="+", default=["2m"], choices=sorted(MODELS))
     parser.add_argument("--clusters", nargs="+", type=int, default=[2])
-    parser.add_argument("--rounds", type=int, default=3, help="steady rounds measured (one more runs before, one after)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="steady rounds measured (one more runs before, one after)"
+    )
     parser.add_argument("--local-steps", type=int, default=5)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
-    parser.add_argument("--codecs", nargs="+", default=["none"],
-                        help="--hv.compression per case, NAME[,rule=R][,density=D] (sparse's options); 'none' runs "
-                        "first and is the ÷ fp32 yardstick")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=["none"],
+        help="--hv.compression per case, NAME[,rule=R][,density=D] (sparse's options); 'none' runs "
+        "first and is the ÷ fp32 yardstick",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
@@ -223,24 +315,38 @@ def main() -> None:
     for codec in args.codecs:
         codec_flags(codec)  # a bad spec fails before any lab is built
     codecs = sorted(args.codecs, key=lambda codec: codec != "none")
-    print(f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
-          f"{'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}", flush=True)
+    print(
+        f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
+        f"{'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}",
+        flush=True,
+    )
     for profile in args.profiles:
         for model in args.models:
             for clusters in args.clusters:
                 fp32 = None
                 for codec in codecs:
                     with tempfile.TemporaryDirectory(prefix="wanbench-") as workdir:
-                        row = run_case(profile, model, clusters, args.rounds, args.local_steps,
-                                       args.matchmaking_time, Path(workdir), codec)
+                        row = run_case(
+                            profile,
+                            model,
+                            clusters,
+                            args.rounds,
+                            args.local_steps,
+                            args.matchmaking_time,
+                            Path(workdir),
+                            codec,
+                        )
                     fp32 = row["allreduce_s"] if codec == "none" else fp32
                     row["vs_fp32"] = row["allreduce_s"] / fp32 if fp32 else None
                     rows.append(row)
                     raw_s = f"{row['raw_s']:>7.2f}" if row["raw_s"] is not None else f"{'—':>7}"
                     vs = f"{row['vs_fp32']:>7.2f}" if row["vs_fp32"] is not None else f"{'—':>7}"
-                    print(f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
-                          f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
-                          f"{vs} {row['utilization']:>11.0%}", flush=True)
+                    print(
+                        f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
+                        f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
+                        f"{vs} {row['utilization']:>11.0%}",
+                        flush=True,
+                    )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -74,8 +74,11 @@ def fault_figures(faults: list[Fault], syncs: list[list[dict]], table: dict) -> 
     for f in faults:
         row = f.to_json()
         if f.fired:
-            per = {c: repair(f.end, records, c, table) for c, records in enumerate(syncs)
-                   if any(r["time"] > f.end for r in records)}
+            per = {
+                c: repair(f.end, records, c, table)
+                for c, records in enumerate(syncs)
+                if any(r["time"] > f.end for r in records)
+            }
             row["repair_by_cluster"] = {str(c): (list(r) if r else None) for c, r in per.items()}
             row["repair_target"] = per.get(f.cluster) and list(per[f.cluster])
             healed = [r for r in per.values() if r is not None]
@@ -100,7 +103,9 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
     return False
 
 
-def cluster_figures(cluster: int, records: list[dict], spans: list[Window], repairs: dict, table: dict) -> dict:
+def cluster_figures(
+    cluster: int, records: list[dict], spans: list[Window], repairs: dict, table: dict
+) -> dict:
     """Counts and streaks of one cluster's syncs; ``repairs``: (fault, cluster) -> repair in syncs or None."""
     times = sorted(r["time"] for r in records)
     longest = run = after_run = longest_after = 0
@@ -116,7 +121,9 @@ def cluster_figures(cluster: int, records: list[dict], spans: list[Window], repa
     free = [r for r in records if not due_to_fault(r["time"], cluster, times, spans, repairs)]
     resynced_free = sum(bool(r.get("resynced")) for r in free)
     sat_out = [r for r in records if r.get("galaxy_peers") == 0]
-    bad = [r for r in records if r.get("pseudo_grad_finite") is False or r.get("pseudo_grad_in_bound") is False]
+    bad = [
+        r for r in records if r.get("pseudo_grad_finite") is False or r.get("pseudo_grad_in_bound") is False
+    ]
     last = records[-1] if records else {}
     return {
         "syncs": len(records),
@@ -128,7 +135,9 @@ def cluster_figures(cluster: int, records: list[dict], spans: list[Window], repa
         "resynced_without_fault": resynced_free,
         "resynced_share_without_fault": resynced_free / len(free) if free else 0.0,
         "sat_out": len(sat_out),
-        "sat_out_without_fault": sum(not due_to_fault(r["time"], cluster, times, spans, repairs) for r in sat_out),
+        "sat_out_without_fault": sum(
+            not due_to_fault(r["time"], cluster, times, spans, repairs) for r in sat_out
+        ),
         "sat_out_bad_pseudo_grad": len(bad),
         "retries": sum(r.get("retries") or 0 for r in records),
         "split_syncs": sum(not is_good({**r, "in_sync": True}, cluster, table) for r in records),

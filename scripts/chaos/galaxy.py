@@ -42,8 +42,16 @@ class Launch:
     ended: float | None = None
 
     def to_json(self) -> dict:
-        return {"cluster": self.cluster, "launch": self.number, "pid": self.proc.pid, "log": self.log.name,
-                "started": self.started, "ended": self.ended, "returncode": self.returncode, "killed": self.killed}
+        return {
+            "cluster": self.cluster,
+            "launch": self.number,
+            "pid": self.proc.pid,
+            "log": self.log.name,
+            "started": self.started,
+            "ended": self.ended,
+            "returncode": self.returncode,
+            "killed": self.killed,
+        }
 
 
 @dataclass
@@ -72,8 +80,15 @@ class Galaxy:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The trainers' environment: quiet, offline, one thread per rank (the soak shares two cores with
         everything else), and the trainer root first on PYTHONPATH (so a worktree of older code can run)."""
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "WANDB_MODE": "disabled",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         env["PYTHONPATH"] = os.pathsep.join([str(self.trainer_root), *filter(None, [env.get("PYTHONPATH")])])
         for key, value in (extra or {}).items():
             env[key] = os.pathsep.join([value, env[key]]) if key == "PYTHONPATH" else value
@@ -82,14 +97,22 @@ class Galaxy:
     def package_file(self) -> str:
         """Where the trainers import open_diloco from (the proof of which code a soak ran)."""
         probe = [self.python, "-c", "import open_diloco; print(open_diloco.__file__)"]
-        return subprocess.run(probe, cwd=self.trainer_root, env=self.env(), capture_output=True, text=True,
-                              timeout=60).stdout.strip()
+        return subprocess.run(
+            probe, cwd=self.trainer_root, env=self.env(), capture_output=True, text=True, timeout=60
+        ).stdout.strip()
 
-    def _spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None,
-               cwd: Path | None = None) -> subprocess.Popen:
+    def _spawn(
+        self, cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
         with log.open("a") as sink:
-            proc = subprocess.Popen(cmd, cwd=cwd or REPO, env=env or self.env(), stdin=subprocess.DEVNULL,
-                                    stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd or REPO,
+                env=env or self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         self.roots.append(proc)
         self.track()
         return proc
@@ -98,9 +121,22 @@ class Galaxy:
     def start_lab(self, clusters: int, profile: str, timeout: float = 120) -> None:
         """``python -m scripts.wan.lab up`` (self-check included), held until close()."""
         ready = self.out / "lab.json"
-        self.lab_proc = self._spawn([self.python, "-m", "scripts.wan.lab", "up", "--clusters", str(clusters),
-                                     "--profile", profile, "--ready-file", str(ready)], self.out / "lab.log",
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lab_proc = self._spawn(
+            [
+                self.python,
+                "-m",
+                "scripts.wan.lab",
+                "up",
+                "--clusters",
+                str(clusters),
+                "--profile",
+                profile,
+                "--ready-file",
+                str(ready),
+            ],
+            self.out / "lab.log",
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + timeout
         while not (ready.exists() and ready.stat().st_size):
             if self.lab_proc.poll() is not None or time.monotonic() > deadline:
@@ -113,8 +149,17 @@ class Galaxy:
         host, log = self.address("dht"), self.out / "dht.log"
         dht_bin = str(Path(self.python).parent / "hivemind-dht")
         self.dht_proc = self._spawn(
-            [*self.place("dht"), dht_bin, "--identity_path", str(self.out / "dht_identity.pem"),
-             "--host_maddrs", f"/ip4/{host}/tcp/0"], log, env={**self.env(), "HIVEMIND_LOGLEVEL": "INFO"})
+            [
+                *self.place("dht"),
+                dht_bin,
+                "--identity_path",
+                str(self.out / "dht_identity.pem"),
+                "--host_maddrs",
+                f"/ip4/{host}/tcp/0",
+            ],
+            log,
+            env={**self.env(), "HIVEMIND_LOGLEVEL": "INFO"},
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = re.search(rf"/ip4/{re.escape(host)}/tcp/\d+/p2p/\w+", log.read_text())
@@ -131,8 +176,16 @@ class Galaxy:
         """Start cluster ``cluster`` (``flags``: every trainer flag); a restart logs to a file of its own."""
         number = 1 + sum(launch.cluster == cluster for launch in self.launches)
         log = self.out / (f"cluster{cluster}.log" if number == 1 else f"cluster{cluster}.launch{number}.log")
-        cmd = [*self.place(f"c{cluster}"), self.python, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", str(self.trainer_root / "open_diloco" / "train_fsdp.py"), *flags]
+        cmd = [
+            *self.place(f"c{cluster}"),
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            str(self.trainer_root / "open_diloco" / "train_fsdp.py"),
+            *flags,
+        ]
         proc = self._spawn(cmd, log, env=self.env(env), cwd=self.trainer_root)
         launch = Launch(cluster, number, proc, log, time.time())
         self.launches.append(launch)
@@ -186,7 +239,9 @@ class Galaxy:
         self.track()
         for launch in self.launches:
             if launch.proc.poll() is None:
-                launch.killed = True  # by the soak's end (a hang): its "stopping" line is ours, not the trainer's
+                launch.killed = (
+                    True  # by the soak's end (a hang): its "stopping" line is ours, not the trainer's
+                )
                 signal_all(psutil_tree(launch.proc.pid), signal.SIGCONT)  # a stopped process ignores SIGTERM
                 end_tree(launch.proc.pid, grace=grace)
         self.poll()

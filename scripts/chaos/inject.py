@@ -62,8 +62,14 @@ class Injector:
     @property
     def active(self) -> Fault | None:
         """The fault the soak is doing now (at most one; lost averages and late joins run on their own)."""
-        return next((f for f in self.faults if f.start is not None and f.end is None
-                     and f.kind not in ("lost_average", "late_join")), None)
+        return next(
+            (
+                f
+                for f in self.faults
+                if f.start is not None and f.end is None and f.kind not in ("lost_average", "late_join")
+            ),
+            None,
+        )
 
     def _begin(self, fault: Fault, note: str = "") -> None:
         fault.start, fault.note = time.time(), note or fault.note
@@ -74,7 +80,9 @@ class Injector:
         if fault.kind != "lost_average":  # let the galaxy settle: each repair is measured on its own
             self.quiet_until = self.progress + QUIET_SYNCS
         fault.note = note or fault.note
-        self.say(f"fault end   #{fault.index} {fault.kind} on cluster {fault.cluster}{': ' + note if note else ''}")
+        self.say(
+            f"fault end   #{fault.index} {fault.kind} on cluster {fault.cluster}{': ' + note if note else ''}"
+        )
 
     def tick(self, progress: int, allreduces: Callable[[int], int]) -> None:
         """``progress``: the galaxy's outer step (its clusters' median); ``allreduces(c)``: the all-reduces
@@ -90,8 +98,17 @@ class Injector:
             elif fault.start is not None and fault.end is None and now >= fault.start + fault.seconds:
                 self._undo(fault)
         if self.active is None and progress >= self.quiet_until:
-            due = next((f for f in self.faults if f.start is None and not f.skipped and progress >= f.trigger
-                        and f.kind not in ("lost_average", "late_join")), None)
+            due = next(
+                (
+                    f
+                    for f in self.faults
+                    if f.start is None
+                    and not f.skipped
+                    and progress >= f.trigger
+                    and f.kind not in ("lost_average", "late_join")
+                ),
+                None,
+            )
             if due is not None:
                 self._do(due)
 
@@ -110,7 +127,9 @@ class Injector:
         from scripts.wan import control
 
         if not self.galaxy.running(fault.cluster):  # it stopped on its own: the fault goes to a running one
-            running = sorted({launch.cluster for launch in self.galaxy.launches if self.galaxy.running(launch.cluster)})
+            running = sorted(
+                {launch.cluster for launch in self.galaxy.launches if self.galaxy.running(launch.cluster)}
+            )
             if not running:
                 fault.skipped, fault.note = True, "skipped: no cluster was running when it was due"
                 self.say(f"fault skip  {fault.describe()}: {fault.note}")
@@ -146,7 +165,11 @@ class Injector:
     def undo_all(self) -> None:
         """End every fault in progress (the soak is stopping): links up, loss off, ranks running."""
         for fault in self.faults:
-            if fault.start is not None and fault.end is None and fault.kind not in ("lost_average", "kill_restart"):
+            if (
+                fault.start is not None
+                and fault.end is None
+                and fault.kind not in ("lost_average", "kill_restart")
+            ):
                 try:
                     self._undo(fault)
                 except Exception as err:  # the lab may be gone already; the rest must still be undone

@@ -47,18 +47,29 @@ def read_logs(launches: list[dict], out: Path) -> tuple[Counter, dict[int, list[
     return kinds, stops
 
 
-def judge(faults: list[Fault], syncs: list[list[dict]], launches: list[dict], out: Path, hung: bool,
-          left_running: list[dict]) -> dict:
+def judge(
+    faults: list[Fault],
+    syncs: list[list[dict]],
+    launches: list[dict],
+    out: Path,
+    hung: bool,
+    left_running: list[dict],
+) -> dict:
     """Every figure of the summary and the verdict on each target (``launches``: ``Launch.to_json()`` each)."""
     table = hashes_by_step(syncs)
     spans = windows(faults, syncs)
     fault_rows = fault_figures(faults, syncs, table)
-    repairs = {(row["index"], int(c)): (r[0] if r else None)
-               for row in fault_rows for c, r in row.get("repair_by_cluster", {}).items()}
+    repairs = {
+        (row["index"], int(c)): (r[0] if r else None)
+        for row in fault_rows
+        for c, r in row.get("repair_by_cluster", {}).items()
+    }
     clusters = [cluster_figures(c, records, spans, repairs, table) for c, records in enumerate(syncs)]
     kinds, stops = read_logs(launches, out)
     for c, fig in enumerate(clusters):
-        exits = [launch["returncode"] for launch in launches if launch["cluster"] == c and not launch["killed"]]
+        exits = [
+            launch["returncode"] for launch in launches if launch["cluster"] == c and not launch["killed"]
+        ]
         fig["exit_codes"] = exits
         fig["stopped"] = any(code not in (0, None) for code in exits) or bool(stops.get(c))
         fig["stopping_lines"] = stops.get(c, [])[:5]
@@ -78,21 +89,40 @@ def targets(clusters: list[dict], fault_rows: list[dict], hung: bool, left_runni
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
     streak = max((c["longest_out_of_sync_run_after_faults"] for c in clusters), default=0)
     fired = [f for f in fault_rows if f["fired"] and f.get("syncs_after")]
-    slow = [f"#{f['index']} {f['kind']}: {f['repair_syncs'] if f['repaired'] else 'never'}" for f in fired
-            if not f["repaired"] or f["repair_syncs"] > REPAIR_LIMIT]
+    slow = [
+        f"#{f['index']} {f['kind']}: {f['repair_syncs'] if f['repaired'] else 'never'}"
+        for f in fired
+        if not f["repaired"] or f["repair_syncs"] > REPAIR_LIMIT
+    ]
     stopped = [i for i, c in enumerate(clusters) if c["stopped"]]
     sat = [i for i, c in enumerate(clusters) if c["sat_out_bad_pseudo_grad"] or c["sat_out_without_fault"]]
     rows = [
-        ("final param_hash equal in every cluster", f"{len(finals)} distinct (outer step, hash)",
-         len(finals) == 1 and None not in next(iter(finals), (None,))),
+        (
+            "final param_hash equal in every cluster",
+            f"{len(finals)} distinct (outer step, hash)",
+            len(finals) == 1 and None not in next(iter(finals), (None,)),
+        ),
         ("no healthy cluster stopped", f"stopped: {stopped or 'none'}", not stopped),
-        ("no healthy cluster sat out (bad Δ, or with no fault to blame)", f"sat out: {sat or 'none'}", not sat),
-        (f"out of sync ≤ {REPAIR_LIMIT} syncs in a row after any fault", f"longest {streak}",
-         streak <= REPAIR_LIMIT),
-        (f"every repair within {REPAIR_LIMIT} syncs", f"{len(fired)} faults with syncs after them; over "
-         f"{REPAIR_LIMIT} or never: {slow or 'none'}", not slow),
-        (f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame", f"{share:.2%} of {free}",
-         share <= RESYNC_SHARE_LIMIT),
+        (
+            "no healthy cluster sat out (bad Δ, or with no fault to blame)",
+            f"sat out: {sat or 'none'}",
+            not sat,
+        ),
+        (
+            f"out of sync ≤ {REPAIR_LIMIT} syncs in a row after any fault",
+            f"longest {streak}",
+            streak <= REPAIR_LIMIT,
+        ),
+        (
+            f"every repair within {REPAIR_LIMIT} syncs",
+            f"{len(fired)} faults with syncs after them; over {REPAIR_LIMIT} or never: {slow or 'none'}",
+            not slow,
+        ),
+        (
+            f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame",
+            f"{share:.2%} of {free}",
+            share <= RESYNC_SHARE_LIMIT,
+        ),
         ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
         ("nothing left running", f"{len(left_running)} processes", not left_running),
     ]

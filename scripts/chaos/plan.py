@@ -18,7 +18,10 @@ DURATION_S = {"kill_restart": 5.0, "partition": 30.0, "loss_burst": 30.0, "slow"
 BURST_LOSS_PCT = 5.0
 SLOW_DUTY = 0.5  # share of each period a slowed cluster's ranks may run
 SLOW_PERIOD_S = 1.0
-FIRST, LAST = 0.1, 0.75  # the share of the run's syncs faults are spread over: room to heal after the last one
+FIRST, LAST = (
+    0.1,
+    0.75,
+)  # the share of the run's syncs faults are spread over: room to heal after the last one
 
 
 @dataclass
@@ -35,7 +38,9 @@ class Fault:
     end: float | None = None
     note: str = ""
     skipped: bool = False
-    armed: dict[str, int] = field(default_factory=dict)  # lost_average: launch number -> all-reduce number armed
+    armed: dict[str, int] = field(
+        default_factory=dict
+    )  # lost_average: launch number -> all-reduce number armed
 
     @property
     def fired(self) -> bool:

@@ -16,10 +16,12 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def cluster_table(clusters: list[dict]) -> list[str]:
-    rows = ["| cluster | launches | syncs | out of sync | longest run | longest run after faults | re-synced "
-            "| re-synced w/o fault | sat out (bad Δ) | retries | split syncs | stopped | final outer step "
-            "| final hash |",
-            "|" + "---|" * 14]
+    rows = [
+        "| cluster | launches | syncs | out of sync | longest run | longest run after faults | re-synced "
+        "| re-synced w/o fault | sat out (bad Δ) | retries | split syncs | stopped | final outer step "
+        "| final hash |",
+        "|" + "---|" * 14,
+    ]
     for i, c in enumerate(clusters):
         rows.append(
             f"| {i} | {c['launches']} | {c['syncs']} | {c['out_of_sync']} | {c['longest_out_of_sync_run']} "
@@ -27,7 +29,8 @@ def cluster_table(clusters: list[dict]) -> list[str]:
             f"| {c['resynced_without_fault']} of {c['syncs_without_fault']} "
             f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
             f"| {c['retries']} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "
-            f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |")
+            f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |"
+        )
     return rows
 
 
@@ -40,16 +43,21 @@ def _by_cluster(fault: dict) -> str:
 
 
 def fault_table(faults: list[dict], started: float) -> list[str]:
-    rows = ["| # | fault | cluster | at outer step | start s | end s | repair (syncs) | repair (s) "
-            "| by cluster (syncs/s) | note |", "|" + "---|" * 10]
+    rows = [
+        "| # | fault | cluster | at outer step | start s | end s | repair (syncs) | repair (s) "
+        "| by cluster (syncs/s) | note |",
+        "|" + "---|" * 10,
+    ]
     for f in faults:
         rel = [None if f[k] is None else f[k] - started for k in ("start", "end")]
         repair = _fmt(f.get("repair_syncs")) if f.get("repaired") or not f["fired"] else "never"
         if f["fired"] and not f.get("syncs_after"):
             repair = "no syncs after"
         where = f"{f['cluster']}{'' if f['shard'] is None else '/' + str(f['shard'])}"
-        rows.append(f"| {f['index']} | {f['kind']} | {where} | {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} "
-                    f"| {repair} | {_fmt(f.get('repair_seconds'))} | {_by_cluster(f)} | {f['note']} |")
+        rows.append(
+            f"| {f['index']} | {f['kind']} | {where} | {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} "
+            f"| {repair} | {_fmt(f.get('repair_seconds'))} | {_by_cluster(f)} | {f['note']} |"
+        )
     return rows
 
 
@@ -60,12 +68,31 @@ def _load(summary: dict) -> str:
 
 def markdown(summary: dict) -> str:
     verdict = "PASSED" if summary["passed"] else "FAILED"
-    lines = [f"# Chaos soak {summary['date']}: {verdict}", "", f"`{summary['command']}`", "",
-             f"{summary['setting']}; trainers from `{summary['package_file']}`; "
-             f"{summary['seconds']:.0f} s wall clock on {summary['cpus']} CPUs, load average {_load(summary)}.", "", "## Clusters", "", *cluster_table(summary["clusters"]),
-             "", "## Faults", "", *fault_table(summary["faults"], summary["started"]), "", "## Acceptance", "",
-             "| target | value | |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['value']} | {'pass' if t['passed'] else 'FAIL'} |" for t in summary["acceptance"]]
+    lines = [
+        f"# Chaos soak {summary['date']}: {verdict}",
+        "",
+        f"`{summary['command']}`",
+        "",
+        f"{summary['setting']}; trainers from `{summary['package_file']}`; "
+        f"{summary['seconds']:.0f} s wall clock on {summary['cpus']} CPUs, load average {_load(summary)}.",
+        "",
+        "## Clusters",
+        "",
+        *cluster_table(summary["clusters"]),
+        "",
+        "## Faults",
+        "",
+        *fault_table(summary["faults"], summary["started"]),
+        "",
+        "## Acceptance",
+        "",
+        "| target | value | |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {t['target']} | {t['value']} | {'pass' if t['passed'] else 'FAIL'} |"
+        for t in summary["acceptance"]
+    ]
     lines += ["", "## Notable log lines (numbers as N)", "", "| count | line |", "|---|---|"]
     lines += [f"| {row['count']} | `{row['line'].replace('|', '/')}` |" for row in summary["log_lines"]]
     if summary["left_running"]:

@@ -67,16 +67,57 @@ def matchmaking_time(cfg: SoakConfig) -> str:
 def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None) -> list[str]:
     """Every flag of cluster ``cluster``: the soak's defaults (replaceable), then its identity (fixed)."""
     h = cfg.local_steps
-    defaults = ["--path-model", str(MODEL), "--seq-length", "128", "--per-device-train-batch-size", "4",
-                "--total-batch-size", str(4 * cfg.ranks), "--lr", "1e-2", "--warmup-steps", "5",
-                "--num-workers", "0", "--log-interval", "10", "--max-steps", str(cfg.steps),
-                "--hv.local-steps", str(h), "--hv.fragments", str(cfg.fragments),
-                "--hv.sync-delay", str(cfg.stride), "--hv.matchmaking-time", matchmaking_time(cfg),
-                "--ckpt.interval", str(2 * h), "--ckpt.path", str(cfg.out / f"ckpt{cluster}"), "--ckpt.keep", "2"]
-    switches = ["--fake-data"] + ([] if any("torch-compile" in arg for arg in cfg.extra) else ["--no-torch-compile"])
-    identity = ["--metric-logger-type", "jsonl", "--metrics-path", str(cfg.out / f"cluster{cluster}.jsonl"),
-                "--run-name", f"cluster{cluster}", "--hv.initial-peers", maddr,
-                "--hv.galaxy-size", str(cfg.clusters), "--hv.world-rank", str(cluster)]
+    defaults = [
+        "--path-model",
+        str(MODEL),
+        "--seq-length",
+        "128",
+        "--per-device-train-batch-size",
+        "4",
+        "--total-batch-size",
+        str(4 * cfg.ranks),
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "5",
+        "--num-workers",
+        "0",
+        "--log-interval",
+        "10",
+        "--max-steps",
+        str(cfg.steps),
+        "--hv.local-steps",
+        str(h),
+        "--hv.fragments",
+        str(cfg.fragments),
+        "--hv.sync-delay",
+        str(cfg.stride),
+        "--hv.matchmaking-time",
+        matchmaking_time(cfg),
+        "--ckpt.interval",
+        str(2 * h),
+        "--ckpt.path",
+        str(cfg.out / f"ckpt{cluster}"),
+        "--ckpt.keep",
+        "2",
+    ]
+    switches = ["--fake-data"] + (
+        [] if any("torch-compile" in arg for arg in cfg.extra) else ["--no-torch-compile"]
+    )
+    identity = [
+        "--metric-logger-type",
+        "jsonl",
+        "--metrics-path",
+        str(cfg.out / f"cluster{cluster}.jsonl"),
+        "--run-name",
+        f"cluster{cluster}",
+        "--hv.initial-peers",
+        maddr,
+        "--hv.galaxy-size",
+        str(cfg.clusters),
+        "--hv.world-rank",
+        str(cluster),
+    ]
     if address:
         identity += ["--hv.host-maddrs", f"/ip4/{address}/tcp/0"]
     return [*switches, *with_overrides(defaults, cfg.extra), *identity]
@@ -84,8 +125,10 @@ def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None
 
 def has_checkpoint(root: Path) -> bool:
     """A complete checkpoint under ``root`` (what ``--ckpt.resume latest`` takes): not a ``.tmp``, with metadata."""
-    return any(p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file()
-               for p in root.glob("step_*"))
+    return any(
+        p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file()
+        for p in root.glob("step_*")
+    )
 
 
 @dataclass
@@ -136,8 +179,10 @@ class Soak:
             if fault.kind == "lost_average" and fault.cluster == cluster and fault.start is None:
                 ordinal = fault.trigger - base
                 if ordinal >= 2:  # its first all-reduce may be a join: aim past it
-                    env = {"PYTHONPATH": str(fault_path(cfg.trainer_root)),
-                           "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(ordinal)}
+                    env = {
+                        "PYTHONPATH": str(fault_path(cfg.trainer_root)),
+                        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(ordinal),
+                    }
                     if fault.shard is not None:
                         env["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK"] = str(fault.shard)
                     fault.armed[str(number)] = ordinal
@@ -145,13 +190,15 @@ class Soak:
         self.tails[cluster].read()
         self.synced_at_launch[cluster] = len(self.tails[cluster].syncs)
         launch = g.launch(cluster, cfg.ranks, flags, env)
-        self.say(f"launch cluster {cluster} #{launch.number} (pid {launch.proc.pid})"
-                 + (" from its checkpoint" if "--ckpt.resume" in flags else ""))
+        self.say(
+            f"launch cluster {cluster} #{launch.number} (pid {launch.proc.pid})"
+            + (" from its checkpoint" if "--ckpt.resume" in flags else "")
+        )
 
     def allreduces(self, cluster: int) -> int:
         """All-reduces cluster ``cluster`` made in its current launch, as its records count them: each sync it
         did not sit out, and each retry (what the lost-average fault module counts, near enough)."""
-        syncs = self.tails[cluster].syncs[self.synced_at_launch[cluster]:]
+        syncs = self.tails[cluster].syncs[self.synced_at_launch[cluster] :]
         return sum(1 + (s.get("retries") or 0) for s in syncs if s.get("galaxy_peers") != 0)
 
     def _done(self) -> bool:
@@ -183,7 +230,9 @@ class Soak:
             self.injector.undo_all()
             for fault in self.faults:
                 if fault.start is not None and fault.end is None and fault.kind != "lost_average":
-                    fault.note = (fault.note + "; " if fault.note else "") + "never ended: the soak stopped first"
+                    fault.note = (
+                        fault.note + "; " if fault.note else ""
+                    ) + "never ended: the soak stopped first"
             g.stop_all()
         for tail in self.tails:
             tail.read()

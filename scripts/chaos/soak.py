@@ -29,36 +29,67 @@ from scripts.chaos.galaxy import REPO, python_default
 from scripts.chaos.plan import KINDS, NEEDS_LAB, Fault, schedule
 from scripts.chaos.run import Soak, SoakConfig, with_overrides
 
-TARGET = dict(clusters=4, ranks=2, profile="home", steps=1000, local_steps=4, fragments=2, faults=20, timeout=4 * 3600)
-QUICK = dict(clusters=2, ranks=1, profile="none", steps=40, local_steps=4, fragments=2, faults=1,
-             kinds="lost_average", timeout=300)
+TARGET = dict(
+    clusters=4, ranks=2, profile="home", steps=1000, local_steps=4, fragments=2, faults=20, timeout=4 * 3600
+)
+QUICK = dict(
+    clusters=2,
+    ranks=1,
+    profile="none",
+    steps=40,
+    local_steps=4,
+    fragments=2,
+    faults=1,
+    kinds="lost_average",
+    timeout=300,
+)
 QUICK_TRAINER = ["--hv.averaging-timeout", "30", "--hv.join-timeout", "20"]  # a lost round waits less
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(prog="python -m scripts.chaos.soak", description=__doc__.split("\n\n")[0],
-                                epilog="Trainer flags after `--` replace the soak's defaults.")
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.chaos.soak",
+        description=__doc__.split("\n\n")[0],
+        epilog="Trainer flags after `--` replace the soak's defaults.",
+    )
     p.add_argument("--clusters", type=int, help=f"clusters in the galaxy (default {TARGET['clusters']})")
     p.add_argument("--ranks", type=int, help=f"ranks per cluster (default {TARGET['ranks']})")
-    p.add_argument("--profile", help="WAN lab profile (scripts/wan/profiles.toml), or `none`: 127.0.0.1, no lab "
-                                     f"(default {TARGET['profile']})")
+    p.add_argument(
+        "--profile",
+        help="WAN lab profile (scripts/wan/profiles.toml), or `none`: 127.0.0.1, no lab "
+        f"(default {TARGET['profile']})",
+    )
     p.add_argument("--steps", type=int, help=f"inner steps per cluster (default {TARGET['steps']})")
     p.add_argument("--local-steps", type=int, help=f"H (default {TARGET['local_steps']})")
     p.add_argument("--fragments", type=int, help=f"P; τ = H/P (default {TARGET['fragments']})")
     p.add_argument("--faults", type=int, help=f"faults in the schedule (default {TARGET['faults']})")
-    p.add_argument("--kinds", help=f"comma-separated fault kinds to draw from (default: all of {','.join(KINDS)}; "
-                                   "the lab's only with a profile)")
+    p.add_argument(
+        "--kinds",
+        help=f"comma-separated fault kinds to draw from (default: all of {','.join(KINDS)}; "
+        "the lab's only with a profile)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
-    p.add_argument("--timeout", type=float, help="global wall-clock limit in seconds: past it the soak is a hang")
+    p.add_argument(
+        "--timeout", type=float, help="global wall-clock limit in seconds: past it the soak is a hang"
+    )
     p.add_argument("--out", type=Path, help="output directory (default outputs/chaos/<time>); must be empty")
     p.add_argument("--no-faults", action="store_true", help="no faults: the re-sync share of a clean run")
-    p.add_argument("--quick", action="store_true",
-                   help="2 clusters x 1 rank on 127.0.0.1, 40 steps, one lost average (~2 minutes)")
-    p.add_argument("--trainer-root", type=Path, default=REPO,
-                   help="repository the trainers run from (a git worktree of older code: the before soak)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 clusters x 1 rank on 127.0.0.1, 40 steps, one lost average (~2 minutes)",
+    )
+    p.add_argument(
+        "--trainer-root",
+        type=Path,
+        default=REPO,
+        help="repository the trainers run from (a git worktree of older code: the before soak)",
+    )
     p.add_argument("--python", default=python_default(), help="interpreter of the trainers, DHT and lab")
-    p.add_argument("--rejudge", type=Path, metavar="DIR", help="judge a finished soak in DIR again, run nothing")
+    p.add_argument(
+        "--rejudge", type=Path, metavar="DIR", help="judge a finished soak in DIR again, run nothing"
+    )
     args = p.parse_args(own)
     preset = QUICK if args.quick else TARGET
     for key, value in preset.items():
@@ -85,11 +116,22 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> SoakConfig:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"soak: {out} is not empty: metrics would append to an earlier soak's")
     out.mkdir(parents=True, exist_ok=True)
-    return SoakConfig(clusters=args.clusters, ranks=args.ranks, profile=profile, steps=args.steps,
-                      local_steps=args.local_steps, fragments=args.fragments,
-                      faults=0 if args.no_faults else args.faults, kinds=kinds, seed=args.seed,
-                      timeout=args.timeout, out=out.resolve(), trainer_root=args.trainer_root.resolve(),
-                      python=args.python, extra=extra)
+    return SoakConfig(
+        clusters=args.clusters,
+        ranks=args.ranks,
+        profile=profile,
+        steps=args.steps,
+        local_steps=args.local_steps,
+        fragments=args.fragments,
+        faults=0 if args.no_faults else args.faults,
+        kinds=kinds,
+        seed=args.seed,
+        timeout=args.timeout,
+        out=out.resolve(),
+        trainer_root=args.trainer_root.resolve(),
+        python=args.python,
+        extra=extra,
+    )
 
 
 def _interrupt(signum, frame):
@@ -112,15 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         events.flush()
 
     faults = schedule(cfg.faults, cfg.kinds, cfg.clusters, cfg.ranks, cfg.total_syncs, cfg.seed)
-    setting = (f"{cfg.clusters} clusters x {cfg.ranks} ranks, {cfg.profile or 'no WAN lab (127.0.0.1)'}, "
-               f"{cfg.steps} steps, H={cfg.local_steps}, P={cfg.fragments}, tau={cfg.stride}, "
-               f"{len(faults)} faults (seed {cfg.seed})" + (f", trainer flags {' '.join(extra)}" if extra else ""))
+    setting = (
+        f"{cfg.clusters} clusters x {cfg.ranks} ranks, {cfg.profile or 'no WAN lab (127.0.0.1)'}, "
+        f"{cfg.steps} steps, H={cfg.local_steps}, P={cfg.fragments}, tau={cfg.stride}, "
+        f"{len(faults)} faults (seed {cfg.seed})" + (f", trainer flags {' '.join(extra)}" if extra else "")
+    )
     say(f"soak in {cfg.out}: {setting}")
     for fault in faults:
         say(f"plan   {fault.describe()}")
     if len(faults) < cfg.faults:
-        say(f"only {len(faults)} of {cfg.faults} faults fit the kinds allowed here ({', '.join(cfg.kinds) or 'none'})")
-    signal.signal(signal.SIGTERM, _interrupt)  # a stopped soak still ends what it started (Soak.run's finally)
+        say(
+            f"only {len(faults)} of {cfg.faults} faults fit the kinds allowed here ({', '.join(cfg.kinds) or 'none'})"
+        )
+    signal.signal(
+        signal.SIGTERM, _interrupt
+    )  # a stopped soak still ends what it started (Soak.run's finally)
     try:
         soak_run = Soak(cfg, faults, say).run()
     except KeyboardInterrupt:
@@ -132,10 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "command": "python -m scripts.chaos.soak " + shlex.join(argv),
-        "setting": setting, "started": soak_run.started, "seconds": soak_run.finished - soak_run.started,
-        "package_file": soak_run.package_file, "lab": soak_run.lab, "hung": soak_run.hung,
-        "left_running": soak_run.left_running, "load_average_per_minute": soak_run.loads,
-        "cpus": os.cpu_count(), "launches": [launch.to_json() for launch in soak_run.launches],
+        "setting": setting,
+        "started": soak_run.started,
+        "seconds": soak_run.finished - soak_run.started,
+        "package_file": soak_run.package_file,
+        "lab": soak_run.lab,
+        "hung": soak_run.hung,
+        "left_running": soak_run.left_running,
+        "load_average_per_minute": soak_run.loads,
+        "cpus": os.cpu_count(),
+        "launches": [launch.to_json() for launch in soak_run.launches],
     }
     passed = finish(cfg.out, summary, faults, [tail.syncs for tail in soak_run.tails])
     say(f"summary in {cfg.out / 'summary.md'}: {'PASSED' if passed else 'FAILED'}")
@@ -158,6 +212,7 @@ def rejudge(out: Path) -> int:
     faults = [Fault(**{k: v for k, v in row.items() if k in names}) for row in summary["faults"]]
     passed = finish(out, summary, faults, judge.all_syncs(out, len(summary["clusters"])))
     return 0 if passed else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -53,10 +53,14 @@ def set_loss(run_id: str, endpoint: str, loss_pct: float | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.wan.control", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.wan.control", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     link = sub.add_parser("link", help="take an endpoint's link down or up")
-    loss = sub.add_parser("loss", help="set the loss on an endpoint's link (%% both ways; `off`: the profile's)")
+    loss = sub.add_parser(
+        "loss", help="set the loss on an endpoint's link (%% both ways; `off`: the profile's)"
+    )
     for cmd in (link, loss):
         cmd.add_argument("run_id")
         cmd.add_argument("endpoint")

@@ -116,12 +116,15 @@ class Lab:
     """N clusters and a DHT in namespaces, each link shaped to ``profile``. ``with Lab(2, "continent") as lab:``
     builds it and removes every namespace and process it made on exit."""
 
-    def __init__(self, clusters: int, profile: str | Profile, run_id: str | None = None,
-                 python: str = sys.executable):
+    def __init__(
+        self, clusters: int, profile: str | Profile, run_id: str | None = None, python: str = sys.executable
+    ):
         profiles = load_profiles()
         if isinstance(profile, str):
             if profile not in profiles:
-                raise LabError(f"unknown profile {profile!r}: one of {', '.join(profiles)} (scripts/wan/profiles.toml)")
+                raise LabError(
+                    f"unknown profile {profile!r}: one of {', '.join(profiles)} (scripts/wan/profiles.toml)"
+                )
             profile = profiles[profile]
         if clusters < 1:
             raise LabError("a lab needs at least one cluster")
@@ -168,10 +171,17 @@ class Lab:
 
     # -- life cycle --------------------------------------------------------------------------------------
     def _state(self) -> None:
-        pids = {proc.pid: psutil.Process(proc.pid).create_time()
-                for proc in [*self.forwarders.values(), *([self.reaper] if self.reaper else [])]}
-        state = {"run_id": self.run_id, "profile": self.profile.name, "lab_pid": os.getpid(),
-                 "namespaces": [self.bridge_netns, *map(self.netns, self.endpoints)], "pids": pids}
+        pids = {
+            proc.pid: psutil.Process(proc.pid).create_time()
+            for proc in [*self.forwarders.values(), *([self.reaper] if self.reaper else [])]
+        }
+        state = {
+            "run_id": self.run_id,
+            "profile": self.profile.name,
+            "lab_pid": os.getpid(),
+            "namespaces": [self.bridge_netns, *map(self.netns, self.endpoints)],
+            "pids": pids,
+        }
         (RUNTIME / f"{self.run_id}.json").write_text(json.dumps(state))
 
     def up(self) -> Lab:
@@ -183,8 +193,12 @@ class Lab:
         # the reaper removes the lab once this process is gone, whatever way it went
         self.reaper = subprocess.Popen(
             [self.python, "-m", "scripts.wan.lab", "_reap", self.run_id, str(os.getpid())],
-            cwd=REPO, start_new_session=True, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=(self.workdir / "reaper.log").open("w"))
+            cwd=REPO,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.workdir / "reaper.log").open("w"),
+        )
         self._state()
         try:
             self._build()
@@ -205,8 +219,27 @@ class Lab:
             ns = self.netns(name)
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", "eth0", "netns", ns, "address", self._mac(name), "mtu", str(MTU),
-                 "type", "veth", "peer", "name", name, "netns", br, "mtu", str(MTU))
+            _run(
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                ns,
+                "address",
+                self._mac(name),
+                "mtu",
+                str(MTU),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                name,
+                "netns",
+                br,
+                "mtu",
+                str(MTU),
+            )
             _run("ip", "-n", br, "link", "set", name, "master", "br0", "up")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "tuntap", "add", "dev", "wan0", "mode", "tun")
@@ -216,9 +249,19 @@ class Lab:
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *self._tbf(p.up_mbit))
             _run("tc", "-n", br, "qdisc", "add", "dev", name, "root", "tbf", *self._tbf(p.down_mbit))
             # long fat paths need TCP windows beyond the defaults (per-namespace sysctls); no IPv6 chatter
-            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                 "net.ipv4.tcp_rmem=4096 131072 67108864", "net.ipv4.tcp_wmem=4096 65536 67108864",
-                 "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv4.tcp_rmem=4096 131072 67108864",
+                "net.ipv4.tcp_wmem=4096 65536 67108864",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            )
 
     @staticmethod
     def _tbf(mbit: float) -> list[str]:
@@ -233,12 +276,22 @@ class Lab:
         for i, name in enumerate(self.endpoints):
             ready = self.workdir / f"{name}.ready"
             ready.unlink(missing_ok=True)
-            config = dict(delay_ms=p.delay_ms, jitter_ms=p.jitter_ms, loss_pct=p.loss_pct, macs=macs, seed=i,
-                          ready_file=str(ready), control_file=str(self.workdir / f"{name}.control"))
+            config = dict(
+                delay_ms=p.delay_ms,
+                jitter_ms=p.jitter_ms,
+                loss_pct=p.loss_pct,
+                macs=macs,
+                seed=i,
+                ready_file=str(ready),
+                control_file=str(self.workdir / f"{name}.control"),
+            )
             self.forwarders[name] = subprocess.Popen(
                 [*self.exec_prefix(name), self.python, "-m", "scripts.wan.forwarder", json.dumps(config)],
-                cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=(self.workdir / f"{name}.forwarder.log").open("w"))
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=(self.workdir / f"{name}.forwarder.log").open("w"),
+            )
         deadline = time.monotonic() + 30
         for name, proc in self.forwarders.items():
             ready = self.workdir / f"{name}.ready"
@@ -278,24 +331,52 @@ class Lab:
         Returns the figures and ``ok`` (both within ±10 %)."""
         src, dst = "c0", ("c1" if self.clusters > 1 else "dht")
         server = subprocess.Popen(
-            [*self.exec_prefix(dst), self.python, "-m", "scripts.wan.probe", "serve", self.address(dst), str(port)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                *self.exec_prefix(dst),
+                self.python,
+                "-m",
+                "scripts.wan.probe",
+                "serve",
+                self.address(dst),
+                str(port),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             assert server.stdout is not None
             line = server.stdout.readline()  # "ready" (the probe prints nothing else before)
             if "ready" not in line:
                 raise LabError(f"the self-check server did not start: {line.strip()}")
             rate = self.profile.path_mbit()
-            out = _run(*self.exec_prefix(src), self.python, "-m", "scripts.wan.probe", "measure",
-                       self.address(dst), str(port), str(rate), timeout=60).stdout
+            out = _run(
+                *self.exec_prefix(src),
+                self.python,
+                "-m",
+                "scripts.wan.probe",
+                "measure",
+                self.address(dst),
+                str(port),
+                str(rate),
+                timeout=60,
+            ).stdout
         finally:
             _end_pids([server.pid])
             server.wait(timeout=5)
         got = json.loads(out.strip().splitlines()[-1])
-        figures = {"profile": self.profile.name, "path": f"{src} -> {dst}",
-                   "rtt_ms": got["rtt_ms"], "rtt_expected_ms": self.profile.rtt_ms,
-                   "mbit": got["mbit"], "mbit_expected": rate}
-        figures["rtt_ok"] = got["rtt_ms"] is not None and abs(got["rtt_ms"] / self.profile.rtt_ms - 1) <= TOLERANCE
+        figures = {
+            "profile": self.profile.name,
+            "path": f"{src} -> {dst}",
+            "rtt_ms": got["rtt_ms"],
+            "rtt_expected_ms": self.profile.rtt_ms,
+            "mbit": got["mbit"],
+            "mbit_expected": rate,
+        }
+        figures["rtt_ok"] = (
+            got["rtt_ms"] is not None and abs(got["rtt_ms"] / self.profile.rtt_ms - 1) <= TOLERANCE
+        )
         figures["rate_ok"] = got["mbit"] is not None and abs(got["mbit"] / rate - 1) <= TOLERANCE
         figures["ok"] = figures["rtt_ok"] and figures["rate_ok"]
         return figures
@@ -306,9 +387,11 @@ def format_check(fig: dict) -> str:
         return "none" if value is None else f"{value:.4g} {unit}"
 
     verdict = "ok" if fig["ok"] else "OFF by more than ±10 %"
-    return (f"self-check {fig['profile']} ({fig['path']}): RTT {fmt(fig['rtt_ms'], 'ms')} (profile "
-            f"{fig['rtt_expected_ms']:g} ms), rate {fmt(fig['mbit'], 'Mbit/s')} (profile {fig['mbit_expected']:g}"
-            f" Mbit/s): {verdict}")
+    return (
+        f"self-check {fig['profile']} ({fig['path']}): RTT {fmt(fig['rtt_ms'], 'ms')} (profile "
+        f"{fig['rtt_expected_ms']:g} ms), rate {fmt(fig['mbit'], 'Mbit/s')} (profile {fig['mbit_expected']:g}"
+        f" Mbit/s): {verdict}"
+    )
 
 
 def _reap(run_id: str, pid: int) -> None:
@@ -323,8 +406,10 @@ def _reap(run_id: str, pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.wan.lab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, text in (("up", "build a lab, self-check it, hold it until Ctrl+C/SIGTERM"),
-                       ("check", "build a lab, self-check it, remove it (exit 1 if off by more than 10 %)")):
+    for name, text in (
+        ("up", "build a lab, self-check it, hold it until Ctrl+C/SIGTERM"),
+        ("check", "build a lab, self-check it, remove it (exit 1 if off by more than 10 %)"),
+    ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--clusters", type=int, default=2)
         cmd.add_argument("--profile", default="intercontinental")
@@ -381,8 +466,12 @@ def _up(args) -> int:
         if args.cmd == "check":
             return 0 if figures and figures["ok"] else 1
         if args.ready_file:
-            desc = {"run_id": lab.run_id, "profile": lab.profile.name, "check": figures,
-                    "endpoints": {n: {"netns": lab.netns(n), "address": lab.address(n)} for n in lab.endpoints}}
+            desc = {
+                "run_id": lab.run_id,
+                "profile": lab.profile.name,
+                "check": figures,
+                "endpoints": {n: {"netns": lab.netns(n), "address": lab.address(n)} for n in lab.endpoints},
+            }
             Path(args.ready_file).write_text(json.dumps(desc))
         print("holding the lab; Ctrl+C (or SIGTERM) removes it", flush=True)
         while True:

@@ -30,8 +30,11 @@ class Profile:
         return min(self.up_mbit, self.down_mbit)
 
     def describe(self) -> str:
-        rate = f"{self.up_mbit:g} Mbit/s" if self.up_mbit == self.down_mbit else (
-            f"{self.down_mbit:g} Mbit/s down / {self.up_mbit:g} up")
+        rate = (
+            f"{self.up_mbit:g} Mbit/s"
+            if self.up_mbit == self.down_mbit
+            else (f"{self.down_mbit:g} Mbit/s down / {self.up_mbit:g} up")
+        )
         jitter = f" ± {self.jitter_ms:g} ms" if self.jitter_ms else ""
         loss = f", {self.loss_pct:g} % loss" if self.loss_pct else ""
         return f"{self.name}: {rate}, {self.delay_ms:g} ms one way{jitter}{loss}"

@@ -93,8 +93,22 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
 
 
 # sparse magnitude: int2 values plus a second tensor of block scores, one byte per 128 values (1/512 of fp32)
-MIN_RATIO = {"bf16": 1.99, "int8": 3.9, "int4": 7.4, "int2": 14.8, "sparse random": 14.8, "sparse magnitude": 14.5}
-MAX_ERROR = {"bf16": 0.01, "int8": 0.03, "int4": 0.3, "int2": 1.0, "sparse random": 1.0, "sparse magnitude": 1.0}
+MIN_RATIO = {
+    "bf16": 1.99,
+    "int8": 3.9,
+    "int4": 7.4,
+    "int2": 14.8,
+    "sparse random": 14.8,
+    "sparse magnitude": 14.5,
+}
+MAX_ERROR = {
+    "bf16": 0.01,
+    "int8": 0.03,
+    "int4": 0.3,
+    "int2": 1.0,
+    "sparse random": 1.0,
+    "sparse magnitude": 1.0,
+}
 
 
 @pytest.mark.parametrize("codec", sorted(MIN_RATIO))
@@ -133,7 +147,9 @@ def test_a_peer_slow_to_read_gets_every_average(galaxy):
     barrier = CTX.Barrier(n + 1)
     galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
-    galaxy.start(1, rounds, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, fault="slow reader")
+    galaxy.start(
+        1, rounds, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, fault="slow reader"
+    )
     galaxy.wait_for("ready", n)
     for round_id in range(rounds):
         barrier.wait(60)

@@ -17,16 +17,31 @@ FAULTS = Path(__file__).parent / "faults"
 
 def _skewed_clock(seconds: float) -> dict[str, str]:
     """The environment of a cluster whose status clock runs ``seconds`` off (``faults/skewed_status_clock``)."""
-    search_path = [str(FAULTS / "skewed_status_clock"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    search_path = [
+        str(FAULTS / "skewed_status_clock"),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     return {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_STATUS_SKEW": str(seconds)}
 
 
 def test_a_cluster_whose_clock_is_100_s_behind_stays_in_the_galaxy(galaxy):
     # before: cluster 0 read cluster 1's records as 100 s old (expiry 4 s) and ran every round alone-minded
-    common = ["--max-steps", "24", "--hv.local-steps", "3", "--hv.averaging-timeout", "20",
-              "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4"]
-    metrics = [galaxy.start_cluster(0, 2, *common, nproc=1),
-               galaxy.start_cluster(1, 2, *common, nproc=1, env=_skewed_clock(-100.0))]
+    common = [
+        "--max-steps",
+        "24",
+        "--hv.local-steps",
+        "3",
+        "--hv.averaging-timeout",
+        "20",
+        "--hv.heartbeat-interval",
+        "1",
+        "--hv.member-expiry",
+        "4",
+    ]
+    metrics = [
+        galaxy.start_cluster(0, 2, *common, nproc=1),
+        galaxy.start_cluster(1, 2, *common, nproc=1, env=_skewed_clock(-100.0)),
+    ]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]

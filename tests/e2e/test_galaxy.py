@@ -51,7 +51,10 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
     # comes first; with H = 10 here the retry could meet that next round before its first poll
     steps = ["--max-steps", "120", "--hv.local-steps", "40", "--hv.averaging-timeout", "30"]
     fault = _losing_last_average(of_round=2)
-    metrics = [galaxy.start_cluster(0, 2, *steps, nproc=1, env=fault), galaxy.start_cluster(1, 2, *steps, nproc=1)]
+    metrics = [
+        galaxy.start_cluster(0, 2, *steps, nproc=1, env=fault),
+        galaxy.start_cluster(1, 2, *steps, nproc=1),
+    ]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]
@@ -67,17 +70,24 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
 
     for step in (1, 3):
         a, b = rounds[0][step], rounds[1][step]
-        assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"], (step, shown, tails())
+        assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"], (
+            step,
+            shown,
+            tails(),
+        )
         assert a["param_hash"] == b["param_hash"], (step, shown, tails())
     assert "applied this round without this cluster while it looked for a group" in galaxy.log("cluster1")
 
 
-@pytest.mark.parametrize("schedule", [
-    pytest.param([], id="blocking"),
-    # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started beside
-    # it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
-    pytest.param(["--hv.fragments", "2", "--hv.sync-delay", "1"], id="streaming"),
-])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param([], id="blocking"),
+        # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started beside
+        # it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
+        pytest.param(["--hv.fragments", "2", "--hv.sync-delay", "1"], id="streaming"),
+    ],
+)
 def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galaxy, schedule):
     """2-rank clusters: only cluster 0's rank-1 averager (one shard pair) never sends the last average of round 2,
     so cluster 1 has one shard whole and one partial — the start of the cascade where a cluster whose shards ended
@@ -86,13 +96,17 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
     At H = 2 cluster 0 is already in round 3 when cluster 1 retries round 2: the round in the matchmaking key keeps
     the two apart (before, the retry met round 3, was left out of it and re-synced)."""
     steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30", *schedule]
-    metrics = [galaxy.start_cluster(0, 2, *steps, env=_losing_last_average(of_round=2, local_rank=1)),
-               galaxy.start_cluster(1, 2, *steps)]
+    metrics = [
+        galaxy.start_cluster(0, 2, *steps, env=_losing_last_average(of_round=2, local_rank=1)),
+        galaxy.start_cluster(1, 2, *steps),
+    ]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]
     shown = _both_clusters_rounds(rounds)
-    assert rounds[1][2]["round_outcome"] == "adopted", shown  # the fault did hit: cluster 1's round 2 is not whole
+    assert rounds[1][2]["round_outcome"] == "adopted", (
+        shown
+    )  # the fault did hit: cluster 1's round 2 is not whole
     assert rounds[1][2]["param_hash"] == rounds[0][2]["param_hash"], shown
     # within two rounds, as before: under a full suite's load the streaming variant's round 3 once split too (an
     # exchange broke, "received 50.0% results") and cluster 1 re-synced in it; every round from 4 on is checked
@@ -107,7 +121,10 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
 def _losing_last_average(of_round: int, local_rank: int | None = None) -> dict[str, str]:
     """The environment of a cluster whose reducers never send the last average of all-reduce ``of_round``
     (``faults/lose_last_average``), in every averager or only in ``local_rank``'s."""
-    search_path = [str(FAULTS / "lose_last_average"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    search_path = [
+        str(FAULTS / "lose_last_average"),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     env = {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(of_round)}
     if local_rank is not None:
         env["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK"] = str(local_rank)
@@ -160,8 +177,16 @@ def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
 
 def _round_line(record: dict) -> dict:
     """What a failed assertion should show of a round (pytest cuts a whole record short)."""
-    keys = ("galaxy_peers", "galaxy_alive", "galaxy_complete", "in_sync", "resynced", "retries", "rejected_peers",
-            "param_hash")
+    keys = (
+        "galaxy_peers",
+        "galaxy_alive",
+        "galaxy_complete",
+        "in_sync",
+        "resynced",
+        "retries",
+        "rejected_peers",
+        "param_hash",
+    )
     return {key: record[key] for key in keys if key in record}
 
 

@@ -20,7 +20,9 @@ def clean(records: list[list[dict]]) -> bool:
 def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     """Both clusters (1 rank each) with ``extra`` flags; wait for them and return their metric records."""
     metrics = [
-        galaxy.start_cluster(rank, 2, *COMMON, *[a.format(rank=rank) for a in extra], nproc=1, name=f"{phase}{rank}")
+        galaxy.start_cluster(
+            rank, 2, *COMMON, *[a.format(rank=rank) for a in extra], nproc=1, name=f"{phase}{rank}"
+        )
         for rank in (0, 1)
     ]
     for rank in (0, 1):
@@ -28,14 +30,18 @@ def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     return [read_metrics(m) for m in metrics]
 
 
-@pytest.mark.parametrize("compression", ["none", "int2", "sparse"])  # int2: the error feedback; sparse: θ_outer
+@pytest.mark.parametrize(
+    "compression", ["none", "int2", "sparse"]
+)  # int2: the error feedback; sparse: θ_outer
 def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     ckpt = str(tmp_path / "ckpt{rank}")
     galaxy = Galaxy(tmp_path)
     codec = ("--hv.compression", compression)
     try:
         straight = run_galaxy(galaxy, "straight", "--max-steps", "20", *codec)
-        if not clean(straight):  # the reference must be one trajectory: a round partial on one side (the known
+        if not clean(
+            straight
+        ):  # the reference must be one trajectory: a round partial on one side (the known
             # race of docs/LOG.md, seen here once) re-syncs a cluster, and the run is another one
             straight = run_galaxy(galaxy, "straight-again", "--max-steps", "20", *codec)
         assert clean(straight), "the straight run had partial rounds twice in a row"
@@ -43,8 +49,17 @@ def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
         for rank in (0, 1):
             assert [p.name for p in (tmp_path / f"ckpt{rank}").iterdir()] == ["step_00000010"]
         resumed = run_galaxy(
-            galaxy, "resumed", "--max-steps", "20", "--ckpt.interval", "10", "--ckpt.path", ckpt,
-            "--ckpt.resume", "latest", *codec,
+            galaxy,
+            "resumed",
+            "--max-steps",
+            "20",
+            "--ckpt.interval",
+            "10",
+            "--ckpt.path",
+            ckpt,
+            "--ckpt.resume",
+            "latest",
+            *codec,
         )
         for rank in (0, 1):
             assert "resumed from" in galaxy.log(f"resumed{rank}")

@@ -19,8 +19,18 @@ def test_a_diverged_cluster_cannot_poison_a_healthy_one(galaxy):
     # weights it came from (out of bound from the first round, before any history; measured: rounds 1 and 3).
     # It never sends it: it sits each round out, adopts the healthy cluster's θ_outer, diverges again, and after
     # --hv.max-bad-rounds (3) such rounds in a row stops with one line. Cluster 0 trains on to the end, finite.
-    common = ["--hv.local-steps", "3", "--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "5",
-              "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4"]
+    common = [
+        "--hv.local-steps",
+        "3",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "5",
+        "--hv.heartbeat-interval",
+        "1",
+        "--hv.member-expiry",
+        "4",
+    ]
     healthy = galaxy.start_cluster(0, 2, "--max-steps", "45", *common, nproc=1)
     diverged = galaxy.start_cluster(1, 2, "--max-steps", "400", "--lr", "10", *common, nproc=1)
     assert galaxy.wait("cluster1", 240) != 0
@@ -30,8 +40,10 @@ def test_a_diverged_cluster_cannot_poison_a_healthy_one(galaxy):
     assert errors and "rounds in a row (its training diverges): stopping" in errors[0], errors
     sat_out = list(outer_records(diverged).values())
     assert len(sat_out) == 3, sat_out  # the 4th bad round stopped it before its record
-    assert all(r["galaxy_peers"] == 0 and False in (r["pseudo_grad_finite"], r["pseudo_grad_in_bound"])
-               for r in sat_out), sat_out
+    assert all(
+        r["galaxy_peers"] == 0 and False in (r["pseudo_grad_finite"], r["pseudo_grad_in_bound"])
+        for r in sat_out
+    ), sat_out
     finite_but_wild = [r for r in sat_out if r["pseudo_grad_finite"] and not r["pseudo_grad_in_bound"]]
     assert finite_but_wild, sat_out
     assert any(r["resynced"] for r in sat_out), sat_out  # it healed to the galaxy's θ_outer in between

@@ -31,7 +31,9 @@ def _wait_in_round(galaxy: Galaxy, name: str) -> list[int]:
     galaxy.wait_for_step(metrics, 2, 240)
     time.sleep(4.0)  # step 3 ends the round: the cluster now sits in matchmaking for 120 s
     tree = _whole_tree(galaxy, name)
-    assert len(tree) >= 1 + 2 + 2 * 3, f"expected torchrun, 2 ranks, and per rank DHT + averager + p2pd: {tree}"
+    assert len(tree) >= 1 + 2 + 2 * 3, (
+        f"expected torchrun, 2 ranks, and per rank DHT + averager + p2pd: {tree}"
+    )
     return tree
 
 
@@ -50,15 +52,17 @@ def _tracebacks_other_than_torchruns_signal(log: str) -> list[str]:
 
 
 def test_tracebacks_chained_to_torchruns_signal_are_torchruns():
-    signal_tb = "\n  File \"api.py\", line 86\nSignalException: Process 1 got signal: 15\n\n"
+    signal_tb = '\n  File "api.py", line 86\nSignalException: Process 1 got signal: 15\n\n'
     chained = "During handling of the above exception, another exception occurred:\n\n"
     torch_bug = "\n  File \"run.py\"\nUnboundLocalError: cannot access local variable 'start'\n"
-    ours = "\n  File \"open_diloco/trainer.py\"\nRuntimeError: boom\n"
+    ours = '\n  File "open_diloco/trainer.py"\nRuntimeError: boom\n'
     header = "Traceback (most recent call last):"
     assert _tracebacks_other_than_torchruns_signal(header + signal_tb + chained + header + torch_bug) == []
     assert _tracebacks_other_than_torchruns_signal(header + signal_tb + header + ours) == [ours]
     assert _tracebacks_other_than_torchruns_signal(header + ours + chained + header + torch_bug) == [
-        ours + chained, torch_bug]
+        ours + chained,
+        torch_bug,
+    ]
 
 
 def test_sigterm_while_waiting_in_a_round_ends_everything_in_one_line(galaxy):
@@ -97,7 +101,9 @@ def test_duplicate_galaxy_rank_stops_both_clusters_with_the_line(galaxy):
         assert galaxy.wait(name, 180) != 0, galaxy.log(name)[-3000:]
         log = galaxy.log(name)
         errors = [line for line in log.splitlines() if line.startswith("open-diloco: error:")]
-        assert errors and all("also claims galaxy rank 0" in line and "--hv.world-rank" in line for line in errors), log[-3000:]
+        assert errors and all(
+            "also claims galaxy rank 0" in line and "--hv.world-rank" in line for line in errors
+        ), log[-3000:]
         assert "retry" not in log
 
 

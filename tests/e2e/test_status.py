@@ -21,8 +21,14 @@ STATUS = [sys.executable, "-m", "open_diloco", "status"]
 
 def run_status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the status command and check that the DHT client it started ended with it."""
-    proc = subprocess.Popen([*STATUS, *args], cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*STATUS, *args],
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -54,8 +60,20 @@ def agrees_with_metrics(row: dict, metrics) -> None:
 
 
 def test_status_shows_each_cluster_and_flags_the_stopped_and_the_silent(galaxy):
-    common = ["--max-steps", "400", "--hv.local-steps", "3", "--hv.on-partial-round", "proceed",
-              "--hv.averaging-timeout", "8", "--hv.heartbeat-interval", "1", "--hv.member-expiry", "3"]
+    common = [
+        "--max-steps",
+        "400",
+        "--hv.local-steps",
+        "3",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "8",
+        "--hv.heartbeat-interval",
+        "1",
+        "--hv.member-expiry",
+        "3",
+    ]
     metrics = [galaxy.start_cluster(rank, 3, *common, nproc=1) for rank in range(3)]
     for m in metrics:
         galaxy.wait_for_step(m, 7, 240)  # two rounds of three clusters

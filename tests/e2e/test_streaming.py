@@ -33,8 +33,12 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
     if split:  # a round that came out partial on one side (seen under load), then the galaxy re-synced
         incident = [(sync, rounds[0][sync], rounds[1][sync]) for sync in split]
         assert len(split) <= 3 and split == list(range(split[0], split[0] + len(split))), incident
-        assert not (rounds[0][split[0]]["galaxy_complete"] and rounds[1][split[0]]["galaxy_complete"]), incident
-        if split[-1] < SYNCS:  # (an incident in the last syncs has no time left to heal; the unit tests pin that)
+        assert not (rounds[0][split[0]]["galaxy_complete"] and rounds[1][split[0]]["galaxy_complete"]), (
+            incident
+        )
+        if (
+            split[-1] < SYNCS
+        ):  # (an incident in the last syncs has no time left to heal; the unit tests pin that)
             assert any(repaired(r[sync]) for r in rounds for sync in split), incident
     for sync in range(1, SYNCS + 1):
         a, b = rounds[0][sync], rounds[1][sync]
@@ -53,14 +57,31 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
 def _whole_and_equal(a: dict, b: dict) -> bool:
     """Both clusters took part, both say in sync, and θ_outer (all of it and the synced fragment) is bitwise equal.
     (A sync a cluster sat out, adopting the galaxy's state instead, has no ``fragment_hash``: not whole.)"""
-    return (a["param_hash"] == b["param_hash"] and a.get("fragment_hash", 0) == b.get("fragment_hash", 1)
-            and a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"])
+    return (
+        a["param_hash"] == b["param_hash"]
+        and a.get("fragment_hash", 0) == b.get("fragment_hash", 1)
+        and a["galaxy_peers"] == b["galaxy_peers"] == 2
+        and a["in_sync"]
+        and b["in_sync"]
+    )
 
 
 def test_a_cluster_killed_with_a_fragment_in_flight_does_not_stop_the_other(galaxy):
     # H = 10, P = 2, τ = 5 = H/P: a round is always in flight (each lands at the step the next one starts)
-    common = ["--max-steps", "20", "--hv.local-steps", "10", "--hv.fragments", "2", "--hv.sync-delay", "5",
-              "--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "8"]
+    common = [
+        "--max-steps",
+        "20",
+        "--hv.local-steps",
+        "10",
+        "--hv.fragments",
+        "2",
+        "--hv.sync-delay",
+        "5",
+        "--hv.on-partial-round",
+        "proceed",
+        "--hv.averaging-timeout",
+        "8",
+    ]
     survivor, victim = galaxy.start_cluster(0, 2, *common), galaxy.start_cluster(1, 2, *common)
     galaxy.wait_for_step(victim, 11, 240)  # sync 2 (fragment 1) started at step 10, lands after step 15
     galaxy.track()
@@ -75,14 +96,39 @@ def test_a_cluster_killed_with_a_fragment_in_flight_does_not_stop_the_other(gala
 def test_resume_from_a_checkpoint_with_a_fragment_in_flight_is_bit_exact(tmp_path):
     """The straight run saves at steps 10 and 20 while sync 2 / 4 is in flight (H = 10, P = 2, τ = 3); both
     clusters resumed from step 10 send sync 2 again and retrace the straight run bit for bit."""
-    flags = ["--total-steps", "30", "--warmup-steps", "2", "--hv.local-steps", "10", "--hv.fragments", "2",
-             "--hv.sync-delay", "3", "--ckpt.interval", "10", "--ckpt.keep", "5"]
+    flags = [
+        "--total-steps",
+        "30",
+        "--warmup-steps",
+        "2",
+        "--hv.local-steps",
+        "10",
+        "--hv.fragments",
+        "2",
+        "--hv.sync-delay",
+        "3",
+        "--ckpt.interval",
+        "10",
+        "--ckpt.keep",
+        "5",
+    ]
     galaxy = Galaxy(tmp_path)
     try:
+
         def run(phase: str, *extra: str) -> list[list[dict]]:
             metrics = [
-                galaxy.start_cluster(rank, 2, *flags, "--max-steps", "30", "--ckpt.path", str(tmp_path / f"ckpt{rank}"),
-                                     *[a.format(rank=rank) for a in extra], nproc=1, name=f"{phase}{rank}")
+                galaxy.start_cluster(
+                    rank,
+                    2,
+                    *flags,
+                    "--max-steps",
+                    "30",
+                    "--ckpt.path",
+                    str(tmp_path / f"ckpt{rank}"),
+                    *[a.format(rank=rank) for a in extra],
+                    nproc=1,
+                    name=f"{phase}{rank}",
+                )
                 for rank in (0, 1)
             ]
             for rank in (0, 1):

@@ -17,10 +17,17 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_quick_soak_injects_a_lost_average_and_measures_its_repair(tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "-m", "scripts.chaos.soak", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.chaos.soak", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     shown = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode in (0, 1), shown  # 1: a target failed, which is the trainer's verdict, not the soak's
+    assert proc.returncode in (0, 1), (
+        shown
+    )  # 1: a target failed, which is the trainer's verdict, not the soak's
     summary = json.loads((out / "summary.json").read_text())
     assert "| cluster |" in (out / "summary.md").read_text()
     assert summary["package_file"] == str(REPO / "open_diloco" / "__init__.py")
@@ -39,8 +46,13 @@ def test_quick_soak_injects_a_lost_average_and_measures_its_repair(tmp_path):
     assert summary["passed"] == all(t["passed"] for t in targets.values())
     assert proc.returncode == (0 if summary["passed"] else 1)
     # judged again from its files alone, the soak reads the same
-    again = subprocess.run([sys.executable, "-m", "scripts.chaos.soak", "--rejudge", str(out)],
-                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "scripts.chaos.soak", "--rejudge", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == proc.returncode, again.stdout[-2000:] + again.stderr[-2000:]
     rejudged = json.loads((out / "summary.json").read_text())
     assert rejudged["clusters"] == clusters and rejudged["faults"] == summary["faults"]

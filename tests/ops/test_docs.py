@@ -67,7 +67,9 @@ def commands(block_text: str) -> list[list[str]]:
 
 def test_readme_is_a_guide_not_a_report():
     lines = README.read_text().count("\n")
-    assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail to docs/"
+    assert lines <= MAX_README_LINES, (
+        f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail to docs/"
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=ids(PAGES))
@@ -79,7 +81,9 @@ def test_relative_links_resolve(page):
         path, _, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
         if not resolved.exists():
-            broken.append(f"{target} (no {resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved})")
+            broken.append(
+                f"{target} (no {resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved})"
+            )
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(f"{target} (no heading #{anchor} in {resolved.relative_to(REPO)})")
     assert not broken, f"{page.relative_to(REPO)}: broken links: {broken}"
@@ -93,7 +97,9 @@ def exists(path: str) -> bool:
 
 @pytest.mark.parametrize("page", PAGES, ids=ids(PAGES))
 def test_repository_paths_named_exist(page):
-    text = FENCE.sub(lambda m: "\n".join(ln.split("#")[0] for ln in m.group(0).splitlines()), page.read_text())
+    text = FENCE.sub(
+        lambda m: "\n".join(ln.split("#")[0] for ln in m.group(0).splitlines()), page.read_text()
+    )
     missing = sorted({p for p in REPO_PATH.findall(text) if not exists(p)})
     assert not missing, f"{page.relative_to(REPO)} names paths that do not exist: {missing}"
 
@@ -111,8 +117,11 @@ def executable(name: str) -> bool:
 
 def quick_start_commands() -> list[tuple[str, list[str]]]:
     text = README.read_text()
-    return [(title, words) for title in ("Quick start: one cluster", "Quick start: a galaxy")
-            for words in commands(section(text, title))]
+    return [
+        (title, words)
+        for title in ("Quick start: one cluster", "Quick start: a galaxy")
+        for words in commands(section(text, title))
+    ]
 
 
 def test_quick_start_blocks_name_files_that_exist():
@@ -127,7 +136,9 @@ def test_quick_start_blocks_name_files_that_exist():
                 seen_scripts += 1
             if word == "--path-model":
                 model = cwd / words[i + 1]
-                assert (model / "config.json").is_file(), f"{title}: --path-model {words[i + 1]} has no config.json"
+                assert (model / "config.json").is_file(), (
+                    f"{title}: --path-model {words[i + 1]} has no config.json"
+                )
     assert seen_scripts >= 3
 
 
@@ -135,7 +146,7 @@ def trainer_flags(words: list[str]) -> list[str] | None:
     """The flags a quick-start torchrun line gives the trainer; None when the line elides some (`...`)."""
     if words[0] != "torchrun" or "..." in words:
         return None
-    flags = words[[w.endswith(".py") for w in words].index(True) + 1:]
+    flags = words[[w.endswith(".py") for w in words].index(True) + 1 :]
     # the README's placeholder for the PeerID hivemind-dht prints: any well-formed one parses the same way
     return [w.replace("/p2p/Qm...", "/p2p/QmagjJLRAPuA3dYGRvKJLdZahHz66hHyTkNKHgg3vXnhK3") for w in flags]
 

@@ -102,8 +102,9 @@ def _read_averages_slowly(seconds: float) -> None:
     CountingStub.rpc_aggregate_part = slowly
 
 
-def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False,
-          fault=None):
+def _peer(
+    rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False, fault=None
+):
     """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
     from open_diloco.config import HvConfig
     from open_diloco.galaxy.build import ClusterShard, start_shard_averager
@@ -152,7 +153,9 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
                 continue
             present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
             mean = present.mean(0)
-            honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()
+            honest_mean = torch.stack(
+                [inputs[r] for r in sorted(report.peers) if r not in report.rejected]
+            ).double()
             honest_mean = honest_mean.mean(0)
             error = (mine.double() - mean).abs()
             # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
@@ -164,10 +167,14 @@ def _peer(rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, dow
                 unchanged=bool(torch.equal(mine, inputs[rank])),
                 each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
                 finite=bool(torch.isfinite(mine).all()),
-                honest_share=float(((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()),
+                honest_share=float(
+                    ((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()
+                ),
                 wall=time.monotonic() - start,
                 # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
-                scores_are_the_mean=bool(torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))),
+                scores_are_the_mean=bool(
+                    torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))
+                ),
             )
             queue.put(("round", rank, round_id, asdict(report), result))
         if not rounds and not serve and not download:
@@ -186,7 +193,6 @@ def descendants_named(root: int) -> dict[int, str]:
         with contextlib.suppress(psutil.Error):
             names[pid] = psutil.Process(pid).name()
     return names
-
 
 
 class Galaxy:

@@ -99,7 +99,9 @@ def _exchange(answers, expected: int, reducer_timeout: float = 5.0, close_after:
         runner = _Runner()
         runner.reducer_timeout = reducer_timeout
         start = asyncio.get_running_loop().time()
-        stream = await CountingStub(_Stub((our_reader, our_writer)), runner, expected).rpc_aggregate_part(_parts(2))
+        stream = await CountingStub(_Stub((our_reader, our_writer)), runner, expected).rpc_aggregate_part(
+            _parts(2)
+        )
         codes = [msg.code async for msg in stream]
         return codes, await reducer, asyncio.get_running_loop().time() - start
 

@@ -8,9 +8,20 @@ from scripts.chaos.plan import KINDS, Fault, schedule
 from scripts.chaos.run import with_overrides
 
 
-def sync(step: int, t: float, in_sync: bool = True, h: str = "a", resynced: bool = False, peers: int = 2) -> dict:
-    return {"outer_step": step, "time": t, "in_sync": in_sync, "param_hash": h, "resynced": resynced,
-            "galaxy_peers": peers, "retries": 0, "pseudo_grad_finite": True, "pseudo_grad_in_bound": True}
+def sync(
+    step: int, t: float, in_sync: bool = True, h: str = "a", resynced: bool = False, peers: int = 2
+) -> dict:
+    return {
+        "outer_step": step,
+        "time": t,
+        "in_sync": in_sync,
+        "param_hash": h,
+        "resynced": resynced,
+        "galaxy_peers": peers,
+        "retries": 0,
+        "pseudo_grad_finite": True,
+        "pseudo_grad_in_bound": True,
+    }
 
 
 def test_schedule_is_seeded_and_spreads_every_kind():
@@ -31,7 +42,13 @@ def test_at_most_one_lost_average_per_cluster():
 
 
 def test_trainer_flags_after_dashes_replace_defaults():
-    assert with_overrides(["--a", "1", "--b", "2"], ["--b=3", "--c", "4"]) == ["--a", "1", "--b=3", "--c", "4"]
+    assert with_overrides(["--a", "1", "--b", "2"], ["--b=3", "--c", "4"]) == [
+        "--a",
+        "1",
+        "--b=3",
+        "--c",
+        "4",
+    ]
 
 
 def test_repair_streak_and_resync_share():
@@ -76,5 +93,7 @@ def test_log_lines_become_kinds():
     a = "2026-11-27 08:59:45,513 WARN galaxy_rank=0 rank=1 local_rank=1 open_diloco.outer: outer step 5: attempt 1/2"
     b = "2026-11-27 09:10:00,000 WARN galaxy_rank=2 rank=0 local_rank=0 open_diloco.outer: outer step 81: attempt 2/2"
     assert normalize(a) == normalize(b) == "WARN open_diloco.outer: outer step N: attempt N/N"
-    peer = "Nov 27 08:59:45.498 [WARN] [x:174] peer 12D3KooWMa2sv7rxA3d24mrxhsK7N1vm2omUf1MNMqhivq5gQt4E sent 3"
+    peer = (
+        "Nov 27 08:59:45.498 [WARN] [x:174] peer 12D3KooWMa2sv7rxA3d24mrxhsK7N1vm2omUf1MNMqhivq5gQt4E sent 3"
+    )
     assert normalize(peer) == "[WARN] [x:N] peer PEER sent N"

@@ -80,7 +80,9 @@ def test_help_groups_flags_in_panels(help_text):
 
 def test_every_config_field_has_one_panel():
     grouped = [name for names in FLAG_PANELS.values() for name in names]
-    assert sorted(grouped) == sorted(Config.model_fields), "add the new Config field to cli/app.py FLAG_PANELS"
+    assert sorted(grouped) == sorted(Config.model_fields), (
+        "add the new Config field to cli/app.py FLAG_PANELS"
+    )
 
 
 def test_help_reflows_field_docstrings(help_text):

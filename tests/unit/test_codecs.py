@@ -50,9 +50,10 @@ def test_lengths_not_divisible_by_the_block(name, numel):
     values = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     decoded, _ = _roundtrip(name, values)
     assert decoded.shape == values.shape
-    assert float((decoded - values).norm() / values.norm()) < {"bf16": 0.01, "int8": 0.02, "int4": 0.2, "int2": 0.6}[
-        name
-    ]
+    assert (
+        float((decoded - values).norm() / values.norm())
+        < {"bf16": 0.01, "int8": 0.02, "int4": 0.2, "int2": 0.6}[name]
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -98,7 +98,10 @@ def test_config_file_with_flag_override(tmp_path):
             ["--hv.matchmaking-time", "200"],
             "--hv.averaging-timeout 120.0 is not above --hv.matchmaking-time 200.0",
         ),
-        (["--hv.local-steps", "10", "--hv.fragments", "4"], "--hv.fragments 4 does not divide --hv.local-steps 10"),
+        (
+            ["--hv.local-steps", "10", "--hv.fragments", "4"],
+            "--hv.fragments 4 does not divide --hv.local-steps 10",
+        ),
         (
             ["--hv.local-steps", "8", "--hv.fragments", "4", "--hv.sync-delay", "3"],
             "--hv.sync-delay 3 is above --hv.local-steps/--hv.fragments = 2",

@@ -123,7 +123,9 @@ def test_the_only_live_cluster_averages_alone_at_once():
     record = outer.after_inner_step(1)
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.5]]))  # θ_outer ← own θ_local
     assert outer.averager.calls == 0
-    assert (record["galaxy_peers"], record["galaxy_alive"], record["retries"]) == (1, 1, 0) and record["in_sync"]
+    assert (record["galaxy_peers"], record["galaxy_alive"], record["retries"]) == (1, 1, 0) and record[
+        "in_sync"
+    ]
     assert warnings == ["outer step 1: 1 of 2 clusters alive (were 2): rounds now wait for these"]
     outer.after_inner_step(1)
     assert len(warnings) == 1  # said once, when the live set changed
@@ -143,8 +145,15 @@ def test_a_cluster_alone_is_in_sync_only_when_the_others_said_they_ended(left):
 def test_a_round_of_every_live_cluster_is_complete():
     # galaxy of 3, cluster 2 gone: the two live clusters' round is whole (no retry), and averages the two
     galaxy = InProcessGalaxy(2, departed={2})
-    results = _run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, galaxy_size=3, outer_lr=1.0,
-                            outer_momentum=0.0, on_partial_round="retry")
+    results = _run_clusters(
+        galaxy,
+        [1.0],
+        {0: [[0.0]], 1: [[0.5]]},
+        galaxy_size=3,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        on_partial_round="retry",
+    )
     for rank in (0, 1):
         weight, records, outer = results[rank]
         assert (records[0]["galaxy_peers"], records[0]["galaxy_alive"], records[0]["retries"]) == (2, 2, 0)

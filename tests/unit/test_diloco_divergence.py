@@ -28,7 +28,9 @@ def test_a_diverged_cluster_sends_nothing_and_adopts_the_galaxy_state():
 
     def healthy(rank: int, local: float):
         healthy_model = linear_model([1.0])
-        outer = DiLoCo(healthy_model, galaxy.averager(rank, 1), outer_hv(world_rank=rank, **hv), warn=lambda *_: None)
+        outer = DiLoCo(
+            healthy_model, galaxy.averager(rank, 1), outer_hv(world_rank=rank, **hv), warn=lambda *_: None
+        )
         with torch.no_grad():
             healthy_model.weight.fill_(local)
         results[rank] = outer.after_inner_step(1), healthy_model.weight.detach().clone()
@@ -103,7 +105,9 @@ def test_a_non_finite_average_is_never_applied():
     galaxy = InProcessGalaxy(1)
     warnings: list[str] = []
     model = linear_model([1.0])
-    outer = DiLoCo(model, GarbageAverage(galaxy, 0, 1), outer_hv(outer_lr=1.0, outer_momentum=0.0), warn=warnings.append)
+    outer = DiLoCo(
+        model, GarbageAverage(galaxy, 0, 1), outer_hv(outer_lr=1.0, outer_momentum=0.0), warn=warnings.append
+    )
     with torch.no_grad():
         model.weight.fill_(0.5)
     record = outer.after_inner_step(1)
@@ -123,5 +127,7 @@ def test_a_round_still_holding_the_buffer_stops_with_one_line():
     outer = DiLoCo(
         linear_model([1.0]), StuckAfterStart(InProcessGalaxy(1), 0, 1), outer_hv(), warn=lambda *_: None
     )
-    with pytest.raises(GalaxyError, match=r"^outer step 1: the averager is still busy .*resume from the last"):
+    with pytest.raises(
+        GalaxyError, match=r"^outer step 1: the averager is still busy .*resume from the last"
+    ):
         outer.after_inner_step(1)

@@ -47,7 +47,11 @@ def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
 @pytest.mark.parametrize(
     "lead_progress, step_seconds, expected",
     [
-        ((64, 1.0), 0.2, 69),  # the lead was 4 steps into the round 1 s ago: 5 more since, at our 0.2 s a step
+        (
+            (64, 1.0),
+            0.2,
+            69,
+        ),  # the lead was 4 steps into the round 1 s ago: 5 more since, at our 0.2 s a step
         ((79, 2.0), 0.2, 75),  # the lead waits at the sync: stop 5 steps (4 s timeout / 4 at 0.2 s) before it
         ((64, 1.0), None, 60),  # no step time known yet: from the round's start, as before
         ((-1, 0.0), 0.2, 60),  # no record of the lead's progress
@@ -57,7 +61,9 @@ def test_a_cluster_that_sat_out_goes_on_where_the_galaxy_is(lead_progress, step_
     # a cluster that adopted the galaxy's state at outer step 3 while the lead cluster is already training towards
     # the next sync: going on from step 60 it would reach that sync as late as it was behind, so it skips ahead
     galaxy = InProcessGalaxy(1, serve_state=True)
-    hv = dict(galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0)
+    hv = dict(
+        galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0
+    )
     ahead = DiLoCo(
         linear_model([1.0]), galaxy.averager(0, 1), outer_hv(world_rank=0, **hv), warn=lambda *_: None
     )
@@ -106,7 +112,9 @@ class ScriptedRound(InProcessAverager):
 
     def start_round(self, round_id, fingerprint, attempt=0):
         own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
-        report = RoundReport(group_size=2, complete=True, peers={**self.peers, self.rank: own}, stale=self.stale)
+        report = RoundReport(
+            group_size=2, complete=True, peers={**self.peers, self.rank: own}, stale=self.stale
+        )
         return types.SimpleNamespace(wait=lambda: report)
 
     def membership(self):
@@ -210,18 +218,29 @@ def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once(
 def test_out_of_cohort_names_who_started_elsewhere():
     same = {"param_hash": "aa", "round_id": 4}
     # a retry of round 4 that met the next round: the peer still at round 3 is out
-    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"param_hash": "bb", "round_id": 3, "galaxy_rank": 1}}) == {1}
+    assert out_of_cohort(
+        {0: {**same, "galaxy_rank": 0}, 1: {"param_hash": "bb", "round_id": 3, "galaxy_rank": 1}}
+    ) == {1}
     # same round, other θ_outer: the lowest galaxy rank is the reference (as for the re-sync)
-    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {**same, "param_hash": "cc", "galaxy_rank": 1}}) == {1}
+    assert out_of_cohort(
+        {0: {**same, "galaxy_rank": 0}, 1: {**same, "param_hash": "cc", "galaxy_rank": 1}}
+    ) == {1}
     assert out_of_cohort({k: {**same, "galaxy_rank": k} for k in range(3)}) == set()
-    assert out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"galaxy_rank": 1}}) == set()  # no claim: the guard's
+    assert (
+        out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"galaxy_rank": 1}}) == set()
+    )  # no claim: the guard's
     # two sides of a healed partition at one round: the θ_outer most clusters hold is the reference, not rank 0's
-    three = {0: {**same, "param_hash": "lone", "galaxy_rank": 0}, 1: {**same, "galaxy_rank": 1},
-             2: {**same, "galaxy_rank": 2}}
+    three = {
+        0: {**same, "param_hash": "lone", "galaxy_rank": 0},
+        1: {**same, "galaxy_rank": 1},
+        2: {**same, "galaxy_rank": 2},
+    }
     assert out_of_cohort(three) == {0}
     # a tie of holders: the θ_outer committed by more clusters wins over the lower rank
-    two = {0: {**same, "param_hash": "lone", "committed_by": 1, "galaxy_rank": 0},
-           1: {**same, "committed_by": 3, "galaxy_rank": 1}}
+    two = {
+        0: {**same, "param_hash": "lone", "committed_by": 1, "galaxy_rank": 0},
+        1: {**same, "committed_by": 3, "galaxy_rank": 1},
+    }
     assert out_of_cohort(two) == {0}
 
 

@@ -29,14 +29,22 @@ BELOW_CONFIG = [start_shard_averager, HivemindAverager.__init__, wire_codecs, sc
 
 @pytest.mark.parametrize("function", BELOW_CONFIG)
 def test_nothing_below_config_has_a_default_of_its_own(function):
-    defaults = [name for name, parameter in inspect.signature(function).parameters.items()
-                if parameter.default is not inspect.Parameter.empty]
+    defaults = [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    ]
     assert not defaults, f"{function.__qualname__} defaults {defaults}: take them from HvConfig instead"
 
 
 def test_the_schema_is_what_every_cluster_must_share():
     shard = ClusterShard(index=1, ranks=2, numel=10, model_fingerprint="abc", model_config={"hidden_size": 8})
     hv = HvConfig(compression="sparse", sparse_density=0.05)
-    assert shard.schema(hv) == {"model_fingerprint": "abc", "ranks": 2, "codec": "sparse magnitude 0.05",
-                                "fragments": 1, "model_config": {"hidden_size": 8}}
+    assert shard.schema(hv) == {
+        "model_fingerprint": "abc",
+        "ranks": 2,
+        "codec": "sparse magnitude 0.05",
+        "fragments": 1,
+        "model_config": {"hidden_size": 8},
+    }
     assert ClusterShard.flat(7).schema(HvConfig())["model_fingerprint"] == "numel 7"

@@ -37,9 +37,13 @@ def test_p2pd_closing_its_own_socket_at_shutdown_is_not_logged_as_an_error():
     from open_diloco.galaxy.lifecycle import _drop_listener_closed_at_shutdown
 
     def record(message: str) -> logging.LogRecord:
-        return logging.LogRecord("hivemind.p2p.p2p_daemon", logging.ERROR, "daemon.go", 198, message, None, None)
+        return logging.LogRecord(
+            "hivemind.p2p.p2p_daemon", logging.ERROR, "daemon.go", 198, message, None, None
+        )
 
-    closed = "error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network connection"
+    closed = (
+        "error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network connection"
+    )
     assert not _drop_listener_closed_at_shutdown(record(closed))
     assert _drop_listener_closed_at_shutdown(record("error accepting connection: too many open files"))
     assert _drop_listener_closed_at_shutdown(record("failed to dial peer"))
@@ -55,8 +59,16 @@ def test_a_failed_state_download_is_one_warning_line():
         try:
             raise ConnectionError("failed to dial: all dials failed\n  * [/ip4/10.0.0.2/tcp/1] dial backoff")
         except ConnectionError as err:
-            return logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 1,
-                                     "Failed to download state from peer - %r", (err,), sys.exc_info(), func=func)
+            return logging.LogRecord(
+                "hivemind.averaging.averager",
+                logging.ERROR,
+                __file__,
+                1,
+                "Failed to download state from peer - %r",
+                (err,),
+                sys.exc_info(),
+                func=func,
+            )
 
     download = record("_load_state_from_peers")
     assert one_line_download_failures(download) is True

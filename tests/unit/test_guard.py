@@ -65,7 +65,11 @@ def _lone_cluster(**hv) -> tuple[torch.nn.Module, DiLoCo, list[str]]:
         model.weight.fill_(1.0)
     settings = dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, galaxy_size=1, world_rank=0, **hv)
     warnings: list[str] = []
-    return model, DiLoCo(model, InProcessGalaxy(1).averager(0, 4), HvConfig(**settings), warn=warnings.append), warnings
+    return (
+        model,
+        DiLoCo(model, InProcessGalaxy(1).averager(0, 4), HvConfig(**settings), warn=warnings.append),
+        warnings,
+    )
 
 
 def _round(model: torch.nn.Module, outer: DiLoCo, step: float) -> dict:
@@ -100,7 +104,9 @@ def test_a_cluster_out_of_bound_round_after_round_stops_with_one_line():
 
 def test_no_bound_without_history_or_when_off():
     model, outer, _ = _lone_cluster()
-    assert _round(model, outer, 10.0)["pseudo_grad_in_bound"] is True  # the first round: nothing to compare to
+    assert (
+        _round(model, outer, 10.0)["pseudo_grad_in_bound"] is True
+    )  # the first round: nothing to compare to
     model, outer, _ = _lone_cluster(delta_norm_bound=0.0)
     _round(model, outer, 0.01)
     assert _round(model, outer, 10.0)["pseudo_grad_bound"] is None

@@ -180,9 +180,18 @@ COPIED_BODIES = {
         DecentralizedAverager._run_allreduce_inplace_,
         "914d57cffc7d",
     ),
-    "TensorPartContainer.register_processed_part": (TensorPartContainer.register_processed_part, "ff5ebad6141c"),
-    "TensorPartContainer.iterate_output_tensors": (TensorPartContainer.iterate_output_tensors, "3bc3c7e743c4"),
-    "P2P._iterate_protobuf_stream_handler": (P2P._iterate_protobuf_stream_handler, "132d50ef5ecd"),  # CountingStub
+    "TensorPartContainer.register_processed_part": (
+        TensorPartContainer.register_processed_part,
+        "ff5ebad6141c",
+    ),
+    "TensorPartContainer.iterate_output_tensors": (
+        TensorPartContainer.iterate_output_tensors,
+        "3bc3c7e743c4",
+    ),
+    "P2P._iterate_protobuf_stream_handler": (
+        P2P._iterate_protobuf_stream_handler,
+        "132d50ef5ecd",
+    ),  # CountingStub
 }
 
 

@@ -79,7 +79,12 @@ def test_a_model_mismatch_with_a_record_of_no_model_config_names_the_fingerprint
 def test_gone_by_silence_is_told_apart_from_said_it_ended():
     records = [
         {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 1.0, "outer_step": 7},
-        {"galaxy_rank": 1, "state": "training", "last_seen_seconds": 30.0, "outer_step": 9},  # cut off or crashed
+        {
+            "galaxy_rank": 1,
+            "state": "training",
+            "last_seen_seconds": 30.0,
+            "outer_step": 9,
+        },  # cut off or crashed
         {"galaxy_rank": 2, "state": "finished", "last_seen_seconds": 0.5, "outer_step": 8},
     ]
     assert departed(records, expiry=15) == {1, 2}
@@ -96,10 +101,16 @@ def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
 
     ranks = frozenset({1, 2})
     assert past_round([record(1, 5), record(2, 6)], 4, ranks, expiry=10.0)
-    assert not past_round([record(1, 5), record(2, 4)], 4, ranks, expiry=10.0)  # 2 may still be taking its averages
+    assert not past_round(
+        [record(1, 5), record(2, 4)], 4, ranks, expiry=10.0
+    )  # 2 may still be taking its averages
     assert past_round([record(1, 5), record(2, 4, state="stopped (SIGINT)")], 4, ranks, expiry=10.0)
-    assert past_round([record(1, 5), record(2, 4, age=30.0)], 4, ranks, expiry=10.0)  # silent: nobody to wait for
-    assert not past_round([record(1, 5)], 4, ranks, expiry=10.0)  # no record read for 2: keep waiting (bounded)
+    assert past_round(
+        [record(1, 5), record(2, 4, age=30.0)], 4, ranks, expiry=10.0
+    )  # silent: nobody to wait for
+    assert not past_round(
+        [record(1, 5)], 4, ranks, expiry=10.0
+    )  # no record read for 2: keep waiting (bounded)
     assert past_round([], 4, frozenset(), expiry=10.0)
 
 
@@ -108,9 +119,18 @@ def test_the_lead_progress_is_the_furthest_live_cluster_at_the_lead_round_other_
         {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 0.2, "outer_step": 5, "inner_step": 430},
         {"galaxy_rank": 1, "state": "training", "last_seen_seconds": 0.7, "outer_step": 5, "inner_step": 418},
         {"galaxy_rank": 2, "state": "training", "last_seen_seconds": 0.1, "outer_step": 4, "inner_step": 470},
-        {"galaxy_rank": 3, "state": "training", "last_seen_seconds": 30.0, "outer_step": 5, "inner_step": 479},  # silent
+        {
+            "galaxy_rank": 3,
+            "state": "training",
+            "last_seen_seconds": 30.0,
+            "outer_step": 5,
+            "inner_step": 479,
+        },  # silent
     ]
-    assert lead_progress(records, expiry=15, galaxy_rank=2, lead=5) == (430, 0.2)  # rank 2 is behind: not the lead
+    assert lead_progress(records, expiry=15, galaxy_rank=2, lead=5) == (
+        430,
+        0.2,
+    )  # rank 2 is behind: not the lead
     assert lead_progress(records, expiry=15, galaxy_rank=0, lead=5) == (418, 0.7)  # never our own record
     assert lead_progress(records[2:3], expiry=15, galaxy_rank=2, lead=4) == (-1, 0.0)  # nobody else known
 
@@ -154,7 +174,9 @@ def test_a_peer_looking_for_a_group_in_a_round_the_galaxy_applied_stops_looking(
 
 
 def test_a_peer_looking_for_a_group_the_galaxy_has_not_reached_waits_it_out(monkeypatch):
-    pending, control = _looking_round(monkeypatch, Membership(lead=3))  # the others applied round 2: we are level
+    pending, control = _looking_round(
+        monkeypatch, Membership(lead=3)
+    )  # the others applied round 2: we are level
     pending.owner.averaging_timeout = 0.2
     with pytest.raises(RoundFailed, match="did not finish"):
         pending.wait()

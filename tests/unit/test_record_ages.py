@@ -41,8 +41,14 @@ class Publisher:
     def publish(self, at: float) -> dict:
         """Publish at ``at`` on the reader's monotonic clock."""
         self.seq += 1
-        self.record = {"galaxy_rank": self.rank, "state": "training", "started_at": self.started_at,
-                       "seq": self.seq, "published_at": WALL + at + self.skew, "heartbeat_seconds": 1.0}
+        self.record = {
+            "galaxy_rank": self.rank,
+            "state": "training",
+            "started_at": self.started_at,
+            "seq": self.seq,
+            "published_at": WALL + at + self.skew,
+            "heartbeat_seconds": 1.0,
+        }
         return self.record
 
 
@@ -56,18 +62,24 @@ def test_a_record_that_keeps_changing_stays_live_whatever_its_publishers_clock_s
         assert seen["last_seen_seconds"] <= 1.0 or second == 0
     one_shot = Reader(expiry=None)  # what read_records(..., ages=None) makes of it: the old rule
     one_shot.now = reader.now
-    assert (one_shot.read(cluster.record)[2]["last_seen_seconds"] > EXPIRY) == (skew < -EXPIRY)  # gone for good
+    assert (one_shot.read(cluster.record)[2]["last_seen_seconds"] > EXPIRY) == (
+        skew < -EXPIRY
+    )  # gone for good
 
 
 def test_a_first_sighting_gets_one_heartbeat_to_show_it_is_alive():
     dead = Publisher(skew=0.0).publish(at=-3600.0)  # a cluster that died an hour ago (its record lingers)
     rounds, status_board = Reader(), Reader(expiry=None)
     assert is_live(rounds.read(dead)[2], EXPIRY)  # might be a live cluster whose clock is an hour behind
-    rounds.now = 1.0 + record_ages.PUBLISH_DELAY_SECONDS + 0.1  # its heartbeat (1 s) and the publish delay passed
+    rounds.now = (
+        1.0 + record_ages.PUBLISH_DELAY_SECONDS + 0.1
+    )  # its heartbeat (1 s) and the publish delay passed
     assert departed([rounds.read(dead)[2]], EXPIRY) == {2}
     assert departed([status_board.read(dead)[2]], EXPIRY) == {2}  # open-diloco status: silent at once
     just_now = Publisher(skew=0.0).publish(at=-2.0)
-    assert Reader().read(just_now)[2]["last_seen_seconds"] == pytest.approx(2.0)  # clocks agree: exact, as before
+    assert Reader().read(just_now)[2]["last_seen_seconds"] == pytest.approx(
+        2.0
+    )  # clocks agree: exact, as before
 
 
 @pytest.mark.parametrize("skew", [-100.0, 100.0, 0.0])
@@ -91,7 +103,9 @@ def test_a_cluster_that_died_just_after_a_read_is_gone_on_time_however_far_apart
     reader.now = 60.0  # one round later; cluster 1 published twice more (heartbeats at 5 s) and died
     dead.publish(at=5.0)
     seen = reader.read(dead.publish(at=10.0), live.publish(at=59.0))
-    assert seen[1]["last_seen_seconds"] == pytest.approx(50.0)  # by the publisher's clock differences: no skew
+    assert seen[1]["last_seen_seconds"] == pytest.approx(
+        50.0
+    )  # by the publisher's clock differences: no skew
     assert departed(list(seen.values()), EXPIRY) == {1}
 
 
@@ -99,7 +113,9 @@ def test_an_older_copy_served_again_does_not_revive_a_dead_cluster():
     reader, cluster = Reader(), Publisher()
     older, newer = dict(cluster.publish(at=0.0)), dict(cluster.publish(at=1.0))
     reader.read(older)
-    for second in range(1, 40):  # two DHT nodes answer in turn, one of them lagging: the cluster itself is gone
+    for second in range(
+        1, 40
+    ):  # two DHT nodes answer in turn, one of them lagging: the cluster itself is gone
         reader.now = float(second)
         seen = reader.read(newer if second % 2 else older)[2]
     assert seen["last_seen_seconds"] == pytest.approx(38.0) and departed([seen], EXPIRY) == {2}
@@ -109,7 +125,9 @@ def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
     reader, first = Reader(), Publisher(skew=0.0)
     reader.read(first.publish(at=0.0))
     reader.now = 30.0
-    restarted = Publisher(skew=-100.0, started_at=25.0)  # another host; its record's dates are older than the last
+    restarted = Publisher(
+        skew=-100.0, started_at=25.0
+    )  # another host; its record's dates are older than the last
     seen = reader.read(restarted.publish(at=29.0))[2]
     assert seen["last_seen_seconds"] <= 30.0  # not older than the read that did not show it yet
     reader.now = 31.0
@@ -117,18 +135,29 @@ def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
 
 
 def test_a_skewed_publisher_is_named_in_one_warning_line(caplog):
-    reader, behind, ahead, right = Reader(), Publisher(1, skew=-31.2), Publisher(2, skew=40.0), Publisher(3, 0.5)
+    reader, behind, ahead, right = (
+        Reader(),
+        Publisher(1, skew=-31.2),
+        Publisher(2, skew=40.0),
+        Publisher(3, 0.5),
+    )
     with caplog.at_level(logging.WARNING, logger=record_ages.__name__):
         for second in range(30):
             reader.now = float(second)
             reader.read(*(cluster.publish(at=second - 0.5) for cluster in (behind, ahead, right)))
     lines = [record.getMessage() for record in caplog.records]
-    assert len(lines) == 2, lines  # one per skewed cluster, however many reads show it; none for half a second
+    assert len(lines) == 2, (
+        lines
+    )  # one per skewed cluster, however many reads show it; none for half a second
     # each published 0.5 s before a read; what one read proves is a range that holds the true skew
-    assert lines[0].startswith("cluster 1's clock is 27.7 to 31.7 s behind this one's (a record it published at "
-                               "most 4.0 s ago is dated 31.7 s ago)"), lines[0]
-    assert lines[1].startswith("cluster 2's clock is 39.5 to 43.5 s ahead of this one's (a record it published "
-                               "at most 4.0 s ago is dated 39.5 s in the future)"), lines[1]
+    assert lines[0].startswith(
+        "cluster 1's clock is 27.7 to 31.7 s behind this one's (a record it published at "
+        "most 4.0 s ago is dated 31.7 s ago)"
+    ), lines[0]
+    assert lines[1].startswith(
+        "cluster 2's clock is 39.5 to 43.5 s ahead of this one's (a record it published "
+        "at most 4.0 s ago is dated 39.5 s in the future)"
+    ), lines[1]
     assert all("keep every site on NTP; membership ages here do not depend on it" in line for line in lines)
 
 
@@ -140,7 +169,9 @@ class FakeDHT:
         self.skew, self.stored = publisher_skew, threading.Event()
 
     def store(self, key, value, expiration_time, subkey, return_future):
-        self.values[subkey] = SimpleNamespace(value={**value, "published_at": value["published_at"] + self.skew})
+        self.values[subkey] = SimpleNamespace(
+            value={**value, "published_at": value["published_at"] + self.skew}
+        )
         self.stored.set()
         return _done(True)
 
@@ -171,7 +202,11 @@ def test_a_publishers_records_are_aged_by_the_reader_that_keeps_its_ages():
             seqs.append(record["seq"])
             assert record["last_seen_seconds"] < 1.0 and is_live(record, EXPIRY), record
         assert seqs == sorted(set(seqs))  # a counter per publication
-        assert {"started_at", "published_at", "heartbeat_seconds", "member_expiry_seconds", "peer_id"} <= set(record)
-        assert read_records(dht, status.status_key("run"), 1.0)[0]["last_seen_seconds"] > EXPIRY  # no ages: as before
+        assert {"started_at", "published_at", "heartbeat_seconds", "member_expiry_seconds", "peer_id"} <= set(
+            record
+        )
+        assert (
+            read_records(dht, status.status_key("run"), 1.0)[0]["last_seen_seconds"] > EXPIRY
+        )  # no ages: as before
     finally:
         publisher.close()

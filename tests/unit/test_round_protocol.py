@@ -26,7 +26,8 @@ def _report(group: list[int], complete: bool = True, stale: list[int] | None = N
 
 def _views(reports: list[RoundReport]) -> list[RoundView]:
     return ThreadCluster(len(reports)).run(
-        lambda rank, comm: RoundView.agree(comm, reports[rank], False, "h", galaxy_rank=0))
+        lambda rank, comm: RoundView.agree(comm, reports[rank], False, "h", galaxy_rank=0)
+    )
 
 
 def test_a_round_is_committable_only_when_every_shard_got_it_whole_from_the_same_clusters():
@@ -103,7 +104,9 @@ def _model(values: list[float]) -> torch.nn.Module:
 
 
 def _hv(**overrides) -> HvConfig:
-    settings = dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0, galaxy_size=2, world_rank=0, join_timeout=2.0)
+    settings = dict(
+        local_steps=1, outer_lr=1.0, outer_momentum=0.0, galaxy_size=2, world_rank=0, join_timeout=2.0
+    )
     return HvConfig(**{**settings, **overrides})
 
 
@@ -112,9 +115,14 @@ def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_r
     # came (a lost stream). Cluster 1 got everything and committed. Before: rank 1 applied what had arrived, rank 0
     # the whole average: a model no cluster held, repaired a round later. Now neither rank applies anything of its
     # own; both take round 1 from cluster 1 (one source), and since cluster 0's Δ is in it, it is a commit.
-    served = [{1: _served([0.25, 0.5], step=1, group=[0, 1])}, {1: _served([0.75, 1.0], step=1, group=[0, 1])}]
-    peers = [ShardPeer(2, [_report([0, 1])], served[0], membership_after=2),
-             ShardPeer(2, [_report([0, 1], complete=False), _report([0])], served[1], membership_after=2)]
+    served = [
+        {1: _served([0.25, 0.5], step=1, group=[0, 1])},
+        {1: _served([0.75, 1.0], step=1, group=[0, 1])},
+    ]
+    peers = [
+        ShardPeer(2, [_report([0, 1])], served[0], membership_after=2),
+        ShardPeer(2, [_report([0, 1], complete=False), _report([0])], served[1], membership_after=2),
+    ]
     warnings: list[str] = []
 
     def rank(local: int, comm):
@@ -126,7 +134,9 @@ def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_r
 
     (record0, params0), (record1, params1) = ThreadCluster(2).run(rank)
     for record in (record0, record1):
-        assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], warnings
+        assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], (
+            warnings
+        )
         assert record["outer_step"] == 1 and record["state_source"] == 1 and record["attempt"] == 1
     torch.testing.assert_close(params0, torch.tensor([0.25, 0.5]))  # cluster 1's bytes, not a partial average
     torch.testing.assert_close(params1, torch.tensor([0.75, 1.0]))
@@ -142,8 +152,10 @@ def test_every_rank_downloads_its_shard_from_rank_0s_choice_and_agrees_on_the_st
     got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(peers[rank], comm, 0, print).download(5, 2.0))
     assert [d.source for d in got] == [1, 1] and [d.step for d in got] == [5, 5]
     # and shards at different steps are never taken: cluster 1 serves step 5 to rank 0 and step 6 to rank 1
-    torn = [ShardPeer(2, [], {1: ({"outer_step": 5}, [torch.ones(2)])}),
-            ShardPeer(2, [], {1: ({"outer_step": 6}, [torch.ones(2)])})]
+    torn = [
+        ShardPeer(2, [], {1: ({"outer_step": 5}, [torch.ones(2)])}),
+        ShardPeer(2, [], {1: ({"outer_step": 6}, [torch.ones(2)])}),
+    ]
     got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(torn[rank], comm, 0, print).download(5, 1.0))
     assert got == [None, None]
 
@@ -152,14 +164,18 @@ def test_the_source_is_the_exact_round_first_then_the_most_advanced_then_the_low
     view = Membership(steps={0: 9, 1: 4, 2: 5, 3: 5}, sources={0: "a", 1: "b", 2: "c", 3: "d"})
     assert choose_source(view, own_rank=0, at_least=4, exact=4) == (1, 4)
     assert choose_source(view, own_rank=0, at_least=4) == (2, 5)
-    assert choose_source(view, own_rank=0, at_least=6) is None  # only this cluster's own (old) record is ahead
+    assert (
+        choose_source(view, own_rank=0, at_least=6) is None
+    )  # only this cluster's own (old) record is ahead
 
 
 def test_a_download_whose_bytes_do_not_match_the_served_hash_is_never_taken():
     # a state read while its server was applying a round (or cut short, or garbled) must not become θ_outer
     meta, tensors = _served([0.5, 0.5], step=3, group=[1])
     torn = [ShardPeer(2, [], {1: (meta, [tensors[0] + 1.0])}), ShardPeer(2, [], {1: (meta, tensors)})]
-    got = ThreadCluster(2).run(lambda rank, comm: StateAdoption(torn[rank], comm, 0, lambda *_: None).download(3, 1.0))
+    got = ThreadCluster(2).run(
+        lambda rank, comm: StateAdoption(torn[rank], comm, 0, lambda *_: None).download(3, 1.0)
+    )
     assert got == [None, None]  # one rank's shard is bad: neither rank takes anything
 
 
@@ -174,8 +190,9 @@ def test_a_cluster_starting_a_round_joins_the_attempt_the_galaxy_is_in():
     outer = DiLoCo(_model([1.0]), peer, _hv(galaxy_size=3), warn=lambda *_: None)
     started: list[int] = []
     start = peer.start_round
-    peer.start_round = lambda round_id, fingerprint, attempt=0: started.append(attempt) or start(
-        round_id, fingerprint, attempt)
+    peer.start_round = lambda round_id, fingerprint, attempt=0: (
+        started.append(attempt) or start(round_id, fingerprint, attempt)
+    )
     record = outer.after_inner_step(1)
     assert started == [1] and record["attempt"] == 1 and record["round_outcome"] == "applied"
 
@@ -186,7 +203,9 @@ def test_a_peer_looking_for_a_group_moves_on_only_when_every_other_live_cluster_
     view = Membership(attempts={0: (4, 0), 1: (4, 1), 2: (4, 2)})
     assert everyone_moved_on(view, galaxy_rank=0, round_no=4, attempt=0)
     assert not everyone_moved_on(view, galaxy_rank=1, round_no=4, attempt=1)  # cluster 0 may still come to 1
-    assert not everyone_moved_on(Membership(attempts={0: (4, 0), 1: (3, 2)}), 0, 4, 0)  # 1 is behind: it comes
+    assert not everyone_moved_on(
+        Membership(attempts={0: (4, 0), 1: (3, 2)}), 0, 4, 0
+    )  # 1 is behind: it comes
     assert everyone_moved_on(Membership(attempts={0: (4, 0), 1: (5, 0)}), 0, 4, 0)  # 1 is past the round
     assert not everyone_moved_on(Membership(), 0, 4, 0)  # nothing known: keep looking
 
@@ -195,8 +214,14 @@ def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_st
     # the per-round check compares where rounds start: a last round that came out differently would go unseen
     class Ended(ShardPeer):
         def membership(self):
-            return Membership(reported={0: (7, "mine", False), 1: (7, "mine", False), 2: (7, "other", True),
-                                        3: (5, "old", False)})
+            return Membership(
+                reported={
+                    0: (7, "mine", False),
+                    1: (7, "mine", False),
+                    2: (7, "other", True),
+                    3: (5, "old", False),
+                }
+            )
 
     warnings: list[str] = []
     outer = DiLoCo(_model([1.0]), Ended(1, [], {}), _hv(galaxy_size=4), warn=warnings.append)
@@ -210,10 +235,16 @@ def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rathe
     # round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer. Now it
     # waits for a committer's record (a heartbeat or so) and takes that round.
     served = {1: _served([0.25], step=1, group=[1, 2])}
-    peer = ShardPeer(1, [_report([0])], served, membership_after=4)  # the record shows up after the 3 attempts
+    peer = ShardPeer(
+        1, [_report([0])], served, membership_after=4
+    )  # the record shows up after the 3 attempts
     warnings: list[str] = []
-    outer = DiLoCo(_model([1.0]), peer, _hv(galaxy_size=3, heartbeat_interval=1.0, member_expiry=3.0),
-                   warn=warnings.append)
+    outer = DiLoCo(
+        _model([1.0]),
+        peer,
+        _hv(galaxy_size=3, heartbeat_interval=1.0, member_expiry=3.0),
+        warn=warnings.append,
+    )
     started = {}
     membership = peer.membership
 

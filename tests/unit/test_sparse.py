@@ -73,7 +73,9 @@ def _sparse_clusters(numel: int, rule: str, **hv) -> tuple[torch.Tensor, list, l
         model = torch.nn.Linear(numel, 1, bias=False)
         with torch.no_grad():
             model.weight.copy_(start[None])
-        config = HvConfig(galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse", sparse_rule=rule, **hv)
+        config = HvConfig(
+            galaxy_size=2, world_rank=rank, local_steps=1, compression="sparse", sparse_rule=rule, **hv
+        )
         models.append(model)
         outers.append(DiLoCo(model, galaxy.averager(rank, numel), config, warn=lambda *_: None))
     return start, models, outers
@@ -95,7 +97,9 @@ def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_
     the next round's Δ there is everything since it was last sent. No error-feedback buffer is kept."""
     torch.manual_seed(0)
     numel = 3 * 4096 + 100
-    start, models, outers = _sparse_clusters(numel, "random", sparse_density=1 / 16, error_feedback=error_feedback)
+    start, models, outers = _sparse_clusters(
+        numel, "random", sparse_density=1 / 16, error_feedback=error_feedback
+    )
     assert all(outer.state.error is None for outer in outers)
     rule, codec = outers[0].state.compressor.sparse, CODECS["int2"]()
     theta = start.clone()
@@ -125,7 +129,9 @@ def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_
             expected_model = local.clone()
             synced = selection.gather(expected_theta) - (residual if error_feedback else 0)
             selection.scatter_(expected_model, synced)
-            assert torch.allclose(model.weight.detach().reshape(-1), expected_model, rtol=0, atol=1e-6), round_id
+            assert torch.allclose(model.weight.detach().reshape(-1), expected_model, rtol=0, atol=1e-6), (
+                round_id
+            )
         assert torch.equal(outers[0].state.params, outers[1].state.params)
         theta = expected_theta
     unsent = torch.ones(numel, dtype=torch.bool)
@@ -140,7 +146,9 @@ def test_a_sparse_run_checkpoints_theta_outer_beside_the_model():
     join puts θ_outer into the whole model (the unsent local progress belonged to the trajectory it leaves)."""
     model = torch.nn.Linear(5000, 1, bias=False)
     hv = HvConfig(local_steps=1, compression="sparse")
-    outer = DiLoCo(model, InProcessGalaxy(1, compression="sparse").averager(0, 5000), hv, warn=lambda *_: None)
+    outer = DiLoCo(
+        model, InProcessGalaxy(1, compression="sparse").averager(0, 5000), hv, warn=lambda *_: None
+    )
     with torch.no_grad():
         model.weight.add_(0.1)
     outer.after_inner_step(1)
@@ -157,7 +165,15 @@ def test_score_codec_keeps_powers_of_two_in_one_byte():
     blob = codec.encode(values)
     assert blob.numel() == 12 + values.numel()  # the header, then one byte a value
     decoded = codec.decode(blob)
-    assert decoded.tolist() == [0.0, 1.0, 0.5, 2.0**-9, 2.0**-126, 0.0, 2.0**125]  # truncated to a power of two
+    assert decoded.tolist() == [
+        0.0,
+        1.0,
+        0.5,
+        2.0**-9,
+        2.0**-126,
+        0.0,
+        2.0**125,
+    ]  # truncated to a power of two
     again = values.clone()
     codec.round_trip_(again)
     assert torch.equal(again, decoded) and torch.equal(codec.decode(codec.encode(decoded)), decoded)
@@ -196,7 +212,11 @@ def test_unsent_scores_are_mean_squares_of_what_stays_behind():
     assert chosen.blocks.tolist() == [1, 2]
     dropped = torch.cat([torch.full((128,), 0.25), torch.full((10,), -0.125)])
     scores = rule.unsent_scores(dense, chosen, dropped)
-    assert scores.tolist() == [0.25, 0.0625, 2.0**-6]  # 0.5², 0.25², 0.125² (the short block: over its 10 values)
+    assert scores.tolist() == [
+        0.25,
+        0.0625,
+        2.0**-6,
+    ]  # 0.5², 0.25², 0.125² (the short block: over its 10 values)
 
 
 def test_magnitude_rounds_share_the_scores_and_follow_them():
@@ -205,8 +225,9 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
     the top codes; a late joiner's snapshot and the hash carry the scores."""
     torch.manual_seed(1)
     numel, density = 20 * 128 + 30, 0.2
-    _start, models, outers = _sparse_clusters(numel, "magnitude", sparse_density=density, outer_lr=1.0,
-                                              outer_momentum=0.0)
+    _start, models, outers = _sparse_clusters(
+        numel, "magnitude", sparse_density=density, outer_lr=1.0, outer_momentum=0.0
+    )
     rule, int2, score = outers[0].state.compressor.sparse, CODECS["int2"](), ScoreCodec()
     assert outers[0].state.sparse_scores.shape == (1, 21)
     for round_id in range(3):
@@ -219,7 +240,9 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
             sent = chosen.gather(delta)
             int2.round_trip_(sent)
             own = rule.unsent_scores(delta, chosen, chosen.gather(delta) - sent)
-            assert torch.equal(own, own.clone().apply_(lambda v: 2.0 ** math.floor(math.log2(v)) if v else 0.0))
+            assert torch.equal(
+                own, own.clone().apply_(lambda v: 2.0 ** math.floor(math.log2(v)) if v else 0.0)
+            )
             own_scores.append(own)
         expected = (own_scores[0] + own_scores[1]) / 2
         score.round_trip_(expected)
@@ -229,16 +252,24 @@ def test_magnitude_rounds_share_the_scores_and_follow_them():
         assert torch.equal(outers[0].state.params, outers[1].state.params)
         following = rule.select(numel, round_id + 1, expected).blocks
         codes = ScoreCodec.exponents(expected)
-        assert int(codes[following].min()) >= int(codes[~torch.isin(torch.arange(21), following)].max()), round_id
+        assert int(codes[following].min()) >= int(codes[~torch.isin(torch.arange(21), following)].max()), (
+            round_id
+        )
     state = outers[0].state
     metadata, tensors = state.snapshot()
     assert metadata["sparse_scores"] and torch.equal(tensors[-1], state.sparse_scores)
-    joiner = OuterState(models[1], lr=1.0, momentum=0.0, compressor=build_compressor("sparse", density, "magnitude"))
+    joiner = OuterState(
+        models[1], lr=1.0, momentum=0.0, compressor=build_compressor("sparse", density, "magnitude")
+    )
     joiner.adopt(metadata, tensors)
     assert torch.equal(joiner.sparse_scores, state.sparse_scores) and joiner.hash() == state.hash()
     hash_before = state.hash()
-    saved = copy.deepcopy(state.checkpoint_state(streaming=False))  # θ_outer too: a sparse run's model is not it
-    state.load_checkpoint_state({**saved, "sparse_scores": torch.zeros(2, 21)})  # cut for another shard: zeroed
+    saved = copy.deepcopy(
+        state.checkpoint_state(streaming=False)
+    )  # θ_outer too: a sparse run's model is not it
+    state.load_checkpoint_state(
+        {**saved, "sparse_scores": torch.zeros(2, 21)}
+    )  # cut for another shard: zeroed
     assert not state.sparse_scores_fit(torch.zeros(2, 21)) and not state.sparse_scores.any()
     assert state.hash() != hash_before  # the scores are part of the shared state the hash proves
     state.load_checkpoint_state(saved)

@@ -6,8 +6,16 @@ from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, judge,
 
 
 def record(rank: int, outer: int, phash: str, *, seen: float = 1.0, state: str = "training", **extra) -> dict:
-    return {"galaxy_rank": rank, "outer_step": outer, "inner_step": outer * 10, "param_hash": phash,
-            "state": state, "last_seen_seconds": seen, "heartbeat_seconds": 5.0, **extra}
+    return {
+        "galaxy_rank": rank,
+        "outer_step": outer,
+        "inner_step": outer * 10,
+        "param_hash": phash,
+        "state": state,
+        "last_seen_seconds": seen,
+        "heartbeat_seconds": 5.0,
+        **extra,
+    }
 
 
 def flags(rows: list[dict]) -> dict[int, list[str]]:
@@ -29,8 +37,13 @@ def test_behind_counts_rounds_against_the_most_advanced_training_cluster():
 def test_silent_after_the_clusters_own_member_expiry():
     assert silent_after(record(0, 1, "aa")) == 15.0  # no expiry in the record: 3 heartbeats
     assert silent_after(record(0, 1, "aa", member_expiry_seconds=40.0)) == 40.0
-    rows = judge([record(0, 3, "aa", seen=2.0), record(1, 3, "aa", seen=16.0),
-                  record(2, 3, "aa", seen=16.0, member_expiry_seconds=40.0)])
+    rows = judge(
+        [
+            record(0, 3, "aa", seen=2.0),
+            record(1, 3, "aa", seen=16.0),
+            record(2, 3, "aa", seen=16.0, member_expiry_seconds=40.0),
+        ]
+    )
     assert flags(rows) == {0: [], 1: ["silent 16s"], 2: []}
 
 
@@ -43,7 +56,10 @@ def test_a_hash_that_differs_from_the_majority_at_its_outer_step_is_flagged():
     rows = judge([record(0, 4, "aa"), record(1, 4, "aa"), record(2, 4, "zz")])
     assert flags(rows) == {0: [], 1: [], 2: ["hash differs"]}
     # two clusters that disagree: no majority, the board cannot tell which split off, so both are flagged
-    assert flags(judge([record(0, 4, "aa"), record(1, 4, "zz")])) == {0: ["hash differs"], 1: ["hash differs"]}
+    assert flags(judge([record(0, 4, "aa"), record(1, 4, "zz")])) == {
+        0: ["hash differs"],
+        1: ["hash differs"],
+    }
 
 
 def test_json_rows_keep_the_contract_keys_and_the_table_renders_every_cluster():

@@ -41,14 +41,18 @@ def _inner_step(model: torch.nn.Module, generator: torch.Generator) -> None:
 
 def _run(size: int, steps: int, compression: str = "none", models=None, on_step=None, **hv) -> dict:
     """``size`` clusters in threads, ``steps`` inner steps each; returns each cluster's records and outer loop."""
-    galaxy = InProcessGalaxy(size, compression=compression, sparse_rule=hv.get("sparse_rule", HvConfig().sparse_rule))
+    galaxy = InProcessGalaxy(
+        size, compression=compression, sparse_rule=hv.get("sparse_rule", HvConfig().sparse_rule)
+    )
     models = models or _models(size)
     results: dict[int, tuple] = {}
     settings = dict(local_steps=4, outer_lr=0.7, outer_momentum=0.9, outer_warmup_rounds=2)
 
     def cluster(rank: int) -> None:
         model = models[rank]
-        config = HvConfig(**{**settings, **hv, "galaxy_size": size, "world_rank": rank, "compression": compression})
+        config = HvConfig(
+            **{**settings, **hv, "galaxy_size": size, "world_rank": rank, "compression": compression}
+        )
         numel = fragment_length(_flat(model).numel(), config.fragments)
         outer = DiLoCo(model, galaxy.averager(rank, numel), config, **SILENT)
         generator = torch.Generator().manual_seed(100 + rank)
@@ -74,12 +78,30 @@ def _run(size: int, steps: int, compression: str = "none", models=None, on_step=
 # Recorded with the code before fragments existed (commit dbc3025): 2 clusters, H = 4, six rounds, lr 0.7,
 # Nesterov 0.9, two warm-up rounds. P = 1, τ = 0 must keep reproducing them bit for bit.
 TODAYS_HASHES = {
-    "none": ["f6f934d5a22f8dcd", "61e8d036641caff6", "53758755dfbbebf4", "43c431cc2370c426", "9eabc8af7b78a2a9",
-             "72019a99acc0e086"],
-    "int8": ["549f1168aec5b0e6", "1b471cf15139fd03", "fb47be2750627ef5", "99036fced896035b", "fa95a4f2ff8323c3",
-             "78d7ef84129385d8"],
-    "sparse": ["c0d0b1e79ca65f03", "aac46248af68bccf", "a40672b23ad8708a", "d0883ff7fb61c2c9", "bbd5bd789474648b",
-               "a41aed203f4b7c68"],
+    "none": [
+        "f6f934d5a22f8dcd",
+        "61e8d036641caff6",
+        "53758755dfbbebf4",
+        "43c431cc2370c426",
+        "9eabc8af7b78a2a9",
+        "72019a99acc0e086",
+    ],
+    "int8": [
+        "549f1168aec5b0e6",
+        "1b471cf15139fd03",
+        "fb47be2750627ef5",
+        "99036fced896035b",
+        "fa95a4f2ff8323c3",
+        "78d7ef84129385d8",
+    ],
+    "sparse": [
+        "c0d0b1e79ca65f03",
+        "aac46248af68bccf",
+        "a40672b23ad8708a",
+        "d0883ff7fb61c2c9",
+        "bbd5bd789474648b",
+        "a41aed203f4b7c68",
+    ],
 }
 
 
@@ -124,10 +146,14 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
         if syncs:
             landed[rank][step] = (before, outer.state.params.clone(), after)
 
-    results = _run(size, steps, models=models, on_step=on_step, local_steps=8, fragments=fragments, sync_delay=delay)
+    results = _run(
+        size, steps, models=models, on_step=on_step, local_steps=8, fragments=fragments, sync_delay=delay
+    )
     records = [results[rank][0] for rank in range(size)]
     assert [r["fragment"] for r in records[0]] == [k % fragments for k in range(steps // 2)]
-    assert [r["step"] for r in records[0]] == [min(k * 2 + delay, steps) for k in range(1, steps // 2)] + [steps]
+    assert [r["step"] for r in records[0]] == [min(k * 2 + delay, steps) for k in range(1, steps // 2)] + [
+        steps
+    ]
     for a, b in zip(*records, strict=True):
         assert a["param_hash"] == b["param_hash"] and a["fragment_hash"] == b["fragment_hash"]
         assert a["in_sync"] and b["in_sync"]
@@ -138,7 +164,9 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
     for k, record in enumerate(records[0]):
         fragment, sync_step = k % fragments, (k + 1) * 2
         region = slice(fragment * length, min((fragment + 1) * length, numel))
-        mean_delta = torch.stack([theta[region] - starts[rank][sync_step][region] for rank in range(size)]).mean(0)
+        mean_delta = torch.stack(
+            [theta[region] - starts[rank][sync_step][region] for rank in range(size)]
+        ).mean(0)
         lr, momentum = results[0][1].state.hparams(k // fragments + 1)
         if momentum and momenta[fragment] is None:
             momenta[fragment] = torch.zeros_like(mean_delta)
@@ -147,14 +175,18 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
         if k + 1 < len(records[0]) and records[0][k + 1]["step"] == record["step"]:
             continue  # τ = H/P at the run's end: the last sync ran at the step this one landed; checked after it
         model_before, params, model_after = landed[0][record["step"]]
-        assert torch.allclose(params, theta, atol=1e-6, rtol=0), f"sync {k + 1}: θ_outer differs from the reference"
+        assert torch.allclose(params, theta, atol=1e-6, rtol=0), (
+            f"sync {k + 1}: θ_outer differs from the reference"
+        )
         theta = params.clone()  # carry the exact bytes on, so float rounding never accumulates across rounds
         if record["step"] != steps:  # the last sync lands at once: no progress to keep
             mixed = 0.5 * model_before[region] + 0.5 * params[region]  # --hv.sync-alpha 0.5
             assert torch.allclose(model_after[region], mixed, atol=1e-6, rtol=0)
         outside = torch.ones(numel, dtype=torch.bool)
         outside[region] = False
-        if k and records[0][k - 1]["step"] == record["step"]:  # the sync that landed just before it, same step
+        if (
+            k and records[0][k - 1]["step"] == record["step"]
+        ):  # the sync that landed just before it, same step
             previous = (k - 1) % fragments
             outside[previous * length : (previous + 1) * length] = False
         assert torch.equal(model_after[outside], model_before[outside]), "a landing touched another fragment"
@@ -162,7 +194,10 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
 
 def _checkpoint(outer: DiLoCo, model: torch.nn.Module) -> dict:
     """What ``checkpoint.py`` stores of a cluster, as plain copies (DCP's part is tested in tests/dist)."""
-    return {"model": [p.detach().clone() for p in model.parameters()], "outer": copy.deepcopy(outer.state_dict())}
+    return {
+        "model": [p.detach().clone() for p in model.parameters()],
+        "outer": copy.deepcopy(outer.state_dict()),
+    }
 
 
 # int2: the error feedback of the fragment in flight; τ = 2 = H/P: sync 4 landed at the step of the save
@@ -178,9 +213,18 @@ def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
     generators: dict[int, torch.Tensor] = {}
 
     def phase(galaxy, rank, model, first: int, last: int, restore: dict | None):
-        config = HvConfig(**{**dict(outer_lr=0.7), **hv, "galaxy_size": size, "world_rank": rank,
-                             "compression": compression})
-        outer = DiLoCo(model, galaxy.averager(rank, fragment_length(_flat(model).numel(), 4)), config, **SILENT)
+        config = HvConfig(
+            **{
+                **dict(outer_lr=0.7),
+                **hv,
+                "galaxy_size": size,
+                "world_rank": rank,
+                "compression": compression,
+            }
+        )
+        outer = DiLoCo(
+            model, galaxy.averager(rank, fragment_length(_flat(model).numel(), 4)), config, **SILENT
+        )
         generator = torch.Generator().manual_seed(100 + rank)
         if restore is not None:
             with torch.no_grad():
@@ -192,7 +236,10 @@ def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
         records = []
         for step in range(first, last + 1):
             _inner_step(model, generator)
-            records.extend({**record.metrics(), "step": step} for record in outer.syncs_after_inner_step(step, step == steps))
+            records.extend(
+                {**record.metrics(), "step": step}
+                for record in outer.syncs_after_inner_step(step, step == steps)
+            )
         if restore is None:
             assert outer.in_flight is not None and outer.state.fragment == 0
             saved[rank], generators[rank] = _checkpoint(outer, model), generator.get_state()

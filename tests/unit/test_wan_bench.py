@@ -10,17 +10,26 @@ from scripts.bench.wan import codec_flags, steady_rounds
 
 def _records(rounds: dict[int, tuple[int, str]], local_steps: int = 5) -> dict[int, dict]:
     """One cluster's records by step: ``rounds`` maps outer step to (galaxy_peers, param_hash)."""
-    return {k * local_steps: {"step": k * local_steps, "outer_step": k, "galaxy_peers": peers, "param_hash": h}
-            for k, (peers, h) in rounds.items()}
+    return {
+        k * local_steps: {"step": k * local_steps, "outer_step": k, "galaxy_peers": peers, "param_hash": h}
+        for k, (peers, h) in rounds.items()
+    }
 
 
 def test_a_late_cluster_s_missed_rounds_are_not_steady():
     # cluster 3 started late: rounds 1-2 had 3 peers, it adopted the state at round 3 and took part from round 4
     early = {1: (3, "a"), 2: (3, "b")}
     joint = {k: (4, f"h{k}") for k in range(3, 9)}
-    seen = [_records({**early, **joint}) for _ in range(3)] + [_records({3: (0, "h3"), **{k: joint[k] for k in range(4, 9)}})]
+    seen = [_records({**early, **joint}) for _ in range(3)] + [
+        _records({3: (0, "h3"), **{k: joint[k] for k in range(4, 9)}})
+    ]
     steady = steady_rounds(seen, clusters=4, rounds=3)
-    assert [r["outer_step"] for r in steady] == [4, 5, 6, 7]  # the round before (the wall clock's start), then 3
+    assert [r["outer_step"] for r in steady] == [
+        4,
+        5,
+        6,
+        7,
+    ]  # the round before (the wall clock's start), then 3
 
 
 def test_too_few_whole_rounds_say_what_to_do():
@@ -32,7 +41,12 @@ def test_too_few_whole_rounds_say_what_to_do():
 def test_a_codec_case_passes_its_sparse_options_as_flags():
     assert codec_flags("int8") == ["--hv.compression", "int8"]
     assert codec_flags("sparse,rule=random,density=0.0625") == [
-        "--hv.compression", "sparse", "--hv.sparse-rule", "random", "--hv.sparse-density", "0.0625"
+        "--hv.compression",
+        "sparse",
+        "--hv.sparse-rule",
+        "random",
+        "--hv.sparse-density",
+        "0.0625",
     ]
     with pytest.raises(SystemExit, match="options are rule=... and density="):
         codec_flags("sparse,ruel=random")

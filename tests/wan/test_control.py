@@ -37,16 +37,33 @@ print(got)
 
 def echoed(lab: Lab) -> float:
     """The share of UDP echoes from cluster 0 to the DHT's endpoint that came back."""
-    out = subprocess.run([*lab.exec_prefix("c0"), sys.executable, "-c", CLIENT, lab.address("dht"), str(PORT),
-                          str(ECHOES)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [*lab.exec_prefix("c0"), sys.executable, "-c", CLIENT, lab.address("dht"), str(PORT), str(ECHOES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     return int(out.stdout.strip()) / ECHOES
 
 
 @needs_root
 def test_link_and_loss_controls_act_on_a_running_lab():
     with Lab(1, "lan") as lab:
-        server = subprocess.Popen([*lab.exec_prefix("dht"), sys.executable, "-m", "scripts.wan.probe", "serve",
-                                   lab.address("dht"), str(PORT)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [
+                *lab.exec_prefix("dht"),
+                sys.executable,
+                "-m",
+                "scripts.wan.probe",
+                "serve",
+                lab.address("dht"),
+                str(PORT),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert "ready" in server.stdout.readline()
             assert echoed(lab) >= 0.97

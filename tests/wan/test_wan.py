@@ -85,8 +85,20 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # length (a new connection a round trip after the link is back, a heartbeat, a read at a round's end, a
     # state download: 5-7 s), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
-    steps = ["--max-steps", "5000", "--hv.local-steps", "80", "--hv.averaging-timeout", str(averaging_timeout),
-             "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4", "--hv.on-partial-round", "proceed"]
+    steps = [
+        "--max-steps",
+        "5000",
+        "--hv.local-steps",
+        "80",
+        "--hv.averaging-timeout",
+        str(averaging_timeout),
+        "--hv.heartbeat-interval",
+        "1",
+        "--hv.member-expiry",
+        "4",
+        "--hv.on-partial-round",
+        "proceed",
+    ]
     with Lab(2, "region") as lab:
         pids = lab_pids(lab)
         galaxy = Galaxy(tmp_path, lab=lab)
@@ -104,9 +116,16 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
                 time.sleep(1)
                 galaxy.track()
                 rounds = [outer_records(m) for m in metrics]
-                healed = next((r for r in sorted(set(rounds[0]) & set(rounds[1]))
-                               if r > max(apart) and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
-                               and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]), None)
+                healed = next(
+                    (
+                        r
+                        for r in sorted(set(rounds[0]) & set(rounds[1]))
+                        if r > max(apart)
+                        and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
+                        and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
+                    ),
+                    None,
+                )
             healed_after = time.monotonic() - back
         finally:
             galaxy.close()
@@ -117,18 +136,29 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # cut within the 30 s (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and
     # rounds are 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no
     # round while apart claims the galaxy agrees with it: the other side fell silent, it did not say it ended
-    while_apart = [[rounds[side][r] for r in sorted(rounds[side]) if cut_at[side] < r <= apart[side]]
-                   for side in (0, 1)]
+    while_apart = [
+        [rounds[side][r] for r in sorted(rounds[side]) if cut_at[side] < r <= apart[side]] for side in (0, 1)
+    ]
     assert all(while_apart), (cut_at, apart)
     assert not any(rec["in_sync"] for side in while_apart for rec in side), while_apart
     assert any(rec["galaxy_alive"] == 1 for side in while_apart for rec in side), while_apart  # a lone round
     assert rounds[0][min(apart)]["param_hash"] != rounds[1][min(apart)]["param_hash"]
-    assert healed is not None, [(r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)]
-    print(f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
-          f"back (round {healed})")
+    assert healed is not None, [
+        (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
+    ]
+    print(
+        f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
+        f"back (round {healed})"
+    )
     for side in (0, 1):
-        print(side, [(r, round(rounds[side][r]["time"] - back_wall, 1), rounds[side][r]["galaxy_peers"])
-                     for r in sorted(rounds[side]) if r >= min(apart) - 1 and r <= (healed or 0) + 1])
+        print(
+            side,
+            [
+                (r, round(rounds[side][r]["time"] - back_wall, 1), rounds[side][r]["galaxy_peers"])
+                for r in sorted(rounds[side])
+                if r >= min(apart) - 1 and r <= (healed or 0) + 1
+            ],
+        )
     # within 2 rounds of the link's return: the round in flight at the return (the first outer step after it)
     # or the next one is together
     in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
@@ -138,8 +168,12 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in rounds of
     # this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs), and 32.2 s at
     # rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
-    pace = statistics.median(rounds[side][r + 1]["time"] - rounds[side][r]["time"]
-                             for side in (0, 1) for r in range(2, apart[side]) if r + 1 in rounds[side])
+    pace = statistics.median(
+        rounds[side][r + 1]["time"] - rounds[side][r]["time"]
+        for side in (0, 1)
+        for r in range(2, apart[side])
+        if r + 1 in rounds[side]
+    )
     assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
@@ -148,9 +182,23 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
 def test_a_killed_lab_process_is_cleaned_up(tmp_path):
     ready = tmp_path / "lab.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.wan.lab", "up", "--clusters", "1", "--profile", "lan", "--no-check",
-         "--ready-file", str(ready)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "scripts.wan.lab",
+            "up",
+            "--clusters",
+            "1",
+            "--profile",
+            "lan",
+            "--no-check",
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -159,8 +207,11 @@ def test_a_killed_lab_process_is_cleaned_up(tmp_path):
     run_id = json.loads(ready.read_text())["run_id"]
     namespaces = [ns for ns in lab_namespaces() if ns.startswith(f"odw-{run_id}-")]
     assert len(namespaces) == 3  # bridge, dht, c0
-    inside = [int(p) for ns in namespaces
-              for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+    inside = [
+        int(p)
+        for ns in namespaces
+        for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    ]
     state = json.loads((wanlab.RUNTIME / f"{run_id}.json").read_text())
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
