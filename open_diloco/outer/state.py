@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from open_diloco.outer.codecs import PseudoGradCompressor
+from open_diloco.outer.digests import combine_hashes as combine_hashes  # re-exported: outer/committing.py
+from open_diloco.outer.digests import fingerprint_bytes, square_sum, sum_of_squares
 from open_diloco.outer.optimizer import outer_sgd_step_, round_hparams
 from open_diloco.outer.sparse import Selection
 from open_diloco.outer.state_transfer import OuterStateTransfer
@@ -48,34 +50,6 @@ def local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
         data = param.data
         shards.append(data.to_local() if hasattr(data, "to_local") else data)
     return shards
-
-
-def fingerprint_bytes(*buffers: torch.Tensor) -> str:
-    """A short hash of tensors' exact bytes, in order: two clusters agree on it iff their tensors are bitwise
-    equal (one tensor: the same digest as hashing its bytes at once)."""
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    for buffer in buffers:
-        digest.update(buffer.detach().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
-
-
-def combine_hashes(hashes: list[str]) -> str:
-    """One hash of the whole model from its shards' hashes, in shard order."""
-    import xxhash
-
-    return xxhash.xxh3_64("".join(hashes).encode()).hexdigest()
-
-
-def sum_of_squares(buffer: torch.Tensor, chunk: int = 1 << 18) -> float:
-    """Σ x² in fp64, a chunk at a time: ``buffer.double().square().sum()`` without materialising an fp64 copy
-    of the whole buffer (far faster than one fp64 copy of the shard). Deterministic: equal bytes give equal sums."""
-    return sum(_squares(piece) for piece in buffer.reshape(-1).split(chunk))
-
-
-def _squares(piece: torch.Tensor) -> float:
-    return float(piece.double().square().sum())
 
 
 class OuterState(OuterStateTransfer):
@@ -285,7 +259,7 @@ class OuterState(OuterStateTransfer):
         total = 0.0
         for theta, delta in zip(self.params[region].split(chunk), delta_flat.split(chunk), strict=True):
             torch.sub(theta, delta, out=delta)
-            total += _squares(delta)
+            total += square_sum(delta)
         return total
 
     def pseudo_grad_for_wire_into(self, flat: torch.Tensor) -> float:

@@ -19,8 +19,9 @@ from open_diloco.config import Config, HvConfig
 from open_diloco.data import build_train_loader, plan_data
 from open_diloco.model import build_model, load_model_config
 from open_diloco.optim import build_inner_optimizer, build_scheduler
+from open_diloco.outer.digests import fingerprint_bytes
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.state import fingerprint_bytes, local_shards
+from open_diloco.outer.state import local_shards
 from open_diloco.outer.streaming import SyncSchedule, fragment_length
 from open_diloco.outer.testing import InProcessGalaxy
 from open_diloco.trainer import evaluate, inner_step, position_at

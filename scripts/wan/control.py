@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from scripts.wan.lab import PREFIX, RUNTIME, LabError, _run, require_root
+from scripts.wan.namespaces import PREFIX, RUNTIME, LabError, require_root, run
 
 
 def _endpoint(name: str) -> str:
@@ -31,7 +31,7 @@ def _endpoint(name: str) -> str:
 
 def set_link(run_id: str, endpoint: str, up: bool) -> None:
     """Take ``endpoint``'s link in lab ``run_id`` down (a partition) or bring it back up."""
-    _run("ip", "-n", f"{PREFIX}{run_id}-br", "link", "set", _endpoint(endpoint), "up" if up else "down")
+    run("ip", "-n", f"{PREFIX}{run_id}-br", "link", "set", _endpoint(endpoint), "up" if up else "down")
 
 
 def control_file(run_id: str, endpoint: str) -> Path:

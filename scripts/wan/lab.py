@@ -14,7 +14,8 @@ between ``wan0`` and ``eth0``, one per endpoint. Only the lab's own namespaces a
 
 Cleanup: ``Lab`` is a context manager; the CLI removes its lab on exit, Ctrl+C or SIGTERM; the forwarders die
 with the process that started them, and a reaper process (its own session) removes the namespaces when that
-process is gone, even after SIGKILL. Every lab writes /run/open_diloco-wan/R.json for ``down``.
+process is gone, even after SIGKILL. Every lab writes /run/open_diloco-wan/R.json for ``down``; finding
+and removing a lab by run id is ``scripts/wan/namespaces.py``, the self-check ``scripts/wan/self_check.py``.
 """
 
 from __future__ import annotations
@@ -33,83 +34,22 @@ from pathlib import Path
 
 import psutil
 
+from scripts.wan.namespaces import (
+    PREFIX,
+    RUNTIME,
+    LabError,
+    end_pids,
+    lab_namespaces,
+    reap,
+    remove,
+    require_root,
+    run,
+)
 from scripts.wan.profiles import Profile, load_profiles
+from scripts.wan.self_check import format_check, self_check
 
-PREFIX = "odw-"
-RUNTIME = Path("/run/open_diloco-wan")
 MTU = 9000
 REPO = Path(__file__).resolve().parents[2]
-TOLERANCE = 0.10
-
-
-class LabError(RuntimeError):
-    """A lab that cannot be built here; the CLI prints it as one line and exits 2."""
-
-
-def _run(*cmd: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise LabError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def require_root() -> None:
-    """Raise LabError unless this process may build namespaces (root) and iproute2 is here."""
-    if os.geteuid() != 0:
-        raise LabError("the WAN lab needs root (network namespaces, tc): run it as root, e.g. with sudo")
-    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
-    if missing:
-        raise LabError(f"the WAN lab needs iproute2 ({', '.join(missing)} missing): apt-get install iproute2")
-
-
-def _end_pids(pids: list[int], grace: float = 3.0) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace``; returns what is still alive (normally nothing)."""
-    from open_diloco.processes import signal_pids, wait_gone
-
-    signal_pids(pids, signal.SIGTERM)
-    left = wait_gone(pids, grace)
-    signal_pids(left, signal.SIGKILL)
-    return wait_gone(left, 5.0)
-
-
-def _netns_pids(ns: str) -> list[int]:
-    out = _run("ip", "netns", "pids", ns, check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
-
-
-def lab_namespaces() -> list[str]:
-    """Every network namespace any lab made (by name prefix)."""
-    out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
-
-
-def remove(run_id: str | None) -> list[str]:
-    """Remove lab ``run_id`` (None: every lab): end the processes in its namespaces and the ones it recorded,
-    by PID, then delete the namespaces. Returns the namespaces removed."""
-    states = sorted(RUNTIME.glob(f"{run_id}.json" if run_id else "*.json"))
-    pids: list[int] = []
-    for state in states:
-        with contextlib.suppress(OSError, ValueError):
-            recorded = json.loads(state.read_text())
-            for pid, started in recorded.get("pids", {}).items():
-                with contextlib.suppress(psutil.Error):
-                    if abs(psutil.Process(int(pid)).create_time() - started) < 1 and int(pid) != os.getpid():
-                        pids.append(int(pid))
-    namespaces = [ns for ns in lab_namespaces() if run_id is None or ns.startswith(f"{PREFIX}{run_id}-")]
-    for ns in namespaces:
-        pids += _netns_pids(ns)
-    left = _end_pids(sorted(set(pids)))
-    if left:
-        raise LabError(f"processes of the lab did not end: {left}")
-    for ns in namespaces:
-        _run("ip", "netns", "delete", ns, check=False)
-    for state in states:
-        state.unlink(missing_ok=True)
-        shutil.rmtree(state.with_suffix(""), ignore_errors=True)
-    if run_id is None:  # workdirs of labs that never wrote a state
-        for leftover in RUNTIME.glob("*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return namespaces
 
 
 class Lab:
@@ -167,7 +107,7 @@ class Lab:
 
     def set_link(self, endpoint: str, up: bool) -> None:
         """Take ``endpoint``'s link down (a partition: nothing in or out) or bring it back up."""
-        _run("ip", "-n", self.bridge_netns, "link", "set", self._endpoint(endpoint), "up" if up else "down")
+        run("ip", "-n", self.bridge_netns, "link", "set", self._endpoint(endpoint), "up" if up else "down")
 
     # -- life cycle --------------------------------------------------------------------------------------
     def _state(self) -> None:
@@ -212,14 +152,14 @@ class Lab:
     def _build(self) -> None:
         p = self.profile
         br = self.bridge_netns
-        _run("ip", "netns", "add", br)
-        _run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
-        _run("ip", "-n", br, "link", "set", "br0", "up")
+        run("ip", "netns", "add", br)
+        run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
+        run("ip", "-n", br, "link", "set", "br0", "up")
         for name in self.endpoints:
             ns = self.netns(name)
-            _run("ip", "netns", "add", ns)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run(
+            run("ip", "netns", "add", ns)
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+            run(
                 "ip",
                 "link",
                 "add",
@@ -240,16 +180,16 @@ class Lab:
                 "mtu",
                 str(MTU),
             )
-            _run("ip", "-n", br, "link", "set", name, "master", "br0", "up")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
-            _run("ip", "-n", ns, "tuntap", "add", "dev", "wan0", "mode", "tun")
-            _run("ip", "-n", ns, "link", "set", "wan0", "mtu", str(MTU), "txqueuelen", "2000", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "wan0")
+            run("ip", "-n", br, "link", "set", name, "master", "br0", "up")
+            run("ip", "-n", ns, "link", "set", "eth0", "up")
+            run("ip", "-n", ns, "tuntap", "add", "dev", "wan0", "mode", "tun")
+            run("ip", "-n", ns, "link", "set", "wan0", "mtu", str(MTU), "txqueuelen", "2000", "up")
+            run("ip", "-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "wan0")
             # uplink on the endpoint's side, downlink on the bridge's side of its veth
-            _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *self._tbf(p.up_mbit))
-            _run("tc", "-n", br, "qdisc", "add", "dev", name, "root", "tbf", *self._tbf(p.down_mbit))
+            run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *self._tbf(p.up_mbit))
+            run("tc", "-n", br, "qdisc", "add", "dev", name, "root", "tbf", *self._tbf(p.down_mbit))
             # long fat paths need TCP windows beyond the defaults (per-namespace sysctls); no IPv6 chatter
-            _run(
+            run(
                 "ip",
                 "netns",
                 "exec",
@@ -306,7 +246,7 @@ class Lab:
     def down(self) -> None:
         """Remove every namespace and process of this lab (idempotent)."""
         procs = [*self.forwarders.values(), *([self.reaper] if self.reaper else [])]
-        left = _end_pids([proc.pid for proc in procs if proc.poll() is None])
+        left = end_pids([proc.pid for proc in procs if proc.poll() is None])
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
@@ -325,82 +265,9 @@ class Lab:
         """Namespaces of this lab that still exist (empty after down())."""
         return [ns for ns in lab_namespaces() if ns.startswith(f"{PREFIX}{self.run_id}-")]
 
-    # -- self-check --------------------------------------------------------------------------------------
     def check(self, port: int = 7777) -> dict:
-        """Measure RTT and rate from the first cluster to the second (or the DHT) and compare with the profile.
-        Returns the figures and ``ok`` (both within ±10 %)."""
-        src, dst = "c0", ("c1" if self.clusters > 1 else "dht")
-        server = subprocess.Popen(
-            [
-                *self.exec_prefix(dst),
-                self.python,
-                "-m",
-                "scripts.wan.probe",
-                "serve",
-                self.address(dst),
-                str(port),
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            assert server.stdout is not None
-            line = server.stdout.readline()  # "ready" (the probe prints nothing else before)
-            if "ready" not in line:
-                raise LabError(f"the self-check server did not start: {line.strip()}")
-            rate = self.profile.path_mbit()
-            out = _run(
-                *self.exec_prefix(src),
-                self.python,
-                "-m",
-                "scripts.wan.probe",
-                "measure",
-                self.address(dst),
-                str(port),
-                str(rate),
-                timeout=60,
-            ).stdout
-        finally:
-            _end_pids([server.pid])
-            server.wait(timeout=5)
-        got = json.loads(out.strip().splitlines()[-1])
-        figures = {
-            "profile": self.profile.name,
-            "path": f"{src} -> {dst}",
-            "rtt_ms": got["rtt_ms"],
-            "rtt_expected_ms": self.profile.rtt_ms,
-            "mbit": got["mbit"],
-            "mbit_expected": rate,
-        }
-        figures["rtt_ok"] = (
-            got["rtt_ms"] is not None and abs(got["rtt_ms"] / self.profile.rtt_ms - 1) <= TOLERANCE
-        )
-        figures["rate_ok"] = got["mbit"] is not None and abs(got["mbit"] / rate - 1) <= TOLERANCE
-        figures["ok"] = figures["rtt_ok"] and figures["rate_ok"]
-        return figures
-
-
-def format_check(fig: dict) -> str:
-    def fmt(value, unit):
-        return "none" if value is None else f"{value:.4g} {unit}"
-
-    verdict = "ok" if fig["ok"] else "OFF by more than ±10 %"
-    return (
-        f"self-check {fig['profile']} ({fig['path']}): RTT {fmt(fig['rtt_ms'], 'ms')} (profile "
-        f"{fig['rtt_expected_ms']:g} ms), rate {fmt(fig['mbit'], 'Mbit/s')} (profile {fig['mbit_expected']:g}"
-        f" Mbit/s): {verdict}"
-    )
-
-
-def _reap(run_id: str, pid: int) -> None:
-    """Wait for process ``pid`` (the lab's owner) to end, then remove lab ``run_id``."""
-    with contextlib.suppress(psutil.Error):
-        owner = psutil.Process(pid)
-        while owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE:
-            time.sleep(0.5)
-    remove(run_id)
+        """The self-check (``scripts/wan/self_check.py``): RTT and rate against the profile, ``ok`` within ±10 %."""
+        return self_check(self, port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     down.add_argument("run_id", nargs="?")
     down.add_argument("--all", action="store_true")
     sub.add_parser("profiles", help="list the profiles")
-    reap = sub.add_parser("_reap")
-    reap.add_argument("run_id")
-    reap.add_argument("pid", type=int)
+    reaper = sub.add_parser("_reap")
+    reaper.add_argument("run_id")
+    reaper.add_argument("pid", type=int)
     args = parser.parse_args(argv)
 
     try:
@@ -433,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "_reap":
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            _reap(args.run_id, args.pid)
+            reap(args.run_id, args.pid)
             return 0
         require_root()
         if args.cmd == "down":

@@ -236,15 +236,23 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     # it comes back from its last checkpoint, behind the galaxy: it adopts the galaxy's state and averages again
     del galaxy.procs["cluster1"]
     resumed = member(1, "--ckpt.resume", "latest", name="cluster1")
-    deadline = time.monotonic() + 180
+    together = _wait_until_together(galaxy, metrics[0], resumed, after=stopped_at, seconds=180)
+    assert together is not None, galaxy.log("cluster1")[-3000:]
+    back_rounds = sorted(r for r in outer_records(resumed) if r > stopped_at)
+    assert together <= back_rounds[0] + 2, (together, back_rounds)  # within 2 rounds of its return
+    assert "resumed from" in galaxy.log("cluster1")
+
+
+def _wait_until_together(galaxy, ours_file, theirs_file, after: int, seconds: float) -> int | None:
+    """Poll two clusters' metrics for up to ``seconds``: the first round after ``after`` they averaged together
+    (2 peers) into equal hashes, or None."""
+    deadline = time.monotonic() + seconds
     together = None
     while together is None and time.monotonic() < deadline:
         time.sleep(1)
         galaxy.track()
-        ours, theirs = outer_records(metrics[0]), outer_records(resumed)
-        shared = sorted(
-            r for r in set(ours) & set(theirs) if r > stopped_at
-        )  # (its metrics file holds both runs)
+        ours, theirs = outer_records(ours_file), outer_records(theirs_file)
+        shared = sorted(r for r in set(ours) & set(theirs) if r > after)  # (a resumed file holds both runs)
         together = next(
             (
                 r
@@ -254,7 +262,4 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
             ),
             None,
         )
-    assert together is not None, galaxy.log("cluster1")[-3000:]
-    back_rounds = sorted(r for r in outer_records(resumed) if r > stopped_at)
-    assert together <= back_rounds[0] + 2, (together, back_rounds)  # within 2 rounds of its return
-    assert "resumed from" in galaxy.log("cluster1")
+    return together

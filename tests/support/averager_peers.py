@@ -82,7 +82,7 @@ def _send_garbage(fault: str) -> None:
 def _read_averages_slowly(seconds: float) -> None:
     """Fault injection: this peer waits ``seconds`` before it reads each average a reducer sends it (a loaded
     machine, a slow link), so the reducer has written them all long before they are read."""
-    from open_diloco.galaxy.allreduce import CountingStub
+    from open_diloco.galaxy.span_streams import CountingStub
 
     original = CountingStub.rpc_aggregate_part
 
@@ -151,31 +151,7 @@ def _peer(
             except Exception as e:
                 queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
                 continue
-            present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
-            mean = present.mean(0)
-            honest_mean = torch.stack(
-                [inputs[r] for r in sorted(report.peers) if r not in report.rejected]
-            ).double()
-            honest_mean = honest_mean.mean(0)
-            error = (mine.double() - mean).abs()
-            # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
-            fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
-            result = dict(
-                sha256=hashlib.sha256(mine.numpy().tobytes()).hexdigest(),
-                rel_err=float(error.max() / mean.abs().max()),
-                fp16_ok=bool((error <= fp16_tolerance).all()),
-                unchanged=bool(torch.equal(mine, inputs[rank])),
-                each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
-                finite=bool(torch.isfinite(mine).all()),
-                honest_share=float(
-                    ((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()
-                ),
-                wall=time.monotonic() - start,
-                # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
-                scores_are_the_mean=bool(
-                    torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))
-                ),
-            )
+            result = _round_result(mine, inputs, rank, report, numel, started=start)
             queue.put(("round", rank, round_id, asdict(report), result))
         if not rounds and not serve and not download:
             time.sleep(300)  # idle: waits to be killed
@@ -184,6 +160,32 @@ def _peer(
     finally:
         av.shutdown()
         queue.put(("done", rank))
+
+
+def _round_result(mine: torch.Tensor, inputs: list, rank: int, report, numel: int, started: float) -> dict:
+    """What the test checks of one peer's round: its result ``mine`` against the mean of the inputs of the peers
+    the round ``report`` names (and of those it did not reject)."""
+    present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
+    mean = present.mean(0)
+    honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()
+    honest_mean = honest_mean.mean(0)
+    error = (mine.double() - mean).abs()
+    # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
+    fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
+    return dict(
+        sha256=hashlib.sha256(mine.numpy().tobytes()).hexdigest(),
+        rel_err=float(error.max() / mean.abs().max()),
+        fp16_ok=bool((error <= fp16_tolerance).all()),
+        unchanged=bool(torch.equal(mine, inputs[rank])),
+        each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
+        finite=bool(torch.isfinite(mine).all()),
+        honest_share=float(
+            ((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()
+        ),
+        wall=time.monotonic() - started,
+        # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
+        scores_are_the_mean=bool(torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))),
+    )
 
 
 def descendants_named(root: int) -> dict[int, str]:

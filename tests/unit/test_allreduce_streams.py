@@ -1,4 +1,4 @@
-"""The all-reduce's stream ends (``open_diloco.galaxy.allreduce``): a sender holds its end open until it has read
+"""The all-reduce's stream ends (``open_diloco.galaxy.span_streams``): a sender holds its end open until it has read
 every average, a reducer closes only after that end, and neither waits past hivemind's timeouts."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytest.importorskip("hivemind")
 
 from hivemind.proto import averaging_pb2  # noqa: E402
 
-from open_diloco.galaxy.allreduce import CountingStub, _until_sender_read_all  # noqa: E402
+from open_diloco.galaxy.span_streams import CountingStub, until_sender_read_all  # noqa: E402
 
 AVERAGE = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
 PART = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING)
@@ -30,10 +30,10 @@ async def _collect(stream) -> list:
 
 def test_a_reducer_lets_a_sender_go_after_its_last_part_at_the_sender_timeout():
     # hivemind's sender timeout ends the wait for the sender's end: all its parts are in, so that is no failure
-    assert len(asyncio.run(_collect(_until_sender_read_all(_parts(3, asyncio.TimeoutError()), 3)))) == 3
-    assert len(asyncio.run(_collect(_until_sender_read_all(_parts(3), 3)))) == 3
+    assert len(asyncio.run(_collect(until_sender_read_all(_parts(3, asyncio.TimeoutError()), 3)))) == 3
+    assert len(asyncio.run(_collect(until_sender_read_all(_parts(3), 3)))) == 3
     with pytest.raises(asyncio.TimeoutError):  # a sender that stalls before its last part is one that failed
-        asyncio.run(_collect(_until_sender_read_all(_parts(2, asyncio.TimeoutError()), 3)))
+        asyncio.run(_collect(until_sender_read_all(_parts(2, asyncio.TimeoutError()), 3)))
 
 
 class _Runner:

@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
+from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
-from open_diloco.outer.state import combine_hashes
 from open_diloco.outer.testing import InProcessAverager, InProcessGalaxy
 from tests.support.tiny_outer import linear_model, outer_hv
 

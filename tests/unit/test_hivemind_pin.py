@@ -84,7 +84,7 @@ SIGNATURES = [
         ],
     ),
     (TensorPartReducer, "accumulate_part", ["self", "sender_index", "part_index", "tensor_part", "weight"]),
-    # CountingStub (galaxy/allreduce.py) drives a reducer's stream itself
+    # CountingStub (galaxy/span_streams.py) drives a reducer's stream itself
     (P2P, "call_binary_stream_handler", ["self", "peer_id", "handler_name"]),
     (P2P, "send_protobuf", ["protobuf", "writer"]),
     (P2P, "receive_protobuf", ["input_protobuf_type", "reader"]),

@@ -111,21 +111,7 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
             apart = [max(outer_records(m)) for m in metrics]
             lab.set_link("cluster1", up=True)
             back, back_wall = time.monotonic(), time.time()
-            healed = None
-            while healed is None and time.monotonic() - back < 60:
-                time.sleep(1)
-                galaxy.track()
-                rounds = [outer_records(m) for m in metrics]
-                healed = next(
-                    (
-                        r
-                        for r in sorted(set(rounds[0]) & set(rounds[1]))
-                        if r > max(apart)
-                        and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
-                        and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
-                    ),
-                    None,
-                )
+            healed = _wait_until_together(galaxy, metrics, after=max(apart), seconds=60)
             healed_after = time.monotonic() - back
         finally:
             galaxy.close()
@@ -146,6 +132,57 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
     ]
+    _print_timeline(rounds, cut_at, apart, healed, healed_after, back_wall)
+    # within 2 rounds of the link's return: the round in flight at the return (the first outer step after it)
+    # or the next one is together
+    in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
+    assert healed <= in_flight + 1, (healed, in_flight, healed_after)
+    # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see): the
+    # round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one more
+    # round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in rounds of
+    # this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs), and 32.2 s at
+    # rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
+    pace = _median_round_seconds(rounds, before=apart)
+    assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
+    assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
+
+
+def _first_round_together(rounds: list[dict], after: int) -> int | None:
+    """The first round after ``after`` that both clusters averaged together (2 peers) into equal hashes."""
+    return next(
+        (
+            r
+            for r in sorted(set(rounds[0]) & set(rounds[1]))
+            if r > after
+            and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
+            and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
+        ),
+        None,
+    )
+
+
+def _wait_until_together(galaxy: Galaxy, metrics: list, after: int, seconds: float) -> int | None:
+    """Poll the clusters' records for up to ``seconds``: the first round after ``after`` they share, or None."""
+    start, healed = time.monotonic(), None
+    while healed is None and time.monotonic() - start < seconds:
+        time.sleep(1)
+        galaxy.track()
+        healed = _first_round_together([outer_records(m) for m in metrics], after)
+    return healed
+
+
+def _median_round_seconds(rounds: list[dict], before: list[int]) -> float:
+    """The galaxy's pace: the median seconds between rounds from round 2 to each side's ``before``."""
+    return statistics.median(
+        rounds[side][r + 1]["time"] - rounds[side][r]["time"]
+        for side in (0, 1)
+        for r in range(2, before[side])
+        if r + 1 in rounds[side]
+    )
+
+
+def _print_timeline(rounds, cut_at, apart, healed, healed_after, back_wall) -> None:
+    """What the partition test saw, for its log: each side's rounds around the cut and the heal."""
     print(
         f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
         f"back (round {healed})"
@@ -159,23 +196,6 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
                 if r >= min(apart) - 1 and r <= (healed or 0) + 1
             ],
         )
-    # within 2 rounds of the link's return: the round in flight at the return (the first outer step after it)
-    # or the next one is together
-    in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
-    assert healed <= in_flight + 1, (healed, in_flight, healed_after)
-    # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see): the
-    # round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one more
-    # round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in rounds of
-    # this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs), and 32.2 s at
-    # rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
-    pace = statistics.median(
-        rounds[side][r + 1]["time"] - rounds[side][r]["time"]
-        for side in (0, 1)
-        for r in range(2, apart[side])
-        if r + 1 in rounds[side]
-    )
-    assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
-    assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
 
 @needs_root
