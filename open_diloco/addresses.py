@@ -1,4 +1,5 @@
-"""Multiaddr checks shared by the galaxy's start-up and the preflight: one parser, one wording, no hivemind."""
+"""Multiaddr checks shared by the galaxy's start-up and the preflight: one parser, one wording, no
+hivemind."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ _MULTIADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?")
 
 
 def peer_address(maddr: str, flag: str = "--hv.initial-peers") -> tuple[str, int]:
-    """Host and TCP port of a DHT peer's full multiaddr (``/ip4/10.0.0.1/tcp/31337/p2p/12D3KooW...``); an error
-    names ``flag``, where it came from."""
+    """Host and TCP port of a DHT peer's full multiaddr (``/ip4/10.0.0.1/tcp/31337/p2p/12D3KooW...``); an
+    error names ``flag``, where it came from."""
     match = _MULTIADDR.fullmatch(maddr.strip())
     if match is None or not re.fullmatch(r"/p2p/\w+", match[4] or ""):
         raise ConfigError(

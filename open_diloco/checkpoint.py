@@ -3,14 +3,14 @@
 What a checkpoint holds, and why that is enough for an exact resume:
 - model and inner-optimizer state as DTensors (DCP reshards them when the rank count changes);
 - the outer loop's state, saved and loaded as one ``Stateful`` (``outer.state_dict()``, placed for DCP by
-  ``outer/stateful.py``): the outer momentum and, with a lossy ``--hv.compression``, the error feedback, shaped
-  like the parameters so DCP reshards them too (a run with error feedback resumed from a checkpoint without it
-  starts from zero). θ_outer itself is not stored: saves land right after an outer step, where θ_local ← θ_outer,
-  so the model weights *are* θ_outer. Streaming (``--hv.fragments`` > 1 or ``--hv.sync-delay`` > 0) breaks that:
-  the other fragments, or the τ steps of the fragment in flight, hold local progress. Then θ_outer is stored too
-  (``outer_params``), and a round in flight is recorded, not waited for (``sync_start``: the fragment's θ_local
-  when the round started), so the save costs training nothing and a resume sends the same round again and lands
-  it where the straight run did;
+  ``outer/stateful.py``): the outer momentum and, with a lossy ``--hv.compression``, the error feedback,
+  shaped like the parameters so DCP reshards them too (a run with error feedback resumed from a checkpoint
+  without it starts from zero). θ_outer itself is not stored: saves land right after an outer step, where
+  θ_local ← θ_outer, so the model weights *are* θ_outer. Streaming (``--hv.fragments`` > 1 or
+  ``--hv.sync-delay`` > 0) breaks that: the other fragments, or the τ steps of the fragment in flight, hold
+  local progress. Then θ_outer is stored too (``outer_params``), and a round in flight is recorded, not waited
+  for (``sync_start``: the fragment's θ_local when the round started), so the save costs training nothing and
+  a resume sends the same round again and lands it where the straight run did;
 - step counters, each rank's RNG states, and the config and model config it was made with.
 The data position and the learning-rate schedule are pure functions of the step, so they are derived on
 resume rather than stored (the same derivation serves late joiners).
@@ -127,22 +127,25 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 
 
 # Where the outer loop's state dict goes besides DCP: its counters are fields of metadata.json under their own
-# names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard them)
-# are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its own name.
+# names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
+# them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
+# own name.
 _OUTER_COUNTERS = {"outer_step": 0, "fragments": 1}
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
 def _outer_pieces(metadata: dict[str, Any]) -> list[str]:
-    """The outer pieces a checkpoint's DCP part holds, as its metadata lists them: what a load asks DCP for."""
+    """The outer pieces a checkpoint's DCP part holds, as its metadata lists them: what a load asks DCP
+    for."""
     held = [key for key in ("outer_momentum", "error_feedback") if metadata.get(f"has_{key}")]
     return held + list(metadata.get("streaming", ()))
 
 
 def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The outer loop's state dict cut along the format: (``metadata.json`` fields, DCP entries, per-rank files).
-    The fields are format 1's, so that checkpoints written before the outer loop was a Stateful still load. A value
-    with no place in the format stops the save, rather than a checkpoint that silently lacks it."""
+    """The outer loop's state dict cut along the format: (``metadata.json`` fields, DCP entries, per-rank
+    files). The fields are format 1's, so that checkpoints written before the outer loop was a Stateful still
+    load. A value with no place in the format stops the save, rather than a checkpoint that silently lacks
+    it."""
     fields = {
         "outer_step": int(outer_state.get("outer_step", _OUTER_COUNTERS["outer_step"])),
         "has_outer_momentum": "outer_momentum" in outer_state,
@@ -232,8 +235,8 @@ class CheckpointSaver:
     def _write(
         self, staged: dict[str, Any], tmp: Path, final: Path, metadata: dict[str, Any] | None, staged_s: float
     ) -> Path | None:
-        """In the writer thread: write this rank's part with DCP, which returns on every rank only after rank 0
-        has gathered every part and written DCP's .metadata; then rank 0 (the one given ``metadata``)
+        """In the writer thread: write this rank's part with DCP, which returns on every rank only after rank
+        0 has gathered every part and written DCP's .metadata; then rank 0 (the one given ``metadata``)
         publishes the checkpoint."""
         started = time.perf_counter()
         try:
@@ -341,8 +344,8 @@ def load(
     """Restore everything saved in ``path`` into the freshly built objects; return the inner step. Collective.
 
     The outer loop takes whatever outer state the checkpoint holds (a galaxy may start from a single-cluster
-    checkpoint, with fresh momentum, and the other way round, dropping it), after the model: without θ_outer in
-    the checkpoint, θ_outer is the model's weights."""
+    checkpoint, with fresh momentum, and the other way round, dropping it), after the model: without θ_outer
+    in the checkpoint, θ_outer is the model's weights."""
     outer_pieces = _outer_pieces(metadata)
     model_state, optim_state = get_state_dict(model, optimizer)
     # DCP loads into the tensors it is given: zeros placed like the parameters receive the outer pieces

@@ -4,11 +4,13 @@ Why a prepare step: training reads a *packed corpus* — ``tokens.bin`` (every d
 back to back, uint16 or uint32) and ``index.json`` (counts, dtype, tokenizer fingerprint). Sample ``i`` of
 length T is the window ``tokens[i*T:(i+1)*T]``: a memmap slice, so loading is random access, needs no RAM for
 the corpus, is resumable by index, and costs the same as fake data. Tokenizing happens once, streaming
-(``datasets`` in streaming mode, or ``load_from_disk``'s memory-mapped Arrow), never holding the corpus in RAM.
+(``datasets`` in streaming mode, or ``load_from_disk``'s memory-mapped Arrow), never holding the corpus in
+RAM.
 
 ``--dataset-path`` may point at a packed corpus (made by ``open-diloco prepare-data``) or at raw data:
 
-* a directory or glob of text files — one document per file (a file is read whole; split huge files or use JSONL),
+* a directory or glob of text files — one document per file (a file is read whole; split huge files or use
+  JSONL),
 * ``.jsonl`` / ``.json`` files with a text field, ``.parquet`` files with a text column,
 * a directory written by ``datasets.Dataset.save_to_disk`` (its ``train`` split if it is a ``DatasetDict``).
 
@@ -157,7 +159,8 @@ def _check_parquet_field(file: Path, text_field: str, flag: str) -> None:
         raise ConfigError(f"{flag}: cannot read {file} as parquet ({first_line}): fix or remove it") from None
     if text_field not in names:
         raise ConfigError(
-            f"{flag}: {file} has no text column {text_field!r} (found: {', '.join(names)}): set --dataset-text-field"
+            f"{flag}: {file} has no text column {text_field!r} (found: {', '.join(names)}): set "
+            "--dataset-text-field"
         )
 
 
@@ -165,7 +168,8 @@ def _check_disk_columns(path: Path, text_field: str, flag: str) -> None:
     columns = _load_disk(path, flag).column_names
     if text_field not in columns:
         raise ConfigError(
-            f"{flag} has no text column {text_field!r} (found: {', '.join(columns)}): set --dataset-text-field"
+            f"{flag} has no text column {text_field!r} (found: {', '.join(columns)}): set "
+            "--dataset-text-field"
         )
 
 
@@ -207,7 +211,8 @@ def iter_text_batches(source: Source, text_field: str, batch_size: int = 256) ->
             texts = batch.get(text_field)
             if texts is None or any(not isinstance(t, str) for t in texts):
                 raise ConfigError(
-                    f"{flag}: a record has no text field {text_field!r}: fix the data or set --dataset-text-field"
+                    f"{flag}: a record has no text field {text_field!r}: fix the data or set "
+                    "--dataset-text-field"
                 )
             yield texts
     except ConfigError:
@@ -227,7 +232,8 @@ def pack_corpus(
     heartbeat: Callable[[], None] = lambda: None,
     progress: bool = True,
 ) -> PackedCorpus:
-    """Tokenize every document, append EOS after each, and write ``tokens.bin`` + ``index.json`` to ``out_dir``.
+    """Tokenize every document, append EOS after each, and write ``tokens.bin`` + ``index.json`` to
+    ``out_dir``.
 
     Writes into a temporary sibling and renames it into place, so a reader never sees a half-written corpus.
     Returns the corpus (an existing one if another process published first). ``heartbeat`` is called after
@@ -252,7 +258,8 @@ def pack_corpus(
     )
     started = time.monotonic()
     try:
-        # A live bar on a terminal only (it vanishes when done, so an error stays one line); logs get a summary.
+        # A live bar on a terminal only (it vanishes when done, so an error stays one line); logs get a
+        # summary.
         with (
             open(tmp / TOKENS_FILE, "wb") as out,
             Progress(

@@ -1,8 +1,8 @@
 """The cache of packed corpora: raw ``--dataset-path`` data is packed (``corpus.py``) once for every rank and
 run that reads it, not once each.
 
-Raw data is packed into ``--data-cache-dir`` under a key of (files, sizes, mtimes, text field, tokenizer), so a
-rerun, another rank or another cluster on the same filesystem reuses it. The first process to take the lock
+Raw data is packed into ``--data-cache-dir`` under a key of (files, sizes, mtimes, text field, tokenizer), so
+a rerun, another rank or another cluster on the same filesystem reuses it. The first process to take the lock
 prepares; the others wait while the lock's heartbeat is fresh. A failure is written next to the lock, so the
 waiting ranks raise the same one-line error instead of hanging or repeating the work.
 """
@@ -26,8 +26,9 @@ from open_diloco.tokenizer import TextTokenizer
 STALE_LOCK_SECONDS = 120.0
 """A lock whose heartbeat is older than this belongs to a preparer that died; it is broken and retried."""
 ERROR_GRACE_SECONDS = 10.0
-"""The longest a process whose packing failed waits, after publishing its error, for the other ranks of its node
-to say it too (torchrun stops them all as soon as one exits); a rank that failed another way never answers."""
+"""The longest a process whose packing failed waits, after publishing its error, for the other ranks of its
+node to say it too (torchrun stops them all as soon as one exits); a rank that failed another way never
+answers."""
 ERROR_FRESH_SECONDS = 60.0
 """A published error this recent is raised by a rank that arrives after the preparer gave up, without packing
 again (the cache key names these very files, tokenizer and field)."""
@@ -50,8 +51,8 @@ def prepare_cached(
     cache_dir: Path,
     wait_timeout_s: float = STALE_LOCK_SECONDS,
 ) -> PackedCorpus:
-    """The packed corpus of ``source``: from the cache, else packed by the first process to take the lock while
-    the others wait (see the module doc). Raises the preparer's ConfigError in every waiting process."""
+    """The packed corpus of ``source``: from the cache, else packed by the first process to take the lock
+    while the others wait (see the module doc). Raises the preparer's ConfigError in every waiting process."""
     if source.kind == "packed":
         return PackedCorpus.open(Path(source.path))
     ensure_writable_dir(cache_dir, "--data-cache-dir")
@@ -81,7 +82,8 @@ def prepare_cached(
 
 
 def _raise_if_failed_lately(error: Path, since: float) -> None:
-    """Raise the published error if it was written after ``since``, and say so (see :func:`_wait_until_said`)."""
+    """Raise the published error if it was written after ``since``, and say so (see
+    :func:`_wait_until_said`)."""
     with contextlib.suppress(FileNotFoundError):
         if error.stat().st_mtime >= since:
             message = error.read_text().strip()

@@ -76,7 +76,8 @@ class FakeSequences(Dataset):
         self.tokens = torch.randperm(vocab_size, generator=table_gen)[:alphabet]
         self.successor = torch.randint(0, alphabet, (alphabet,), generator=table_gen)
         self.zipf = 1.0 / torch.arange(1, alphabet + 1, dtype=torch.float64)
-        # successor_pow[k, s]: the successor applied k times to symbol s (lets a sample be built without a loop)
+        # successor_pow[k, s]: the successor applied k times to symbol s (lets a sample be built without a
+        # loop)
         powers = [torch.arange(alphabet)]
         for _ in range(self.MAX_RUN):
             powers.append(self.successor[powers[-1]])
@@ -98,8 +99,9 @@ class FakeSequences(Dataset):
 
 
 class PackedSamples(Dataset):
-    """Samples of a packed corpus at the given ids: position p reads sample ``ids[p mod n]``, and each pass over
-    ``ids`` after the first is reshuffled by ``(reshuffle_seed, epoch)`` unless ``reshuffle_seed`` is None.
+    """Samples of a packed corpus at the given ids: position p reads sample ``ids[p mod n]``, and each pass
+    over ``ids`` after the first is reshuffled by ``(reshuffle_seed, epoch)`` unless ``reshuffle_seed`` is
+    None.
 
     The token file is memory-mapped lazily in the process that reads (a loader worker), never pickled."""
 
@@ -161,7 +163,8 @@ def cluster_stream(galaxy_rank: int) -> int:
 def split_samples(
     num_samples: int, seed: int, galaxy_size: int, galaxy_rank: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(this cluster's training sample ids in first-epoch order, the held-out validation ids); see module doc."""
+    """(this cluster's training sample ids in first-epoch order, the held-out validation ids); see module
+    doc."""
     num_val = max(1, num_samples // VAL_FRACTION_DENOMINATOR)
     num_train = max(0, num_samples - num_val)
     dtype = np.uint32 if num_samples < 1 << 32 else np.int64  # 4 bytes per sample of this cluster's part
@@ -188,8 +191,8 @@ def plan_data(
 ) -> DataPlan:
     """Check the data flags, pack raw data into the cache if needed, and split it for this cluster.
 
-    Every failure is a one-line ConfigError raised in every rank on its own (the ranks not packing wait for the
-    one that does and re-raise its error), so no rank is left waiting in a rendezvous."""
+    Every failure is a one-line ConfigError raised in every rank on its own (the ranks not packing wait for
+    the one that does and re-raise its error), so no rank is left waiting in a rendezvous."""
     plan = DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size)
     if config.dataset_path is None:
         return plan
@@ -208,9 +211,9 @@ def plan_data(
     train_ids, val_ids = split_samples(num_samples, config.seed, galaxy_size, galaxy_rank)
     if num_samples < 2 or (num_samples - len(val_ids)) // galaxy_size < world_size:
         raise ConfigError(
-            f"--dataset-path {config.dataset_path}: {corpus.num_tokens} tokens pack into {num_samples} samples of "
-            f"--seq-length {config.seq_length} ({len(val_ids)} held out), fewer than one per rank ({galaxy_size} "
-            f"cluster(s) x {world_size} rank(s)): use more data or a shorter --seq-length"
+            f"--dataset-path {config.dataset_path}: {corpus.num_tokens} tokens pack into {num_samples} "
+            f"samples of --seq-length {config.seq_length} ({len(val_ids)} held out), fewer than one per rank "
+            f"({galaxy_size} cluster(s) x {world_size} rank(s)): use more data or a shorter --seq-length"
         )
     return DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size, corpus, train_ids, val_ids)
 

@@ -1,8 +1,8 @@
 """What can go wrong, sorted by who must act. The CLI turns each kind into one line and an exit code.
 
-- :class:`ConfigError`: the user must change a flag or a file (exit 2). :class:`GalaxyMismatch` is the same for a
-  galaxy-wide configuration problem only the galaxy can see (a duplicate ``--hv.world-rank``, peers that cannot
-  average together): it stops the run instead of turning into a retry.
+- :class:`ConfigError`: the user must change a flag or a file (exit 2). :class:`GalaxyMismatch` is the same
+  for a galaxy-wide configuration problem only the galaxy can see (a duplicate ``--hv.world-rank``, peers that
+  cannot average together): it stops the run instead of turning into a retry.
 - :class:`GalaxyError`: the galaxy cannot go on as configured (e.g. a partial round under
   ``--hv.on-partial-round fail``); exit 1.
 - :class:`RoundFailed`: one all-reduce round produced no usable result. The round policy handles it (retry,

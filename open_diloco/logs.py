@@ -19,7 +19,10 @@ import logging
 import sys
 
 HANDLER_NAME = "open_diloco.rank"
-LINE_FORMAT = "%(asctime)s %(levelname)s galaxy_rank={galaxy_rank} rank={rank} local_rank={local_rank} %(name)s: %(message)s"
+LINE_FORMAT = (
+    "%(asctime)s %(levelname)s galaxy_rank={galaxy_rank} "
+    "rank={rank} local_rank={local_rank} %(name)s: %(message)s"
+)
 
 
 def log_from_every_rank(galaxy_rank: int, rank: int, local_rank: int, level_name: str | None = None) -> None:

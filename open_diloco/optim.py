@@ -25,7 +25,8 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over :func:`warmup_cosine` (its state is just the step count, so it checkpoints trivially)."""
+    """A LambdaLR over :func:`warmup_cosine` (its state is just the step count, so it checkpoints
+    trivially)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps, min_lr_ratio)
     )

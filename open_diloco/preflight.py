@@ -189,7 +189,10 @@ def check_devices(config: Config, nproc_per_node: int) -> str:
             str(err), "set BACKEND=gloo for CPU, or NPROC_PER_NODE to at most the GPUs visible"
         ) from None
     if device.type == "cuda":
-        return f"{torch.cuda.device_count()} GPU(s) visible for {nproc_per_node} local rank(s), backend {backend}"
+        return (
+            f"{torch.cuda.device_count()} GPU(s) visible for "
+            f"{nproc_per_node} local rank(s), backend {backend}"
+        )
     return f"cpu, backend {backend}, {nproc_per_node} local rank(s)"
 
 
@@ -255,7 +258,8 @@ def check_dht_peers(config: Config, timeout_s: float) -> str:
         except OSError as err:
             raise CheckFailed(
                 f"DHT peer {host}:{port} unreachable ({err.strerror or type(err).__name__})",
-                "start hivemind-dht first, copy its current multiaddr into --hv.initial-peers, check the firewall",
+                "start hivemind-dht first, copy its current multiaddr into --hv.initial-peers, check the "
+                "firewall",
             ) from None
     return f"{len(config.hv.initial_peers)} initial peer(s) accept connections"
 

@@ -48,8 +48,9 @@ def wait_gone(pids: list[int] | set[int], timeout: float) -> list[int]:
 
 
 def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout: float = 5.0) -> list[int]:
-    """End ``pid``'s descendants (and ``pid`` itself with ``include_root``): SIGTERM, then SIGKILL for whatever
-    is left after ``grace`` seconds. Returns what is still alive after ``timeout`` more (normally nothing)."""
+    """End ``pid``'s descendants (and ``pid`` itself with ``include_root``): SIGTERM, then SIGKILL for
+    whatever is left after ``grace`` seconds. Returns what is still alive after ``timeout`` more (normally
+    nothing)."""
     targets = descendants(pid) + ([pid] if include_root else [])
     signal_pids(targets, signal.SIGTERM)
     left = wait_gone(targets, grace)
@@ -58,7 +59,8 @@ def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> list[int]:
-    """Send ``sig`` to ``pid`` and all its descendants at once; return what is still alive after ``timeout``."""
+    """Send ``sig`` to ``pid`` and all its descendants at once; return what is still alive after
+    ``timeout``."""
     targets = [pid, *descendants(pid)]
     signal_pids(targets, sig)
     return wait_gone(targets, timeout)

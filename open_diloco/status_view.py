@@ -24,8 +24,8 @@ def silent_after(record: dict[str, Any]) -> float:
 
 
 def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of ``records`` with ``flags`` (a list of short strings, empty when all is well) and ``behind_by``
-    (outer steps behind the most advanced training cluster)."""
+    """Copies of ``records`` with ``flags`` (a list of short strings, empty when all is well) and
+    ``behind_by`` (outer steps behind the most advanced training cluster)."""
     rows = [dict(record) for record in records]
     training = [row for row in rows if row.get("state") == "training"]
     for row in training:

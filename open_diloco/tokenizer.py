@@ -65,13 +65,13 @@ class LocalTokenizer:
         except (OSError, ValueError, KeyError, TypeError) as err:
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ConfigError(
-                f"--path-tokenizer {path} does not load as a tokenizer ({first_line}): point it at a directory "
-                "saved with tokenizer.save_pretrained"
+                f"--path-tokenizer {path} does not load as a tokenizer ({first_line}): point it at a "
+                "directory saved with tokenizer.save_pretrained"
             ) from None
         if self._tokenizer.eos_token_id is None:
             raise ConfigError(
-                f"--path-tokenizer {path} has no EOS token: packing separates documents with EOS; set eos_token "
-                "in its tokenizer_config.json"
+                f"--path-tokenizer {path} has no EOS token: packing separates documents with EOS; set "
+                "eos_token in its tokenizer_config.json"
             )
         self.eos_id = int(self._tokenizer.eos_token_id)
         self.vocab_size = len(self._tokenizer)
@@ -94,14 +94,15 @@ def _fingerprint_of(tokenizer: object) -> str:
 
 
 def load_tokenizer(path_tokenizer: Path | None) -> TextTokenizer:
-    """The tokenizer at ``path_tokenizer``, or the byte-level one when unset. A missing path is a ConfigError."""
+    """The tokenizer at ``path_tokenizer``, or the byte-level one when unset. A missing path is a
+    ConfigError."""
     if path_tokenizer is None:
         return ByteTokenizer()
     path = Path(path_tokenizer)
     if not path.is_dir():
         raise ConfigError(
-            f"--path-tokenizer {path} is not a directory: point it at a local tokenizer dir, or leave it unset "
-            "for the built-in byte-level tokenizer"
+            f"--path-tokenizer {path} is not a directory: point it at a local tokenizer dir, or leave it "
+            "unset for the built-in byte-level tokenizer"
         )
     return LocalTokenizer(path)
 
@@ -110,6 +111,7 @@ def check_fits_model(vocab_size: int, tokenizer_name: str, model_vocab_size: int
     """A token id the embedding has no row for would crash deep in the forward pass; say so up front."""
     if vocab_size > model_vocab_size:
         raise ConfigError(
-            f"tokenizer {tokenizer_name} has {vocab_size} ids but the model's vocab_size is {model_vocab_size}: "
-            "use a model config with vocab_size >= the tokenizer's, or a smaller tokenizer"
+            f"tokenizer {tokenizer_name} has {vocab_size} ids but the model's vocab_size is "
+            f"{model_vocab_size}: use a model config with vocab_size >= the tokenizer's, or a smaller "
+            "tokenizer"
         )

@@ -63,7 +63,8 @@ def launcher_env(env: dict[str, str] | None = None) -> dict[str, int | str]:
             "launcher": "slurm",
         }
     if "PBS_JOBID" in env and ("PMI_RANK" in env or "OMPI_COMM_WORLD_RANK" in env):
-        # PBS starts no ranks itself: mpiexec does (MPICH/Cray PALS: PMI_*, Intel MPI: MPI_LOCAL*, Open MPI: OMPI_*).
+        # PBS starts no ranks itself: mpiexec does (MPICH/Cray PALS: PMI_*, Intel MPI: MPI_LOCAL*, Open MPI:
+        # OMPI_*).
         rank = int(_first(env, "PMI_RANK", "OMPI_COMM_WORLD_RANK", default="0"))
         size = int(_first(env, "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", default="1"))
         return {
@@ -100,7 +101,8 @@ def _first(env: dict[str, str], *names: str, default: str) -> str:
 
 def _slurm_tasks_on_this_node(env: dict[str, str], ntasks: int) -> int:
     """Tasks on this node: this node's entry of SLURM's ``2(x3),1`` task list, which, unlike
-    SLURM_NTASKS_PER_NODE (set only when the user asked for it), is always set and also covers uneven nodes."""
+    SLURM_NTASKS_PER_NODE (set only when the user asked for it), is always set and also covers uneven
+    nodes."""
     per_node = expand_slurm_tasks_per_node(
         _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", default="")
     )
@@ -209,25 +211,28 @@ def describe_world(device: str = "auto", backend: str = "auto") -> World:
 
 
 PROCESS_GROUP_FLOOR_SECONDS = 600.0
-"""The least a collective may wait for a sibling rank (the fixed timeout of old): a rank also waits outside rounds
-(a checkpoint write, a slow data read) and those waits have no flag to derive from."""
+"""The least a collective may wait for a sibling rank (the fixed timeout of old): a rank also waits outside
+rounds (a checkpoint write, a slow data read) and those waits have no flag to derive from."""
 PROCESS_GROUP_MARGIN = 1.5
-"""Over the longest wait a round's flags allow: the round's own work (outer step, hashes, membership reads)."""
+"""Over the longest wait a round's flags allow: the round's own work (outer step, hashes, membership
+reads)."""
 BUFFER_LOCK_GRACE_SECONDS = 1.0
-"""What a rank waits for its averager's buffer lock beyond ``--hv.averaging-timeout`` (``galaxy/averager.py``)."""
+"""What a rank waits for its averager's buffer lock beyond ``--hv.averaging-timeout``
+(``galaxy/averager.py``)."""
 
 
 def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOOR_SECONDS) -> float:
-    """Seconds a collective of the cluster waits for a sibling rank before the cluster dies: at least ``floor``,
-    and the margin over the longest wait the galaxy flags allow one rank in one round while its siblings sit
-    in a collective. Why: the ranks of a cluster average their shards each on their own, so one rank can wait on
-    the network far longer than another; a fixed timeout below that (it was 600 s) killed a healthy cluster
-    whose link is slow (a 7B int8 round at 100 Mbit/s takes ~10 min). Each attempt of a round
+    """Seconds a collective of the cluster waits for a sibling rank before the cluster dies: at least
+    ``floor``, and the margin over the longest wait the galaxy flags allow one rank in one round while its
+    siblings sit in a collective. Why: the ranks of a cluster average their shards each on their own, so one
+    rank can wait on the network far longer than another; a fixed timeout below that (it was 600 s) killed a
+    healthy cluster whose link is slow (a 7B int8 round at 100 Mbit/s takes ~10 min). Each attempt of a round
     (1 + ``--hv.max-retries``) waits for the buffer lock (``--hv.averaging-timeout`` + 1 s) and then for the
     all-reduce (``--hv.averaging-timeout``, matchmaking included); a re-sync downloads for up to
     ``--hv.join-timeout``, and a round may gather once more (``--hv.matchmaking-time``). A wait added to a
     round must be added here. ``floor`` is a parameter for tests only (a short stand-in for 600 s): no flag,
-    since raising the round's own flags raises this with them and a separate one could only fall out of step."""
+    since raising the round's own flags raises this with them and a separate one could only fall out of
+    step."""
     if hv is None:
         return floor
     attempt = hv.averaging_timeout + BUFFER_LOCK_GRACE_SECONDS + hv.averaging_timeout
@@ -237,8 +242,8 @@ def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOO
 
 def join_process_group(world: World, timeout_s: float = PROCESS_GROUP_FLOOR_SECONDS) -> None:
     """Form the cluster's process group, whose collectives wait ``timeout_s`` for a late rank (see
-    :func:`process_group_timeout`). A single process gets a one-rank group over an in-memory store, so FSDP2 and
-    collectives run the same code path with one rank as with many."""
+    :func:`process_group_timeout`). A single process gets a one-rank group over an in-memory store, so FSDP2
+    and collectives run the same code path with one rank as with many."""
     if dist.is_initialized():
         return
     if world.device.type == "cuda":
@@ -272,8 +277,8 @@ def default_master_addr(launcher: str, world: World, env: dict[str, str] | None 
     if world.world_size <= world.local_world_size:
         return "127.0.0.1"
     raise ConfigError(
-        f"{world.world_size} ranks over several nodes but MASTER_ADDR is not set: export MASTER_ADDR=<host of rank 0> "
-        "(e.g. the first line of $PBS_NODEFILE), or launch with scripts/cluster_train.sh"
+        f"{world.world_size} ranks over several nodes but MASTER_ADDR is not set: export MASTER_ADDR=<host "
+        "of rank 0> (e.g. the first line of $PBS_NODEFILE), or launch with scripts/cluster_train.sh"
     )
 
 

@@ -34,25 +34,27 @@ class HvConfig(BaseModel):
     """H: inner steps between two outer steps."""
 
     fragments: Annotated[int, Field(ge=1)] = 1
-    """P: streaming DiLoCo. Each shard's θ_outer is cut into P equal slices that sync in turn, one every H/P inner
-    steps (fragment f at steps f·H/P + H, 2H, ...), so each all-reduce carries 1/P of the model. 1: the whole model
-    every H steps. Must divide --hv.local-steps; every cluster must use the same. See docs/overlap.md."""
+    """P: streaming DiLoCo. Each shard's θ_outer is cut into P equal slices that sync in turn, one every H/P
+    inner steps (fragment f at steps f·H/P + H, 2H, ...), so each all-reduce carries 1/P of the model. 1: the
+    whole model every H steps. Must divide --hv.local-steps; every cluster must use the same. See
+    docs/overlap.md."""
 
     sync_delay: Annotated[int, Field(ge=0)] = 0
-    """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer update
-    lands, mixed with the inner steps made meanwhile (--hv.sync-alpha). 0: training waits for the round. At most
-    H/P (then a sync lands at the step the next one starts: the network is never idle)."""
+    """τ: inner steps a sync's all-reduce (matchmaking included) runs in the background before its outer
+    update lands, mixed with the inner steps made meanwhile (--hv.sync-alpha). 0: training waits for the
+    round. At most H/P (then a sync lands at the step the next one starts: the network is never idle)."""
 
     sync_alpha: Annotated[float, Field(ge=0, lt=1)] = 0.5
-    """α: with --hv.sync-delay, a landing fragment becomes α·θ_local + (1 − α)·θ_outer (θ_local: the model, τ inner
-    steps on); 0 drops those steps. Neither dropping nor re-applying those steps trained as well as mixing
-    (docs/overlap.md)."""
+    """α: with --hv.sync-delay, a landing fragment becomes α·θ_local + (1 − α)·θ_outer (θ_local: the model, τ
+    inner steps on); 0 drops those steps. Neither dropping nor re-applying those steps trained as well as
+    mixing (docs/overlap.md)."""
 
     outer_lr: Annotated[float, Field(gt=0)] = 1.0
     """Learning rate of the outer optimizer (SGD, optionally with (Nesterov) momentum). The default, lr 1 with
     momentum 0, is plain averaging (θ_outer ← mean θ_local), which trained best of the outer settings tried on
-    the quality yardstick (`scripts/bench/convergence.py`); the DiLoCo papers' 0.7 with momentum 0.9 trained clearly
-    worse there (docs/results/training-quality.md). Above 1 extrapolates the average, below 1 damps it."""
+    the quality yardstick (`scripts/bench/convergence.py`); the DiLoCo papers' 0.7 with momentum 0.9 trained
+    clearly worse there (docs/results/training-quality.md). Above 1 extrapolates the average, below 1 damps
+    it."""
 
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Momentum of the outer optimizer; 0 is plain SGD (with --hv.outer-lr 1: plain averaging). The DiLoCo
@@ -74,7 +76,8 @@ class HvConfig(BaseModel):
     """Multiaddrs this cluster's peers listen on (port 0: any free port)."""
 
     announce_maddrs: Multiaddrs = []
-    """Multiaddrs other clusters should dial, where they differ from what the host listens on (NAT, docker)."""
+    """Multiaddrs other clusters should dial, where they differ from what the host listens on (NAT,
+    docker)."""
 
     matchmaking_time: Annotated[float, Field(gt=0)] = 2.0
     """Seconds a peer waits for the rest of the live galaxy before an all-reduce goes on with a partial
@@ -92,8 +95,8 @@ class HvConfig(BaseModel):
     compression: Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sparse"] = "none"
     """Wire compression of the pseudo-gradient all-reduce (bytes per round vs fp32 `none`): `fp16`/`bf16` 2x;
     `int8`, `int4`, `int2` blockwise quantization, ~4x, ~7.5x, ~15x; `sparse` sends --hv.sparse-density of the
-    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default; what a round
-    does not send stays in the model until its turn. Every
+    values at 2 bits, the same places in every cluster (no indices on the wire), >= 100x by default; what a
+    round does not send stays in the model until its turn. Every
     cluster must use the same. How to choose: docs/compression.md."""
 
     error_feedback: bool = True
@@ -101,14 +104,15 @@ class HvConfig(BaseModel):
     pseudo-gradient (one fp32 copy of the shard per rank, checkpointed)."""
 
     sparse_density: Annotated[float, Field(gt=0, le=1)] = 0.1
-    """`sparse`: the share of the values sent each round (`magnitude`: of the blocks of 128; `random`, `cyclic`:
-    of every 4096 values)."""
+    """`sparse`: the share of the values sent each round (`magnitude`: of the blocks of 128; `random`,
+    `cyclic`: of every 4096 values)."""
 
     sparse_rule: Literal["magnitude", "random", "cyclic"] = "magnitude"
-    """`sparse`: which values a round sends, the same in every cluster with no indices on the wire. `magnitude`:
-    the blocks of 128 values where the clusters left the most unsent the round before, by a one-byte score per
-    block averaged in the round itself (it trained better than `random` on the yardstick: docs/compression.md);
-    `random`: a fresh set drawn from the round id each round; `cyclic`: a window sliding so every value goes once every 1/density rounds."""
+    """`sparse`: which values a round sends, the same in every cluster with no indices on the wire.
+    `magnitude`: the blocks of 128 values where the clusters left the most unsent the round before, by a
+    one-byte score per block averaged in the round itself (it trained better than `random` on the yardstick:
+    docs/compression.md); `random`: a fresh set drawn from the round id each round; `cyclic`: a window sliding
+    so every value goes once every 1/density rounds."""
 
     on_partial_round: Literal["retry", "proceed", "fail"] = "retry"
     """What to do when not every cluster took part in a round: `retry` it (up to --hv.max-retries, then
@@ -120,12 +124,13 @@ class HvConfig(BaseModel):
     why."""
 
     delta_norm_bound: Annotated[float, Field(ge=0)] = 10.0
-    """A pseudo-gradient whose norm exceeds this many times the reference is out of bound: this cluster does not
-    send its own when it exceeds the galaxy's recent median, and its reducers leave out a sender that exceeds
-    their own. 0: off (claims are still checked). See docs/security.md."""
+    """A pseudo-gradient whose norm exceeds this many times the reference is out of bound: this cluster does
+    not send its own when it exceeds the galaxy's recent median, and its reducers leave out a sender that
+    exceeds their own. 0: off (claims are still checked). See docs/security.md."""
 
     robust_mean: bool = False
-    """Clip every cluster's pseudo-gradient to the round's median norm before averaging (off: the plain mean)."""
+    """Clip every cluster's pseudo-gradient to the round's median norm before averaging (off: the plain
+    mean)."""
 
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
@@ -139,14 +144,15 @@ class HvConfig(BaseModel):
     (and `open-diloco status` flags it silent). A cluster that leaves cleanly stops counting at once."""
 
     identity_path: Path | None = None
-    """Directory of this cluster's libp2p key files, one per local rank (`rank0.key`, ...; made on first start):
-    its PeerIDs stay the same across restarts, so other clusters' --hv.allowlist can name them. `open-diloco
-    identity DIR --ranks N` makes them and prints the PeerIDs. Unset: new PeerIDs at every start."""
+    """Directory of this cluster's libp2p key files, one per local rank (`rank0.key`, ...; made on first
+    start): its PeerIDs stay the same across restarts, so other clusters' --hv.allowlist can name them.
+    `open-diloco identity DIR --ranks N` makes them and prints the PeerIDs. Unset: new PeerIDs at every
+    start."""
 
     allowlist: Path | None = None
     """File of the PeerIDs allowed to average with this cluster and to download its state, one per line (`#`
-    comments); every peer not on it is refused, both ways. Unset: anyone who reaches the DHT and knows the run id.
-    See docs/security.md."""
+    comments); every peer not on it is refused, both ways. Unset: anyone who reaches the DHT and knows the run
+    id. See docs/security.md."""
 
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
@@ -169,23 +175,25 @@ class HvConfig(BaseModel):
         if self.member_expiry <= self.heartbeat_interval:
             raise ConfigError(
                 f"--hv.member-expiry {self.member_expiry} is not above --hv.heartbeat-interval "
-                f"{self.heartbeat_interval}: every live cluster would look gone between two heartbeats; raise the "
-                "expiry (3 intervals is a good choice)"
+                f"{self.heartbeat_interval}: every live cluster would look gone between two heartbeats; "
+                "raise the expiry (3 intervals is a good choice)"
             )
         if self.local_steps % self.fragments:
             raise ConfigError(
-                f"--hv.fragments {self.fragments} does not divide --hv.local-steps {self.local_steps}: fragments sync "
-                "every local-steps/fragments inner steps; choose a divisor"
+                f"--hv.fragments {self.fragments} does not divide --hv.local-steps {self.local_steps}: "
+                "fragments sync every local-steps/fragments inner steps; choose a divisor"
             )
         if self.sync_delay > self.local_steps // self.fragments:
             raise ConfigError(
                 f"--hv.sync-delay {self.sync_delay} is above --hv.local-steps/--hv.fragments = "
-                f"{self.local_steps // self.fragments}: a sync must land before the next one starts; lower the delay"
+                f"{self.local_steps // self.fragments}: a sync must land before the next one starts; lower "
+                "the delay"
             )
         if self.compression == "sparse" and (self.fragments > 1 or self.sync_delay):
             raise ConfigError(
-                "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a sparse round "
-                "keeps what it does not send in the model, as a fragment schedule does; use one or the other"
+                "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a "
+                "sparse round keeps what it does not send in the model, as a fragment schedule does; use one "
+                "or the other"
             )
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(

@@ -138,9 +138,9 @@ class Config(BaseModel):
     """wandb project."""
 
     run_name: str | None = None
-    """Run name in logs and wandb; unset: `cluster<galaxy rank>` in wandb, where the clusters of a galaxy share its
-    --hv.run-id as their group (a cluster resumed from a checkpoint continues its own run), and with the start
-    time added in the logs."""
+    """Run name in logs and wandb; unset: `cluster<galaxy rank>` in wandb, where the clusters of a galaxy
+    share its --hv.run-id as their group (a cluster resumed from a checkpoint continues its own run), and with
+    the start time added in the logs."""
 
     log_interval: Annotated[int, Field(ge=1)] = 1
     """Print a step line every N inner steps."""
@@ -155,8 +155,8 @@ class Config(BaseModel):
     def _cross_field(self) -> Config:
         if self.total_batch_size % self.per_device_train_batch_size:
             raise ConfigError(
-                f"--total-batch-size {self.total_batch_size} is not a multiple of --per-device-train-batch-size "
-                f"{self.per_device_train_batch_size}: make it one"
+                f"--total-batch-size {self.total_batch_size} is not a multiple of "
+                f"--per-device-train-batch-size {self.per_device_train_batch_size}: make it one"
             )
         if self.fake_data and self.dataset_path:
             raise ConfigError("--fake-data and --dataset-path both given: choose one")
@@ -168,8 +168,8 @@ class Config(BaseModel):
             and self.ckpt.interval % self.hv.local_steps
         ):
             raise ConfigError(
-                f"--ckpt.interval {self.ckpt.interval} is not a multiple of --hv.local-steps {self.hv.local_steps}: "
-                "checkpoints must land on outer-step boundaries"
+                f"--ckpt.interval {self.ckpt.interval} is not a multiple of --hv.local-steps "
+                f"{self.hv.local_steps}: checkpoints must land on outer-step boundaries"
             )
         return self
 
@@ -185,8 +185,8 @@ def check_against_world(config: Config, world_size: int) -> int:
     if config.total_batch_size % per_step:
         raise ConfigError(
             f"--total-batch-size {config.total_batch_size} is not divisible by --per-device-train-batch-size "
-            f"{config.per_device_train_batch_size} x {world_size} ranks: use a total that is a multiple of {per_step}, "
-            "or fewer ranks"
+            f"{config.per_device_train_batch_size} x {world_size} ranks: use a total that is a multiple of "
+            f"{per_step}, or fewer ranks"
         )
     return config.total_batch_size // per_step
 

@@ -12,10 +12,11 @@ Importing this package imports nothing: ``from open_diloco.galaxy.averager impor
 
 import os as _os
 
-# hivemind logs at INFO by default, and some of its INFO lines read like failures to a newcomer ("Averager could
-# not load state from peers: peer dict empty or corrupted {}" at every start). Ours say what matters; hivemind's
-# show from WARNING up unless the operator asks for it (LOG_LEVEL=DEBUG, as scripts/cluster_train.sh takes it,
-# or hivemind's own HIVEMIND_LOGLEVEL). Set before any hivemind import: hivemind reads it once.
+# hivemind logs at INFO by default, and some of its INFO lines read like failures to a newcomer ("Averager
+# could not load state from peers: peer dict empty or corrupted {}" at every start). Ours say what matters;
+# hivemind's show from WARNING up unless the operator asks for it (LOG_LEVEL=DEBUG, as
+# scripts/cluster_train.sh takes it, or hivemind's own HIVEMIND_LOGLEVEL). Set before any hivemind import:
+# hivemind reads it once.
 if "HIVEMIND_LOGLEVEL" not in _os.environ:
     _os.environ["HIVEMIND_LOGLEVEL"] = (
         "DEBUG" if _os.environ.get("LOG_LEVEL", "").upper() == "DEBUG" else "WARNING"

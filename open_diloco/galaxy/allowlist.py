@@ -1,17 +1,17 @@
 """Who may take part in this cluster's rounds: the membership half of the galaxy guard.
 
 Each rank's DHT node and averager speak libp2p under one PeerID, the hash of a private key. libp2p's secure
-channel proves, on every connection, that the caller holds the key behind its PeerID, so a list of PeerIDs is an
-authenticated allowlist with no secret to share between organisations: each keeps its own key files
+channel proves, on every connection, that the caller holds the key behind its PeerID, so a list of PeerIDs is
+an authenticated allowlist with no secret to share between organisations: each keeps its own key files
 (``--hv.identity-path``, made once with ``open-diloco identity``) and publishes only its PeerIDs; a cluster is
-struck off by deleting its lines. (A galaxy secret would be one line of config, but anyone holding it could pose as
-any member, and revoking one organisation means handing every other a new secret.)
+struck off by deleting its lines. (A galaxy secret would be one line of config, but anyone holding it could
+pose as any member, and revoking one organisation means handing every other a new secret.)
 
 The averager checks it on every averager RPC, both ways: incoming join requests, parts to aggregate and state
-downloads from a peer not on the list are refused; outgoing, this peer never asks a stranger to lead its group,
-never sends it a part and never downloads its state; and a group with a stranger in it is not averaged. A refused
-peer is logged once, with its PeerID. The DHT itself stays open (the stock ``hivemind-dht`` bootstrap does not
-know the list): docs/security.md ("Threat model") says what that leaves.
+downloads from a peer not on the list are refused; outgoing, this peer never asks a stranger to lead its
+group, never sends it a part and never downloads its state; and a group with a stranger in it is not averaged.
+A refused peer is logged once, with its PeerID. The DHT itself stays open (the stock ``hivemind-dht``
+bootstrap does not know the list): docs/security.md ("Threat model") says what that leaves.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ class Allowlist:
 
     @classmethod
     def load(cls, path: Path) -> Allowlist:
-        """One PeerID per line; ``#`` starts a comment; blank lines are skipped. A bad line is a ConfigError."""
+        """One PeerID per line; ``#`` starts a comment; blank lines are skipped. A bad line is a
+        ConfigError."""
         try:
             text = Path(path).read_text()
         except OSError as err:
             raise ConfigError(
-                f"--hv.allowlist {str(path)!r}: cannot read it ({err.strerror}); give a file of PeerIDs, one per line "
-                "(`open-diloco identity` prints a cluster's)"
+                f"--hv.allowlist {str(path)!r}: cannot read it ({err.strerror}); give a file of PeerIDs, one "
+                "per line (`open-diloco identity` prints a cluster's)"
             ) from None
         peers = set()
         for number, line in enumerate(text.splitlines(), start=1):
@@ -53,8 +54,8 @@ class Allowlist:
                 continue
             if not _is_peer_id(entry):
                 raise ConfigError(
-                    f"--hv.allowlist {str(path)!r} line {number}: {entry!r} is not a PeerID; each line holds one, as "
-                    "`open-diloco identity` prints them"
+                    f"--hv.allowlist {str(path)!r} line {number}: {entry!r} is not a PeerID; each line holds "
+                    "one, as `open-diloco identity` prints them"
                 )
             peers.add(entry)
         if not peers:
@@ -65,7 +66,8 @@ class Allowlist:
         return (peer.to_base58() if isinstance(peer, PeerID) else peer) in self.peers
 
     def refuse(self, peer: PeerID, what: str) -> None:
-        """Log the first refusal of ``peer`` (a stranger that keeps knocking is named once, not every round)."""
+        """Log the first refusal of ``peer`` (a stranger that keeps knocking is named once, not every
+        round)."""
         name = peer.to_base58()
         if name not in self._refused:
             self._refused.add(name)
@@ -113,10 +115,11 @@ def ensure_identity(identity_dir: Path, rank: int) -> str:
         return PeerID.from_identity(key_file.read_bytes()).to_base58()
     except OSError as err:
         raise ConfigError(
-            f"--hv.identity-path {str(identity_dir)!r}: {err.strerror or err}; give a directory this user may write"
+            f"--hv.identity-path {str(identity_dir)!r}: {err.strerror or err}; give a directory this user "
+            "may write"
         ) from None
     except Exception as err:  # a file that is no libp2p private key
         raise ConfigError(
-            f"--hv.identity-path {str(identity_dir)!r}: {key_file.name} is not a libp2p private key ({err!r}); move "
-            "it away and start again to make a new one"
+            f"--hv.identity-path {str(identity_dir)!r}: {key_file.name} is not a libp2p private key "
+            f"({err!r}); move it away and start again to make a new one"
         ) from None

@@ -15,17 +15,18 @@ included for its own span, *copies* ``decompress(compress(avg))`` into its buffe
   which under copy semantics would erase the span); we count it and report the round incomplete.
 
 Our own codecs (``--hv.compression`` bf16/int8/int4/int2/sparse, ``open_diloco.outer.codecs``) cannot ride
-hivemind's wire format, a fixed protobuf enum: a part travels as the codec's bytes in a uint8 tensor serialized
-with ``NONE`` (:class:`CodecCompression`). Senders encode their parts (the outer loop already rounded them to the
-codec's grid, so this is lossless); the reducer decodes each sender's part, averages in fp32 (its own part round
-trips through the codec too, like everyone's), and encodes the average once; every peer, the reducer too, decodes
-those bytes and copies them. Part sizes are powers of two times the codec's block, so no block straddles parts.
+hivemind's wire format, a fixed protobuf enum: a part travels as the codec's bytes in a uint8 tensor
+serialized with ``NONE`` (:class:`CodecCompression`). Senders encode their parts (the outer loop already
+rounded them to the codec's grid, so this is lossless); the reducer decodes each sender's part, averages in
+fp32 (its own part round trips through the codec too, like everyone's), and encodes the average once; every
+peer, the reducer too, decodes those bytes and copies them. Part sizes are powers of two times the codec's
+block, so no block straddles parts.
 
-A reducer judges every sender (``open_diloco.outer.guard``): one whose claimed ‖Δ‖ is missing or out of bound is
-left out of its span before its first part; one whose part is not finite, whose weight is not 1, or whose parts add
-up to more than it claimed is left out from there on, like a sender that failed. Either way it is named in the
-round's report (``rejected``). With ``--hv.robust-mean`` every sender's parts are scaled to the round's median
-claim.
+A reducer judges every sender (``open_diloco.outer.guard``): one whose claimed ‖Δ‖ is missing or out of bound
+is left out of its span before its first part; one whose part is not finite, whose weight is not 1, or whose
+parts add up to more than it claimed is left out from there on, like a sender that failed. Either way it is
+named in the round's report (``rejected``). With ``--hv.robust-mean`` every sender's parts are scaled to the
+round's median claim.
 
 A span's stream ends only once its sender has read every average (``galaxy/span_streams.py`` says why and
 how).
@@ -61,9 +62,9 @@ log = logging.getLogger(__name__)
 
 class CodecCompression(CompressionBase):
     """Our codecs as a hivemind compression: an encoding travels as a uint8 tensor serialized with ``NONE``.
-    ``compress`` is the senders' side (their parts are already on the codec's grid), with the codec of the tensor
-    the part belongs to (``info.key``: the values, or the sparse rule's block scores); ``estimate_compression_ratio``
-    sizes the parts (a power of two: parts start on block boundaries)."""
+    ``compress`` is the senders' side (their parts are already on the codec's grid), with the codec of the
+    tensor the part belongs to (``info.key``: the values, or the sparse rule's block scores);
+    ``estimate_compression_ratio`` sizes the parts (a power of two: parts start on block boundaries)."""
 
     compression_type = runtime_pb2.CompressionType.NONE
 
@@ -113,8 +114,8 @@ class CanonicalAllReduce(AllReduceRunner):
         self._serving, self._served = 0, asyncio.Event()
 
     def _codec_of_part(self, part_index: int):
-        """The codec of part ``part_index`` of the span we reduce: that of the tensor it was cut from (every peer
-        cuts the same tensors into the same parts)."""
+        """The codec of part ``part_index`` of the span we reduce: that of the tensor it was cut from (every
+        peer cuts the same tensors into the same parts)."""
         _part, info = self.tensor_part_container.own_span_parts[part_index]
         return self.codecs.for_key(info.key)
 
@@ -196,8 +197,8 @@ class CanonicalAllReduce(AllReduceRunner):
                 until_sender_read_all(stream, self.tensor_part_reducer.num_parts),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
-                # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer of
-                # ours sends weight 1; another weight would give one sender the say of many.
+                # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer
+                # of ours sends weight 1; another weight would give one sender the say of many.
                 honest = all_finite(tensor_part) and weight == 1.0
                 if not honest or (claims is not None and not claims.within_claim(sender, tensor_part)):
                     self.rejected_senders.add(sender)
@@ -291,7 +292,8 @@ class InPlaceParts(TensorPartContainer):
         super().__init__(*args, **kwargs)
         self._slices = [[part for part, _info in parts] for parts in self._input_parts_by_peer]
         self.own_span_parts: list = []
-        """(part, info) of the span this peer reduces, set by the runner: which tensor each part belongs to."""
+        """(part, info) of the span this peer reduces, set by the runner: which tensor each part belongs
+        to."""
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         if self.finished.is_set():  # a straggler after the round was torn down: the buffer is not ours now
@@ -327,6 +329,7 @@ class InPlaceParts(TensorPartContainer):
 
 
 _REFUSED = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-"""What a reducer tells a sender the guard left out (``open_diloco.outer.guard``): it stops waiting at once."""
+"""What a reducer tells a sender the guard left out (``open_diloco.outer.guard``): it stops waiting at
+once."""
 _DROPPED = averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
 """What a reducer tells a sender it averages without (it came later than hivemind's sender timeout)."""

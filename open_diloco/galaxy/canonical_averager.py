@@ -1,6 +1,7 @@
 """The hivemind averager of one shard, as open_diloco runs it: :class:`CanonicalAverager` runs the canonical
-all-reduce (``galaxy/allreduce.py``), checks every averager RPC against ``--hv.allowlist``, serves the caller's
-state with the size of each tensor, and downloads the state of one named peer (a re-sync's single source)."""
+all-reduce (``galaxy/allreduce.py``), checks every averager RPC against ``--hv.allowlist``, serves the
+caller's state with the size of each tensor, and downloads the state of one named peer (a re-sync's single
+source)."""
 
 from __future__ import annotations
 
@@ -42,16 +43,19 @@ STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each t
 
 
 class CanonicalAverager(DecentralizedAverager):
-    """DecentralizedAverager running :class:`CanonicalAllReduce`, copying results, serving a caller's state."""
+    """DecentralizedAverager running :class:`CanonicalAllReduce`, copying results, serving a caller's
+    state."""
 
     get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]] | None = None
     _round_stats: dict[bytes, dict[str, int]]
     delta_norm_bound: float = 0.0
-    """``--hv.delta-norm-bound`` for our reducers (``open_diloco.outer.guard``); 0: claims are held to, not bounded."""
+    """``--hv.delta-norm-bound`` for our reducers (``open_diloco.outer.guard``); 0: claims are held to, not
+    bounded."""
     robust_mean: bool = False
     """``--hv.robust-mean``: our reducers clip every sender to the round's median claim."""
     allowlist: Allowlist | None = None
-    """``--hv.allowlist``: the only peers this averager deals with (``galaxy/allowlist.py``); ``None``: anyone."""
+    """``--hv.allowlist``: the only peers this averager deals with (``galaxy/allowlist.py``); ``None``:
+    anyone."""
     _process_allowlist: Allowlist | None = None
     """The allowlist of the one averager in this (averager) process, for :meth:`get_stub`, a classmethod."""
 
@@ -117,8 +121,8 @@ class CanonicalAverager(DecentralizedAverager):
         super().run()
 
     # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
-    # Parts need no check of their own: hivemind's runner takes parts only from its group's senders, and a group
-    # with a stranger is refused before its runner exists (``_run_allreduce_inplace_``).
+    # Parts need no check of their own: hivemind's runner takes parts only from its group's senders, and a
+    # group with a stranger is refused before its runner exists (``_run_allreduce_inplace_``).
     def _admits(self, peer, what: str) -> bool:
         if self.allowlist is None or peer == self.peer_id or self.allowlist.admits(peer):
             return True
@@ -155,10 +159,12 @@ class CanonicalAverager(DecentralizedAverager):
     def download_state_from(
         self, peer: str, timeout: float
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in time.
+        """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in
+        time.
 
-        hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one cluster
-        could then assemble a θ_outer from two clusters. A re-sync names its source instead (``outer/adoption.py``)."""
+        hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one
+        cluster could then assemble a θ_outer from two clusters. A re-sync names its source instead
+        (``outer/adoption.py``)."""
         future = MPFuture()
         self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
         try:
@@ -196,19 +202,19 @@ class CanonicalAverager(DecentralizedAverager):
 
 async def _until_the_caller_closes() -> None:
     """Keep a stream we answered open until the caller has read our last message and closed its end (hivemind
-    cancels the handler then), for :data:`LINGER_SECONDS` at most. A stream its answerer ends first can lose the
-    messages the caller had not read yet (the all-reduce's one-sided race, ``galaxy/allreduce.py``); here that
-    would be a follower that never reads the leader's ``BEGIN_ALLREDUCE`` and is left out of a group its leader
-    averages with (what an e2e failure looked like, docs/LOG.md: the leader's round waited for its follower and
-    came out partial, the follower found no group)."""
+    cancels the handler then), for :data:`LINGER_SECONDS` at most. A stream its answerer ends first can lose
+    the messages the caller had not read yet (the all-reduce's one-sided race, ``galaxy/allreduce.py``); here
+    that would be a follower that never reads the leader's ``BEGIN_ALLREDUCE`` and is left out of a group its
+    leader averages with (what an e2e failure looked like, docs/LOG.md: the leader's round waited for its
+    follower and came out partial, the follower found no group)."""
     await asyncio.sleep(LINGER_SECONDS)
 
 
 def one_line_download_failures(record: logging.LogRecord) -> bool:
-    """hivemind logs a failed state download as an ERROR with a full traceback, though it is routine: a cluster
-    that starts beside a peer not yet listening (libp2p's "dial backoff"), or a peer that left, and the download
-    is tried again or from another peer. Its message already names the peer and the error: keep that one line, as
-    a warning."""
+    """hivemind logs a failed state download as an ERROR with a full traceback, though it is routine: a
+    cluster that starts beside a peer not yet listening (libp2p's "dial backoff"), or a peer that left, and
+    the download is tried again or from another peer. Its message already names the peer and the error: keep
+    that one line, as a warning."""
     if record.funcName == "_load_state_from_peers" and record.exc_info:
         record.exc_info, record.exc_text = None, None
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)

@@ -43,7 +43,8 @@ class GalaxyDHT(DHT):
             super().run()
         except EOFError:
             # The same dead caller, when unpickling its request fails with EOFError: hivemind catches only
-            # OSError/RuntimeError there, so it escapes its loop. The DHT cannot serve on; exit without a traceback.
+            # OSError/RuntimeError there, so it escapes its loop. The DHT cannot serve on; exit without a
+            # traceback.
             os._exit(1)
 
 
@@ -67,8 +68,8 @@ def rebootstrap(
 
     ``silent_peers``: PeerIDs (base58) of clusters whose heartbeat stopped; their connection is the one that
     carries the rounds, so it gets the same treatment. ``live_peers``: PeerIDs of clusters whose heartbeat is
-    fresh (an initial peer is often one): pinged, never disconnected, since a slow answer from a busy live peer
-    must not cut the round it is in."""
+    fresh (an initial peer is often one): pinged, never disconnected, since a slow answer from a busy live
+    peer must not cut the round it is in."""
     peer_ids = [Multiaddr(maddr)["p2p"] for maddr in initial_peers]
     peer_ids += [peer for peer in silent_peers if peer not in peer_ids]
     if peer_ids:
@@ -102,7 +103,8 @@ async def _ping_or_drop(node, peer: PeerID, may_drop: bool = True) -> None:
     other again only 6-15 s after the link came back. A closed connection makes the next ping dial a new one,
     which gets through a round trip after the link is back (a dial in flight then: its next SYN, ≤ 4 s).
     Once only: a later failed ping is a failed dial, and closing again could cut a fresh connection the other
-    side has just dialed, in the middle of a round (seen: "Connection reset by peer" in the first round back)."""
+    side has just dialed, in the middle of a round (seen: "Connection reset by peer" in the first round
+    back)."""
     try:
         answered = await asyncio.wait_for(
             node.protocol.call_ping(peer, validate=False, strict=False), _REBOOTSTRAP_STEP_SECONDS
@@ -135,7 +137,8 @@ def start_dht(
 ) -> GalaxyDHT:
     """Start a DHT node that joins ``initial_peers`` (none: a new DHT), waiting at most ``join_timeout``.
     ``client_mode``: a node that only asks (``open-diloco status``); it stores nothing and serves no one.
-    ``identity_path``: a libp2p private key file (made if missing): the node's PeerID, the same at every start.
+    ``identity_path``: a libp2p private key file (made if missing): the node's PeerID, the same at every
+    start.
 
     Bad addresses, unreachable peers and busy ports raise :class:`ConfigError` with a one-line fix."""
     for maddr in initial_peers:
@@ -170,8 +173,9 @@ def start_dht(
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "already taken" in reason:
             raise ConfigError(
-                f"the identity in {identity_path!r} is already online in this DHT: another process (or a previous "
-                "run not yet gone) uses it; give every cluster its own --hv.identity-path, or wait for the old run to end"
+                f"the identity in {identity_path!r} is already online in this DHT: another process (or a "
+                "previous run not yet gone) uses it; give every cluster its own --hv.identity-path, or wait "
+                "for the old run to end"
             ) from None
         if "bootstrap" in reason:
             raise ConfigError(

@@ -1,6 +1,6 @@
 """How old each cluster's status record is, on the reader's own clock (:class:`RecordAges`): the galaxy's
-membership (who counts as gone, :mod:`open_diloco.galaxy.status`) must not depend on two sites' clocks agreeing.
-No hivemind here: the records come in as dicts, with the reader's wall clock at the read."""
+membership (who counts as gone, :mod:`open_diloco.galaxy.status`) must not depend on two sites' clocks
+agreeing. No hivemind here: the records come in as dicts, with the reader's wall clock at the read."""
 
 from __future__ import annotations
 
@@ -24,27 +24,30 @@ class RecordAges:
     """Ages of the clusters' records on this reader's own clock (``time.monotonic``), kept across its reads.
 
     Why: ``published_at`` is the publisher's wall clock; comparing it with the reader's made a skew beyond
-    ``--hv.member-expiry`` a silent split (every other cluster looked gone) or kept a dead cluster alive. Here a
-    record's age is ``now − when its current version was published``, that moment placed on this reader's clock:
-    publishers republish every heartbeat, so a record that keeps changing is alive whatever its date says.
+    ``--hv.member-expiry`` a silent split (every other cluster looked gone) or kept a dead cluster alive. Here
+    a record's age is ``now − when its current version was published``, that moment placed on this reader's
+    clock: publishers republish every heartbeat, so a record that keeps changing is alive whatever its date
+    says.
 
-    - A new version (a higher ``seq`` in the same incarnation, ``started_at``; see :func:`_newer`): the version
-      before it was published by the last read that showed it, at ``R``, so the new one was published by ``R``
-      plus the time between the two on the publisher's clock (a difference of one clock: skew cancels), and not
-      after now. A cluster that died just after a read is thus gone on time however long reads are apart, and
-      a copy a lagging DHT node serves again is no news. A new incarnation (a restart) ages like a first
-      sighting, but never from before ``R``.
+    - A new version (a higher ``seq`` in the same incarnation, ``started_at``; see :func:`_newer`): the
+      version before it was published by the last read that showed it, at ``R``, so the new one was published
+      by ``R`` plus the time between the two on the publisher's clock (a difference of one clock: skew
+      cancels), and not after now. A cluster that died just after a read is thus gone on time however long
+      reads are apart, and a copy a lagging DHT node serves again is no news. A new incarnation (a restart)
+      ages like a first sighting, but never from before ``R``.
     - The same version again: its age grows on this clock.
-    - A first sighting (this reader just started, or the cluster is new) has nothing to compare with: its age is
-      its publisher-clock age (at least 0), exact when clocks agree. A reader that judges membership (``expiry``
-      given: the rounds') caps it so that the record still has one heartbeat (+ the publish delay) to show a new
-      version before it counts as gone: a live cluster whose clock is far behind is then never taken for gone,
-      and a long-dead one (records outlive it by an hour) is gone after that one heartbeat. Without ``expiry``
-      (``open-diloco status``, which judges by each record's own expiry) a dead cluster shows at once as silent.
+    - A first sighting (this reader just started, or the cluster is new) has nothing to compare with: its age
+      is its publisher-clock age (at least 0), exact when clocks agree. A reader that judges membership
+      (``expiry`` given: the rounds') caps it so that the record still has one heartbeat (+ the publish delay)
+      to show a new version before it counts as gone: a live cluster whose clock is far behind is then never
+      taken for gone, and a long-dead one (records outlive it by an hour) is gone after that one heartbeat.
+      Without ``expiry`` (``open-diloco status``, which judges by each record's own expiry) a dead cluster
+      shows at once as silent.
 
     Skew: a new version was not readable at the previous read, so it is at most (time since then +
-    :data:`PUBLISH_DELAY_SECONDS`) old, and at least as old as the estimate above; a publisher-clock age outside
-    that range proves a skew. One beyond :data:`SKEW_WARNING_SECONDS` is named in one warning line per cluster."""
+    :data:`PUBLISH_DELAY_SECONDS`) old, and at least as old as the estimate above; a publisher-clock age
+    outside that range proves a skew. One beyond :data:`SKEW_WARNING_SECONDS` is named in one warning line per
+    cluster."""
 
     def __init__(self, expiry: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._expiry, self._clock = expiry, clock
@@ -90,8 +93,8 @@ class RecordAges:
         return published
 
     def _first_age(self, record: dict[str, Any], clock_age: float) -> float:
-        """The age of a record never read before: by its publisher's clock, capped (with ``expiry``) so that it
-        counts as live for one more heartbeat at least."""
+        """The age of a record never read before: by its publisher's clock, capped (with ``expiry``) so that
+        it counts as live for one more heartbeat at least."""
         if self._expiry is None:
             return max(0.0, clock_age)
         grace = min(self._expiry, float(record.get("heartbeat_seconds") or 0.0) + PUBLISH_DELAY_SECONDS)

@@ -1,9 +1,10 @@
-"""Waiting for one round of one shard's averager (:class:`HivemindRound`), and the round's identity on the wire.
+"""Waiting for one round of one shard's averager (:class:`HivemindRound`), and the round's identity on the
+wire.
 
-The round and the attempt are in hivemind's matchmaking key (:func:`round_key_bits`), so peers of other rounds or
-attempts never meet. While a shard still looks for a group it reads the membership records every
-:data:`MEMBERSHIP_POLL_SECONDS` and stops early when nobody will come: every other cluster left, the galaxy already
-applied the round (*overtaken*), or every other live cluster started a later attempt (*moved on*)."""
+The round and the attempt are in hivemind's matchmaking key (:func:`round_key_bits`), so peers of other rounds
+or attempts never meet. While a shard still looks for a group it reads the membership records every
+:data:`MEMBERSHIP_POLL_SECONDS` and stops early when nobody will come: every other cluster left, the galaxy
+already applied the round (*overtaken*), or every other live cluster started a later attempt (*moved on*)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class HivemindRound:
         """The round's result, within the averaging timeout. While this peer still looks for a group, the
         membership records can say nobody will come, and the round would otherwise wait out the whole timeout:
         :class:`_LeftAlone` when every other cluster left (stopped or crashed after this round began);
-        :class:`_Overtaken` when the galaxy already applied this round without us (see ``RoundReport.overtaken``)."""
+        :class:`_Overtaken` when the galaxy already applied this round without us (see
+        ``RoundReport.overtaken``)."""
         owner, control = self.owner, self.control
         deadline = self.start + owner.averaging_timeout + GRACE_SECONDS
         while True:
@@ -119,8 +121,9 @@ class HivemindRound:
 
 
 def everyone_moved_on(view: Membership, galaxy_rank: int, round_no: int, attempt: int) -> bool:
-    """Every other live cluster with a record of its attempts started a later attempt of round ``round_no`` (or a
-    later round) than ``attempt``: nobody will come to this one. A cluster still at an earlier round may yet come."""
+    """Every other live cluster with a record of its attempts started a later attempt of round ``round_no``
+    (or a later round) than ``attempt``: nobody will come to this one. A cluster still at an earlier round may
+    yet come."""
     others = [started for rank, started in view.attempts.items() if rank != galaxy_rank]
     return bool(others) and all(started > (round_no, attempt) for started in others)
 
@@ -141,9 +144,9 @@ ROUND_BITS, ATTEMPT_BITS = 40, 8
 
 
 def round_key_bits(round_id: int, attempt: int) -> str:
-    """hivemind's group bits for (round, attempt): its matchmaking key is ``{prefix}.0b{bits}``, so only peers of
-    the same round and attempt can ever form a group. Attempts past 255 wrap (a round is never retried that often:
-    ``--hv.max-retries``)."""
+    """hivemind's group bits for (round, attempt): its matchmaking key is ``{prefix}.0b{bits}``, so only peers
+    of the same round and attempt can ever form a group. Attempts past 255 wrap (a round is never retried that
+    often: ``--hv.max-retries``)."""
     return format(round_id % (1 << ROUND_BITS), f"0{ROUND_BITS}b") + format(
         attempt % (1 << ATTEMPT_BITS), f"0{ATTEMPT_BITS}b"
     )

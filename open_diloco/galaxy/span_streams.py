@@ -2,12 +2,13 @@
 sender has read every average.
 
 A span's stream ends only once its sender has read every average (:class:`CountingStub` holds the sender's end
-open until then; the reducer waits for that end before closing its own, :func:`until_sender_read_all`). It used
-to end as soon as the reducer had written its last average, and under load the sender then lost the averages
-still on their way (its p2pd logs a stream reset, its Python sees the stream end: "peer … sent 3 parts, but we
-expected 5"): a round partial on one side only. ``scripts/bench/stream_race.py`` counts such incidents with and
-without the hold (docs/results/wan.md, docs/LOG.md). That p2pd turns the reducer's early close into the reset is
-our reading of its logs, not traced in its source; the measured effect is what the change rests on.
+open until then; the reducer waits for that end before closing its own, :func:`until_sender_read_all`). It
+used to end as soon as the reducer had written its last average, and under load the sender then lost the
+averages still on their way (its p2pd logs a stream reset, its Python sees the stream end: "peer … sent 3
+parts, but we expected 5"): a round partial on one side only. ``scripts/bench/stream_race.py`` counts such
+incidents with and without the hold (docs/results/wan.md, docs/LOG.md). That p2pd turns the reducer's early
+close into the reset is our reading of its logs, not traced in its source; the measured effect is what the
+change rests on.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ if TYPE_CHECKING:
 
 
 class CountingStub:
-    """A reducer's stub for our parts: counts the parts we send it and the averages it returns, and keeps our end
-    of the stream open until we have read all ``expected`` averages (or the reducer said it is done with us, or
-    closed the stream, or went silent for hivemind's reducer timeout). Our end's close is what lets the reducer close
-    its own (see :func:`until_sender_read_all`): closed any earlier, averages still on their way could be dropped.
+    """A reducer's stub for our parts: counts the parts we send it and the averages it returns, and keeps our
+    end of the stream open until we have read all ``expected`` averages (or the reducer said it is done with
+    us, or closed the stream, or went silent for hivemind's reducer timeout). Our end's close is what lets the
+    reducer close its own (see :func:`until_sender_read_all`): closed any earlier, averages still on their way
+    could be dropped.
 
-    It drives the stream itself, as hivemind's ``P2P._iterate_protobuf_stream_handler`` does, but for one thing:
-    a reducer that closes the stream early (nothing more to say) ends our wait at once, where hivemind's reader
-    would first wait for our writer, which waits for averages that never come."""
+    It drives the stream itself, as hivemind's ``P2P._iterate_protobuf_stream_handler`` does, but for one
+    thing: a reducer that closes the stream early (nothing more to say) ends our wait at once, where
+    hivemind's reader would first wait for our writer, which waits for averages that never come."""
 
     def __init__(self, stub, runner: CanonicalAllReduce, expected: int):
         self._stub, self._runner, self._expected = stub, runner, expected
@@ -83,7 +85,8 @@ class CountingStub:
                         progress.set()
                         yield msg
                     if writing.done() and not writing.cancelled() and writing.exception() is not None:
-                        raise writing.exception()  # sending our parts failed: that, not a short stream, is news
+                        # sending our parts failed: that, not a short stream, is news
+                        raise writing.exception()
                 finally:
                     read["over"] = True
                     progress.set()
@@ -94,9 +97,9 @@ class CountingStub:
 
 async def until_sender_read_all(stream, num_parts: int):
     """A sender's stream of parts, which ends once the sender has read all our averages (:class:`CountingStub`
-    ends it then), so the reducer closes the stream only when nothing is left in flight. A sender that does not
-    end it within hivemind's sender timeout after its last part (one whose peer predates this, or that is gone) is
-    let go then: every part is averaged by that time."""
+    ends it then), so the reducer closes the stream only when nothing is left in flight. A sender that does
+    not end it within hivemind's sender timeout after its last part (one whose peer predates this, or that is
+    gone) is let go then: every part is averaged by that time."""
     received = 0
     try:
         async for msg in stream:

@@ -38,11 +38,11 @@ SPARSE_VALUES = "int2"
 class PseudoGradCompressor:
     """What a lossy ``--hv.compression`` does to one shard's Δ around a round, with error feedback ``e``:
 
-    before: Δ_fb = Δ + e, and the buffer gets Q(Δ_fb) (sparse: Q of the selected values, packed at the front of
-    the buffer, zeros behind them, so the wire carries only those);
-    after: e ← Δ_fb − Q(Δ_fb) (dense codecs; a sparse round keeps what it did not send in the model instead, see
-    ``OuterState.land``), and a sparse average is spread back to its places. The round's result is the reducer's
-    decode(encode(average)), identical in every cluster."""
+    before: Δ_fb = Δ + e, and the buffer gets Q(Δ_fb) (sparse: Q of the selected values, packed at the front
+    of the buffer, zeros behind them, so the wire carries only those);
+    after: e ← Δ_fb − Q(Δ_fb) (dense codecs; a sparse round keeps what it did not send in the model instead,
+    see ``OuterState.land``), and a sparse average is spread back to its places. The round's result is the
+    reducer's decode(encode(average)), identical in every cluster."""
 
     def __init__(self, codec: Codec, sparse: SparseSelection | None = None):
         self.codec, self.sparse = codec, sparse
@@ -55,8 +55,8 @@ class PseudoGradCompressor:
         scores: torch.Tensor | None = None,
     ) -> None:
         """Δ in ``flat`` → what this cluster sends (in place). ``error`` is read, not changed: a retried round
-        sends the same again. Sparse: ``selection`` says what is sent; with the ``magnitude`` rule this cluster's
-        block scores go into ``scores`` (the buffer's second tensor)."""
+        sends the same again. Sparse: ``selection`` says what is sent; with the ``magnitude`` rule this
+        cluster's block scores go into ``scores`` (the buffer's second tensor)."""
         if error is not None:
             flat.add_(error)
         if self.sparse is None:
@@ -73,15 +73,16 @@ class PseudoGradCompressor:
         flat[: sent.numel()] = sent
 
     def residual_(self, error: torch.Tensor) -> None:
-        """``error`` holds Δ_fb = Δ + e on entry; leaves Δ_fb − Q(Δ_fb), the same rounding :meth:`to_wire_` did
-        (dense codecs: a sparse round keeps no error-feedback buffer)."""
+        """``error`` holds Δ_fb = Δ + e on entry; leaves Δ_fb − Q(Δ_fb), the same rounding :meth:`to_wire_`
+        did (dense codecs: a sparse round keeps no error-feedback buffer)."""
         for piece in error.split(CHUNK):
             sent = piece.clone()
             self.codec.round_trip_(sent)
             piece.sub_(sent)
 
     def from_wire_(self, flat: torch.Tensor, selection: Selection | None = None) -> None:
-        """The round's result in ``flat`` → a dense averaged Δ (sparse: the packed values back to their places)."""
+        """The round's result in ``flat`` → a dense averaged Δ (sparse: the packed values back to their
+        places)."""
         if self.sparse is None:
             return
         compact = flat[: selection.numel].clone()
@@ -92,7 +93,8 @@ class PseudoGradCompressor:
 def build_compressor(
     compression: str, sparse_density: float, sparse_rule: str
 ) -> PseudoGradCompressor | None:
-    """The outer loop's side of ``--hv.compression``; ``None`` for the codecs hivemind applies alone (none, fp16)."""
+    """The outer loop's side of ``--hv.compression``; ``None`` for the codecs hivemind applies alone (none,
+    fp16)."""
     if compression == "sparse":
         return PseudoGradCompressor(CODECS[SPARSE_VALUES](), SparseSelection(sparse_density, sparse_rule))
     if compression in CODECS:
@@ -110,7 +112,8 @@ def wire_codecs(compression: str, sparse_rule: str) -> WireCodecs | None:
 
 
 def score_values(numel: int, compression: str, sparse_rule: str) -> int:
-    """How many block scores ride a round of ``numel`` values beside them (the averager's second tensor; 0: none)."""
+    """How many block scores ride a round of ``numel`` values beside them (the averager's second tensor; 0:
+    none)."""
     return SparseSelection(1.0, sparse_rule).score_blocks(numel) if compression == "sparse" else 0
 
 

@@ -26,7 +26,8 @@ def combine_hashes(hashes: list[str]) -> str:
 
 def sum_of_squares(buffer: torch.Tensor, chunk: int = 1 << 18) -> float:
     """Σ x² in fp64, a chunk at a time: ``buffer.double().square().sum()`` without materialising an fp64 copy
-    of the whole buffer (far faster than one fp64 copy of the shard). Deterministic: equal bytes give equal sums."""
+    of the whole buffer (far faster than one fp64 copy of the shard). Deterministic: equal bytes give equal
+    sums."""
     return sum(square_sum(piece) for piece in buffer.reshape(-1).split(chunk))
 
 

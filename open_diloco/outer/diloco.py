@@ -1,8 +1,8 @@
-"""DiLoCo's outer loop for one shard of one cluster: :class:`DiLoCo` owns the outer state and drives rounds on the
-schedule of ``outer/streaming.py`` (back to back every H inner steps by default, or one fragment of the model
-every H/P steps with the round in flight for ``--hv.sync-delay`` inner steps while training goes on). Its parts:
-``outer/committing.py`` runs and commits a round, ``outer/catching_up.py`` takes the galaxy's state instead
-(joining, a round another cluster committed, sitting out, the last round's check).
+"""DiLoCo's outer loop for one shard of one cluster: :class:`DiLoCo` owns the outer state and drives rounds on
+the schedule of ``outer/streaming.py`` (back to back every H inner steps by default, or one fragment of the
+model every H/P steps with the round in flight for ``--hv.sync-delay`` inner steps while training goes on).
+Its parts: ``outer/committing.py`` runs and commits a round, ``outer/catching_up.py`` takes the galaxy's state
+instead (joining, a round another cluster committed, sitting out, the last round's check).
 
 Cluster-level decisions (commit, retry, adopt) are agreed by all local ranks through :class:`ClusterComm`, so
 every shard of a cluster follows the same path, through the same collectives.
@@ -55,7 +55,8 @@ class DiLoCo(Committing, CatchingUp):
         self.status = status or NullStatusBoard()
         self._alive_before = hv.galaxy_size
         self._finished = False
-        """The trainer reported the run finished (not stopped): leaving may wait for the last round's peers."""
+        """The trainer reported the run finished (not stopped): leaving may wait for the last round's
+        peers."""
         self.bad_rounds = 0
         """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
         self.norm_history = NormHistory(hv.delta_norm_bound)
@@ -69,7 +70,8 @@ class DiLoCo(Committing, CatchingUp):
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
         self._window_start: float | None = None
         self._held = 0.0
-        """Seconds the trainer spent in the outer loop since the last round's metrics (for compute utilization)."""
+        """Seconds the trainer spent in the outer loop since the last round's metrics (for compute
+        utilization)."""
         self._step_seconds: float | None = None
         """A running mean of the trainer's inner-step time (from its records), to turn seconds into steps."""
         self._catch_up_step = 0
@@ -105,13 +107,13 @@ class DiLoCo(Committing, CatchingUp):
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this shard's outer state (:meth:`OuterLoop.state_dict`), θ_outer itself where
-        the schedule lets the model differ from it at a save (fragments, a sync delay)."""
+        """What a checkpoint keeps of this shard's outer state (:meth:`OuterLoop.state_dict`), θ_outer itself
+        where the schedule lets the model differ from it at a save (fragments, a sync delay)."""
         return self.state.checkpoint_state(streaming=self.schedule.streaming)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take a checkpoint's outer state (:meth:`OuterLoop.load_state_dict`). A round it holds in flight is sent
-        again by :meth:`join_galaxy`: it must be a round of this run's fragments."""
+        """Take a checkpoint's outer state (:meth:`OuterLoop.load_state_dict`). A round it holds in flight is
+        sent again by :meth:`join_galaxy`: it must be a round of this run's fragments."""
         saved_fragments = int(state_dict.get("fragments", 1))
         if "sync_start" in state_dict and saved_fragments != self.hv.fragments:
             raise ConfigError(
@@ -120,23 +122,24 @@ class DiLoCo(Committing, CatchingUp):
             )
         if not self.state.sparse_scores_fit(state_dict.get("sparse_scores")):
             self.warn(
-                "the checkpoint holds no sparse block scores for this rank's shard (saved with another number "
-                "of ranks, or another --hv.compression): they start from zero, so each fragment's next round "
-                "picks its blocks at random, as a first round does"
+                "the checkpoint holds no sparse block scores for this rank's shard (saved with another "
+                "number of ranks, or another --hv.compression): they start from zero, so each fragment's "
+                "next round picks its blocks at random, as a first round does"
             )
         self.state.load_checkpoint_state(state_dict)
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
-        """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests, benches)."""
+        """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests,
+        benches)."""
         results = self.syncs_after_inner_step(inner_step, last)
         return results[-1].metrics() if results else {}
 
     def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
-        """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the schedule
-        (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns every round that
-        landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step the next starts and
-        that one ends at once too (sat out, or at the run's end)."""
+        """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the
+        schedule (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns
+        every round that landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step
+        the next starts and that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
         if self._window_start is None:
             self._window_start = began
@@ -144,7 +147,8 @@ class DiLoCo(Committing, CatchingUp):
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
             results.append(self.finish_round(flight))
-        # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it already)
+        # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
+        # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
         if (
             self.schedule.starts_sync(inner_step)
@@ -200,5 +204,6 @@ class DiLoCo(Committing, CatchingUp):
             if self._finished and self._final_hash and not isinstance(self.status, NullStatusBoard):
                 self.verify_final(self._final_hash)  # the cluster's rank 0 (it publishes, so it may read)
             self.status.close()  # while the DHT still runs
-        finally:  # a finished run may wait for the peers of its last round to take their averages; a stop may not
+        finally:
+            # a finished run may wait for the peers of its last round to take their averages; a stop may not
             self.averager.shutdown(finished=self._finished)

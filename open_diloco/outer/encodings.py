@@ -3,14 +3,15 @@ bytes and back (``encode``/``decode``), and rounds values in place to exactly wh
 gives (``round_trip_``, no packing); :class:`WireCodecs` picks the codec of each tensor of a round's buffer.
 Pure torch, no hivemind. What the outer loop does with them around a round is ``outer/codecs.py``.
 
-Integer codecs (int8/int4/int2) quantize blocks of ``block`` values on a uniform grid of 2^bits levels spanning
-± the block's scale, kept in bf16 (2 bytes per block). The scale is the block's absmax, or for int2 the smaller of
-the absmax and 1.5 x the block's RMS (values past it clip to the outer level; the error feedback carries the rest),
-truncated to bf16 (never above the absmax). The outer level decodes to exactly the scale, so values already on a
-grid encode again to the very same bytes with the absmax rule (``on_grid``): the outer loop rounds Δ before the
-round, the senders' wire encoding is lossless, and the error feedback the outer loop computed is exactly what the
-wire dropped. Block sizes and the int2 clip were chosen by measurement on real pseudo-gradients
-(docs/results/compression.md): absmax beat a ±kσ range at 8 and 4 bits; at 2 bits the 1.5σ clip cut the error.
+Integer codecs (int8/int4/int2) quantize blocks of ``block`` values on a uniform grid of 2^bits levels
+spanning ± the block's scale, kept in bf16 (2 bytes per block). The scale is the block's absmax, or for int2
+the smaller of the absmax and 1.5 x the block's RMS (values past it clip to the outer level; the error
+feedback carries the rest), truncated to bf16 (never above the absmax). The outer level decodes to exactly the
+scale, so values already on a grid encode again to the very same bytes with the absmax rule (``on_grid``): the
+outer loop rounds Δ before the round, the senders' wire encoding is lossless, and the error feedback the outer
+loop computed is exactly what the wire dropped. Block sizes and the int2 clip were chosen by measurement on
+real pseudo-gradients (docs/results/compression.md): absmax beat a ±kσ range at 8 and 4 bits; at 2 bits the
+1.5σ clip cut the error.
 
 Blocks are counted from the start of the flat shard buffer; the all-reduce cuts its parts at multiples of
 ``block`` (the part size is a power of two, see ``galaxy/allreduce.py``), so a part's blocks are the buffer's.
@@ -35,9 +36,9 @@ class NonFiniteDelta(OpenDilocoError):
 
 def all_finite(values: torch.Tensor) -> bool:
     """Whether ``values`` holds no NaN and no ±Inf, many times faster than ``torch.isfinite(values).all()`` on
-    CPU (no full-size boolean tensor): the smallest and largest value are finite iff every value is (both are NaN
-    as soon as one value is). Every round checks each part it reduces and the average it applies, inside the time
-    a streaming sync has to hide in (docs/overlap.md)."""
+    CPU (no full-size boolean tensor): the smallest and largest value are finite iff every value is (both are
+    NaN as soon as one value is). Every round checks each part it reduces and the average it applies, inside
+    the time a streaming sync has to hide in (docs/overlap.md)."""
     if values.numel() == 0:
         return True
     low, high = torch.aminmax(values)
@@ -66,8 +67,8 @@ def _read_header(blob: torch.Tensor, tag: int, name: str) -> tuple[int, int]:
 
 
 class Codec:
-    """One encoding of a flat fp32 run. ``wire_ratio`` (bytes sent per fp32 byte, nominal) sizes the all-reduce's
-    parts: a power of two, so parts start on block boundaries."""
+    """One encoding of a flat fp32 run. ``wire_ratio`` (bytes sent per fp32 byte, nominal) sizes the
+    all-reduce's parts: a power of two, so parts start on block boundaries."""
 
     name: str
     block: int
@@ -87,8 +88,8 @@ class Codec:
 
 
 class Bf16Codec(Codec):
-    """bf16, round to nearest even: fp32's range, 8 bits of mantissa; 2x smaller than fp32 (values beyond bf16's
-    largest finite value are clamped to it)."""
+    """bf16, round to nearest even: fp32's range, 8 bits of mantissa; 2x smaller than fp32 (values beyond
+    bf16's largest finite value are clamped to it)."""
 
     name, block, wire_ratio = "bf16", 1, 0.5
     _TAG = 0x0BF16
@@ -162,7 +163,7 @@ class BlockIntCodec(Codec):
     def _values(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return self.unit[codes.long()].view(-1, self.block).mul_(scales[:, None])
 
-    # -- the three entry points -------------------------------------------------------------------------------
+    # -- the three entry points ------------------------------------------------------------------------------
     def round_trip_(self, values: torch.Tensor) -> None:
         flat = values.view(-1)
         for piece in flat.split(CHUNK):
@@ -205,7 +206,8 @@ class ScoreCodec(Codec):
     """Non-negative scores as powers of two, one byte each: a value's fp32 exponent byte (sign and mantissa
     dropped, so a value is truncated to the power of two at or below it; below fp32's normal range it is 0).
     The sparse ``magnitude`` rule's block scores travel this way: 8 bits per block of 128 values, 1/16 bit per
-    value, and an average of them encodes once, like any other average, so every cluster ranks the same codes."""
+    value, and an average of them encodes once, like any other average, so every cluster ranks the same
+    codes."""
 
     name, block, wire_ratio = "score", 1, 0.25
     _TAG = 0x5C0

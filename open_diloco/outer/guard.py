@@ -5,14 +5,14 @@ matchmaking, so each peer of a round holds the same table of claims before any p
 
 - **sender side** (:class:`NormHistory`): a cluster whose own Δ is more than ``--hv.delta-norm-bound`` times
   the galaxy's recent median (the median of the accepted claims of each of its last rounds), or more than
-  :data:`THETA_FACTOR` times the norm of the θ_outer it was taken from, does not send it; it sits the round out
-  and adopts the galaxy's θ_outer, like a cluster whose Δ is not finite. A fresh or resumed cluster has no
+  :data:`THETA_FACTOR` times the norm of the θ_outer it was taken from, does not send it; it sits the round
+  out and adopts the galaxy's θ_outer, like a cluster whose Δ is not finite. A fresh or resumed cluster has no
   history yet: in its first round only the θ bound holds.
 - **reducer side** (:class:`ClaimCheck`): a reducer leaves a sender out of its span when the sender's claim is
   missing, not finite, or more than ``--hv.delta-norm-bound`` times the reducer's *own* claim, and stops
   accepting a sender whose parts add up to more than it claimed (a liar); :data:`THETA_FACTOR` × the reducer's
-  own ‖θ_outer‖ bounds every claim too. The reference is the reducer's own Δ because it is the one norm another
-  peer cannot move: with two clusters a median of the round is half the
+  own ‖θ_outer‖ bounds every claim too. The reference is the reducer's own Δ because it is the one norm
+  another peer cannot move: with two clusters a median of the round is half the
   attacker's. Honest clusters train the same model with the same optimizer, so their Δ norms stay within a
   small factor of each other (AdamW bounds each step by the lr); the default bound of 10 leaves room for that.
   Reducers may differ at the edge (a claim 10.5× one reducer's Δ and 9.5× another's): each span still has one
@@ -35,14 +35,14 @@ import torch
 HISTORY_ROUNDS = 5
 """Rounds whose median claims make up the galaxy's recent median (the sender-side reference)."""
 THETA_FACTOR = 100.0
-"""No round of training moves the weights by 100x their own norm: AdamW moves each value by about the lr per step,
-so even H = 500 steps at lr 3e-4 move a value by 0.15 at most, against weights of ~0.02 at init (7.5x, and honest
-updates mostly cancel: ‖Δ‖ is well below ‖θ_outer‖ in practice, even at the tests' lr of 1e-2). A Δ above
-it has diverged. θ_outer is the same in every cluster of a round, so this bound needs no history: it covers a
-cluster's first round, before the galaxy's median exists."""
+"""No round of training moves the weights by 100x their own norm: AdamW moves each value by about the lr per
+step, so even H = 500 steps at lr 3e-4 move a value by 0.15 at most, against weights of ~0.02 at init (7.5x,
+and honest updates mostly cancel: ‖Δ‖ is well below ‖θ_outer‖ in practice, even at the tests' lr of 1e-2). A Δ
+above it has diverged. θ_outer is the same in every cluster of a round, so this bound needs no history: it
+covers a cluster's first round, before the galaxy's median exists."""
 CLAIM_SLACK = 1.01
-"""How far a sender's parts may exceed its claimed ‖Δ‖² at a reducer: fp16 on the wire moves each value by up to
-2^-11, and the reducer sums in fp32 in another order than the sender did."""
+"""How far a sender's parts may exceed its claimed ‖Δ‖² at a reducer: fp16 on the wire moves each value by up
+to 2^-11, and the reducer sums in fp32 in another order than the sender did."""
 
 
 def wire_norm(flat: torch.Tensor) -> float:
@@ -77,9 +77,9 @@ class NormHistory:
 
     def record(self, claims: Iterable[object]) -> None:
         """Add one round: the claims of the clusters whose Δ entered the average. A claim of exactly 0 says
-        nothing of the galaxy's scale (a cluster that sends a fragment it has just taken from the galaxy, with no
-        inner step since): counted, a few of them made the median, and so the bound, 0, and every healthy Δ after
-        it "out of bound" until the cluster stopped as diverging."""
+        nothing of the galaxy's scale (a cluster that sends a fragment it has just taken from the galaxy, with
+        no inner step since): counted, a few of them made the median, and so the bound, 0, and every healthy Δ
+        after it "out of bound" until the cluster stopped as diverging."""
         values = [claim for claim in map(valid_claim, claims) if claim is not None and claim > 0]
         if values:
             self._medians.append(statistics.median(values))
@@ -122,8 +122,8 @@ class ClaimCheck:
         return bound is None or claim <= bound
 
     def scale(self, sender: Hashable) -> float:
-        """What ``sender``'s parts are multiplied by: 1, or with the robust mean, median claim ÷ its claim when
-        larger. The median is over every valid claim, the same on every reducer."""
+        """What ``sender``'s parts are multiplied by: 1, or with the robust mean, median claim ÷ its claim
+        when larger. The median is over every valid claim, the same on every reducer."""
         claim = self.claims.get(sender)
         valid = [value for peer, value in self.claims.items() if value is not None and peer not in self.stale]
         if not self.robust or not claim or not valid:

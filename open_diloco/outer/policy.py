@@ -30,7 +30,8 @@ class RoundOutcome:
     """Clusters whose Δ went fully into the average, counted on the cluster's worst shard."""
     alive: int
     """Clusters the round should have had: the galaxy less those whose membership record says they left or
-    went silent (this one included). A round of all of them is complete, however many --hv.galaxy-size says."""
+    went silent (this one included). A round of all of them is complete, however many --hv.galaxy-size
+    says."""
     attempts: int
     """Retries already spent on this round."""
 
@@ -53,11 +54,11 @@ def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
     """The peers of a round that did not start it where its reference peer did: another round id or another
     θ_outer (hash: two sides of a partition that each trained on). The reference starts from the latest round,
     then from the θ_outer most peers of the group hold, then from the one committed by the most clusters
-    (``committed_by``), then has the lowest galaxy rank: the state the galaxy has, not whichever rank is lowest.
-    The others of its round and hash form the round's cohort. Every peer of a group holds the same gathered
-    metadata, so every reducer leaves out the same peers, and the cohort's average stays bitwise identical and free
-    of Δs taken from another θ_outer (or, with fragments, of another fragment). A peer without the keys is left to
-    the claim checks."""
+    (``committed_by``), then has the lowest galaxy rank: the state the galaxy has, not whichever rank is
+    lowest. The others of its round and hash form the round's cohort. Every peer of a group holds the same
+    gathered metadata, so every reducer leaves out the same peers, and the cohort's average stays bitwise
+    identical and free of Δs taken from another θ_outer (or, with fragments, of another fragment). A peer
+    without the keys is left to the claim checks."""
     valid = {
         key: meta
         for key, meta in metadata.items()

@@ -14,8 +14,8 @@ from open_diloco.outer.encodings import CHUNK, ScoreCodec
 
 
 class Selection:
-    """The values one sparse round sends: their places in the region (``index``, in the order they are packed on
-    the wire) and, for the ``magnitude`` rule, the blocks they fill (``blocks``, ascending)."""
+    """The values one sparse round sends: their places in the region (``index``, in the order they are packed
+    on the wire) and, for the ``magnitude`` rule, the blocks they fill (``blocks``, ascending)."""
 
     def __init__(self, index: torch.Tensor, blocks: torch.Tensor | None = None):
         self.index, self.blocks = index, blocks
@@ -44,9 +44,10 @@ class SparseSelection:
     - ``magnitude``: whole blocks of :data:`SCORE_BLOCK` values, those with the largest score, where a block's
       score is the galaxy's mean, over clusters, of the mean square of what each left unsent in it the round
       before (all of it in a block not sent; what the 2-bit encoding dropped in one sent), a power of two. The
-      scores are averaged in the round itself (a second tensor of the canonical all-reduce, one byte per block),
-      so every cluster holds the same ones; ties (every block at the first round) go by a permutation seeded by
-      the round id. A block not sent keeps its progress in the model, so its score grows until it is sent.
+      scores are averaged in the round itself (a second tensor of the canonical all-reduce, one byte per
+      block), so every cluster holds the same ones; ties (every block at the first round) go by a permutation
+      seeded by the round id. A block not sent keeps its progress in the model, so its score grows until it is
+      sent.
     - ``random``: ``k`` of every ``chunk`` columns, drawn from a generator seeded by the round id;
     - ``cyclic``: a window of ``k`` columns sliding by ``k`` each round (every value once every ``chunk/k``
       rounds). For these two every chunk uses the same columns."""
@@ -78,8 +79,8 @@ class SparseSelection:
         raise ValueError(f"unknown sparse rule {self.rule!r}")
 
     def select(self, numel: int, round_id: int, scores: torch.Tensor | None = None) -> Selection:
-        """What round ``round_id`` sends of a region of ``numel`` values; ``scores``: the region's block scores
-        (``magnitude``; zeros before the first round)."""
+        """What round ``round_id`` sends of a region of ``numel`` values; ``scores``: the region's block
+        scores (``magnitude``; zeros before the first round)."""
         if self.scored:
             return self._top_blocks(numel, round_id, scores)
         columns = self.columns(round_id)
@@ -103,9 +104,9 @@ class SparseSelection:
         return Selection(index[index < numel], chosen)
 
     def unsent_scores(self, dense: torch.Tensor, selection: Selection, dropped: torch.Tensor) -> torch.Tensor:
-        """This cluster's score of every block of the region (``magnitude``): the mean square of what it leaves
-        unsent there, ``dense`` in the blocks not sent and ``dropped`` (what the encoding dropped, packed like the
-        selection) in those sent, as powers of two (:class:`ScoreCodec`)."""
+        """This cluster's score of every block of the region (``magnitude``): the mean square of what it
+        leaves unsent there, ``dense`` in the blocks not sent and ``dropped`` (what the encoding dropped,
+        packed like the selection) in those sent, as powers of two (:class:`ScoreCodec`)."""
         scores = _block_mean_squares(dense)
         scores[selection.blocks] = _block_mean_squares(dropped)
         ScoreCodec().round_trip_(scores)
@@ -113,8 +114,8 @@ class SparseSelection:
 
 
 def _block_mean_squares(values: torch.Tensor) -> torch.Tensor:
-    """The mean square of every :data:`SCORE_BLOCK` values of ``values`` (the last block: of the values it has),
-    a chunk at a time (no full-size temporary)."""
+    """The mean square of every :data:`SCORE_BLOCK` values of ``values`` (the last block: of the values it
+    has), a chunk at a time (no full-size temporary)."""
     numel = values.numel()
     full = numel // SCORE_BLOCK * SCORE_BLOCK
     sums = [piece.view(-1, SCORE_BLOCK).square().sum(1) for piece in values[:full].split(CHUNK)]

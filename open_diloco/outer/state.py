@@ -1,5 +1,6 @@
 """θ_outer, the outer momentum and the round counter of one FSDP shard, and what a round does to them
-(the outer optimizer's math: ``outer/optimizer.py``; snapshots and checkpoint pieces: ``outer/state_transfer.py``).
+(the outer optimizer's math: ``outer/optimizer.py``; snapshots and checkpoint pieces:
+``outer/state_transfer.py``).
 
 Memory is the point of this module: for a 70B model every extra fp32 copy of the shard is hundreds of GB of
 host memory. The outer state is exactly two flat fp32 buffers (θ_outer and the momentum); the pseudo-gradient
@@ -7,22 +8,23 @@ lives in the averager's buffer (the one that goes on the wire) and the outer ste
 round holds three fp32 copies of the shard in all. θ_local needs no backup: it does not change until the round
 ends, so a retried round recomputes Δ from it.
 
-With a lossy dense ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes per
-value of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each round). A
-sparse round keeps no ``e``: what it does not send (and what its encoding dropped of what it sent) stays in the
-model, so the model differs from θ_outer between rounds and checkpoints store θ_outer beside it (as streaming
-does). ``e`` is private to the cluster: a checkpoint stores it (resharded
-like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the galaxy's
-state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from θ_local, θ_outer
-and the old ``e``, all unchanged since the round started: no copy of what was sent is kept, and a retried round
-sends the very same Q(Δ + e) again. The sparse ``magnitude`` rule adds the galaxy's block scores (4 bytes per 128
-values): unlike ``e`` they are shared state, the same in every cluster, since they pick what every cluster sends.
+With a lossy dense ``--hv.compression`` and error feedback, a fourth: the error feedback ``e`` (fp32, 4 bytes
+per value of the shard, like the momentum; bf16 would halve it but round away 2^-9 of what is carried each
+round). A sparse round keeps no ``e``: what it does not send (and what its encoding dropped of what it sent)
+stays in the model, so the model differs from θ_outer between rounds and checkpoints store θ_outer beside it
+(as streaming does). ``e`` is private to the cluster: a checkpoint stores it (resharded
+like the momentum), a late joiner or a re-synced cluster starts from zero (it has dropped nothing of the
+galaxy's state it adopts). The residual e ← Δ_fb − Q(Δ_fb) is computed when the round is applied, from
+θ_local, θ_outer and the old ``e``, all unchanged since the round started: no copy of what was sent is kept,
+and a retried round sends the very same Q(Δ + e) again. The sparse ``magnitude`` rule adds the galaxy's block
+scores (4 bytes per 128 values): unlike ``e`` they are shared state, the same in every cluster, since they
+pick what every cluster sends.
 
-Streaming (``--hv.fragments`` P, ``--hv.sync-delay`` τ, ``outer/streaming.py``): a round averages one fragment, a
-slice of ``params``; its Δ, error feedback and outer step touch that slice only. With τ > 0 the model moves on
-while the round is in flight, so θ_local of the fragment is kept as it was when the round started
-(``local_at_start``, 4 bytes per value of one fragment): a retried round and the error feedback read it instead
-of the model, and the landing mixes what the inner steps did since with the new θ_outer.
+Streaming (``--hv.fragments`` P, ``--hv.sync-delay`` τ, ``outer/streaming.py``): a round averages one
+fragment, a slice of ``params``; its Δ, error feedback and outer step touch that slice only. With τ > 0 the
+model moves on while the round is in flight, so θ_local of the fragment is kept as it was when the round
+started (``local_at_start``, 4 bytes per value of one fragment): a retried round and the error feedback read
+it instead of the model, and the landing mixes what the inner steps did since with the new θ_outer.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class OuterState(OuterStateTransfer):
         """:meth:`hash` of ``params``, kept until they change (a round ends with the hash the next one starts
         with). Everything that writes ``params`` goes through this class and clears it."""
         self.keeps_unsent = compressor is not None and compressor.sparse is not None
-        """A sparse round sends a share of Δ: what it does not send stays in the model (see :meth:`land`), so the
-        model is not θ_outer between rounds, and no error-feedback buffer is needed."""
+        """A sparse round sends a share of Δ: what it does not send stays in the model (see :meth:`land`), so
+        the model is not θ_outer between rounds, and no error-feedback buffer is needed."""
         self.error: torch.Tensor | None = (
             torch.zeros_like(self.params)
             if compressor is not None and error_feedback and not self.keeps_unsent
@@ -98,26 +100,27 @@ class OuterState(OuterStateTransfer):
         """Error feedback: what the encodings dropped so far, added to the next Δ (``None``: off)."""
         self.error_feedback = error_feedback
         self._sparse_landing: tuple[Selection, torch.Tensor | None] | None = None
-        """Between :meth:`apply` and :meth:`land` of a sparse round: what it sent and, with error feedback, what
-        the encoding dropped of it (compact), which stays in the model."""
+        """Between :meth:`apply` and :meth:`land` of a sparse round: what it sent and, with error feedback,
+        what the encoding dropped of it (compact), which stays in the model."""
         self.fragment = 0
         """The fragment the current (or next) round averages."""
         self.local_at_start: torch.Tensor | None = None
-        """θ_local of ``fragment`` when its round started, fp32, while that round is in flight with a sync delay
-        (``None``: the model still holds it)."""
+        """θ_local of ``fragment`` when its round started, fp32, while that round is in flight with a sync
+        delay (``None``: the model still holds it)."""
         sparse = compressor.sparse if compressor is not None else None
         self.score_numel = sparse.score_blocks(self.wire_numel) if sparse is not None else 0
         """Block scores a round carries after the values (sparse ``magnitude`` rule; 0: none)."""
         self.sparse_scores: torch.Tensor | None = (
             torch.zeros(fragments, self.score_numel) if self.score_numel else None
         )
-        """The galaxy's block scores of each fragment from its last round, which pick what its next round sends:
-        shared state, identical in every cluster like θ_outer (averaged in the round itself, part of
+        """The galaxy's block scores of each fragment from its last round, which pick what its next round
+        sends: shared state, identical in every cluster like θ_outer (averaged in the round itself, part of
         :meth:`hash`, of snapshots and of checkpoints)."""
         self.committed_group: list[int] = []
-        """The galaxy ranks whose Δ went into the last round this state holds (as its committing cluster saw it;
-        empty when unknown, e.g. after a resume): a cluster that sent its Δ to that round and takes this state
-        from a peer knows from it whether its own Δ is in (:meth:`adopt_round`) or not (:meth:`adopt`)."""
+        """The galaxy ranks whose Δ went into the last round this state holds (as its committing cluster saw
+        it; empty when unknown, e.g. after a resume): a cluster that sent its Δ to that round and takes this
+        state from a peer knows from it whether its own Δ is in (:meth:`adopt_round`) or not
+        (:meth:`adopt`)."""
         self.gather_local_into(self.params)
 
     @property
@@ -141,12 +144,13 @@ class OuterState(OuterStateTransfer):
         return slice(fragment * length, min((fragment + 1) * length, self.numel))
 
     def codec_round(self) -> int:
-        """The round id a codec derives its choices from (the sparse selection): the fragment's own round count,
-        so that every fragment walks through every selection."""
+        """The round id a codec derives its choices from (the sparse selection): the fragment's own round
+        count, so that every fragment walks through every selection."""
         return self.outer_step // self.fragments
 
     def _local_pieces(self, region: slice):
-        """(model piece, start, stop) for every parameter shard overlapping ``region``; offsets into the region."""
+        """(model piece, start, stop) for every parameter shard overlapping ``region``; offsets into the
+        region."""
         offset = 0
         for shard, numel in zip(self._shards, self.numels, strict=True):
             lo, hi = max(region.start, offset), min(region.stop, offset + numel)
@@ -168,8 +172,8 @@ class OuterState(OuterStateTransfer):
             torch.cuda.synchronize()
 
     def begin_round(self, fragment: int, keep_local: bool) -> None:
-        """The round of ``fragment`` starts; with ``keep_local`` (a sync delay), θ_local of the fragment is kept
-        as it is now, since the inner steps go on while the round is in flight."""
+        """The round of ``fragment`` starts; with ``keep_local`` (a sync delay), θ_local of the fragment is
+        kept as it is now, since the inner steps go on while the round is in flight."""
         with self.lock:
             self.fragment = fragment
             self.local_at_start = None
@@ -213,9 +217,9 @@ class OuterState(OuterStateTransfer):
         return self.compressor.sparse.select(region.stop - region.start, self.codec_round(), scores)
 
     def _sparse_residual(self, selection: Selection) -> torch.Tensor:
-        """What the encoding drops of the values a sparse round sends, r = Δ_sel − Q(Δ_sel), compact: recomputed
-        from θ_outer and θ_local, unchanged since the round started (the very bits :meth:`pseudo_grad_into` and
-        the codec gave the wire)."""
+        """What the encoding drops of the values a sparse round sends, r = Δ_sel − Q(Δ_sel), compact:
+        recomputed from θ_outer and θ_local, unchanged since the round started (the very bits
+        :meth:`pseudo_grad_into` and the codec gave the wire)."""
         local = torch.empty_like(self.params)
         self.gather_local_into(local)
         delta = selection.gather(torch.sub(self.params, local, out=local))
@@ -249,9 +253,9 @@ class OuterState(OuterStateTransfer):
 
     @torch.no_grad()
     def pseudo_grad_into(self, flat: torch.Tensor, chunk: int = 1 << 18) -> float:
-        """Δ = θ_outer − θ_local of the current fragment, computed in ``flat`` (the averager's wire buffer, padded
-        with zeros past a short last fragment); returns ‖Δ‖², summed a chunk at a time while the chunk is in cache
-        (the same number :func:`sum_of_squares` gives, one pass over the shard fewer)."""
+        """Δ = θ_outer − θ_local of the current fragment, computed in ``flat`` (the averager's wire buffer,
+        padded with zeros past a short last fragment); returns ‖Δ‖², summed a chunk at a time while the chunk
+        is in cache (the same number :func:`sum_of_squares` gives, one pass over the shard fewer)."""
         region = self.region()
         delta_flat = flat[: region.stop - region.start]
         flat[delta_flat.numel() :].zero_()
@@ -263,9 +267,9 @@ class OuterState(OuterStateTransfer):
         return total
 
     def pseudo_grad_for_wire_into(self, flat: torch.Tensor) -> float:
-        """What this cluster sends this round, in ``flat`` (:attr:`wire_buffer_numel` values): Δ, or with a codec
-        Q(Δ + e) in its wire layout, then (sparse ``magnitude``) this cluster's block scores; returns ‖Δ‖² (before
-        the error feedback)."""
+        """What this cluster sends this round, in ``flat`` (:attr:`wire_buffer_numel` values): Δ, or with a
+        codec Q(Δ + e) in its wire layout, then (sparse ``magnitude``) this cluster's block scores; returns
+        ‖Δ‖² (before the error feedback)."""
         total = self.pseudo_grad_into(flat)
         if self.compressor is not None and math.isfinite(total):  # a non-finite Δ is never encoded nor sent
             region = self.region()
@@ -281,8 +285,9 @@ class OuterState(OuterStateTransfer):
 
     @torch.no_grad()
     def _commit_error_feedback(self, chunk: int = 1 << 18) -> None:
-        """e ← Δ_fb − Q(Δ_fb) with Δ_fb = Δ + e on the current fragment, Δ recomputed as :meth:`pseudo_grad_into`
-        does (same operations, same bits) a chunk at a time, without a full-size temporary."""
+        """e ← Δ_fb − Q(Δ_fb) with Δ_fb = Δ + e on the current fragment, Δ recomputed as
+        :meth:`pseudo_grad_into` does (same operations, same bits) a chunk at a time, without a full-size
+        temporary."""
         region = self.region()
         error, theta = self.error[region], self.params[region]
         if self.local_at_start is not None:
@@ -296,8 +301,9 @@ class OuterState(OuterStateTransfer):
         self.compressor.residual_(error)
 
     def apply(self, averaged_pseudo_grad: torch.Tensor) -> None:
-        """The outer step of the current fragment with the galaxy's average Δ (consumed; with a codec, in its wire
-        layout), then count the round. The model is not touched: :meth:`land` (or :meth:`scatter_into_model`)."""
+        """The outer step of the current fragment with the galaxy's average Δ (consumed; with a codec, in its
+        wire layout), then count the round. The model is not touched: :meth:`land` (or
+        :meth:`scatter_into_model`)."""
         with self.lock:
             region = self.region()
             averaged = averaged_pseudo_grad[: region.stop - region.start]
@@ -330,9 +336,9 @@ class OuterState(OuterStateTransfer):
             self._hash = self._sq_norm = None
 
     def _settle_own_round(self) -> Selection | None:
-        """What applying this cluster's round changes besides θ_outer, all from its own Δ (θ_outer, θ_local and
-        ``e`` are unchanged since the round started): a sparse round's selection and residual for the landing, and
-        the error feedback. Returns the selection (``None`` unless sparse)."""
+        """What applying this cluster's round changes besides θ_outer, all from its own Δ (θ_outer, θ_local
+        and ``e`` are unchanged since the round started): a sparse round's selection and residual for the
+        landing, and the error feedback. Returns the selection (``None`` unless sparse)."""
         selection = None
         if self.keeps_unsent:
             selection = self._selection()
@@ -343,10 +349,11 @@ class OuterState(OuterStateTransfer):
         return selection
 
     def adopt_round(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        """Take a committed cluster's state after the round this cluster sent its Δ to (its Δ is in that average)
-        as if this cluster had applied the round itself: the error feedback and a sparse landing follow its own Δ,
-        exactly as :meth:`apply` would leave them, and the round's landing (:meth:`land`) keeps the inner steps
-        taken while it was in flight. Nothing this cluster did is lost: this is a commit, not a re-sync."""
+        """Take a committed cluster's state after the round this cluster sent its Δ to (its Δ is in that
+        average) as if this cluster had applied the round itself: the error feedback and a sparse landing
+        follow its own Δ, exactly as :meth:`apply` would leave them, and the round's landing (:meth:`land`)
+        keeps the inner steps taken while it was in flight. Nothing this cluster did is lost: this is a
+        commit, not a re-sync."""
         with self.lock:
             self._settle_own_round()
             self._take(metadata, tensors)
@@ -362,8 +369,8 @@ class OuterState(OuterStateTransfer):
             shard.copy_(piece.view_as(shard), non_blocking=True)
 
     def sq_norm(self) -> float:
-        """‖θ_outer‖² of this shard (fp64), kept until θ_outer changes: the rounds' metrics and the guard's θ bound
-        read it, one pass over the shard per change."""
+        """‖θ_outer‖² of this shard (fp64), kept until θ_outer changes: the rounds' metrics and the guard's θ
+        bound read it, one pass over the shard per change."""
         if self._sq_norm is None:
             self._sq_norm = sum_of_squares(self.params)
         return self._sq_norm
@@ -373,7 +380,8 @@ class OuterState(OuterStateTransfer):
         return fingerprint_bytes(self.params[self.region(fragment)])
 
     def hash(self) -> str:
-        """:func:`fingerprint_bytes` of θ_outer (and the sparse block scores, which every cluster must share too)."""
+        """:func:`fingerprint_bytes` of θ_outer (and the sparse block scores, which every cluster must share
+        too)."""
         if self._hash is None:
             shared = (self.params,) if self.sparse_scores is None else (self.params, self.sparse_scores)
             self._hash = fingerprint_bytes(*shared)

@@ -23,8 +23,8 @@ class OuterStateTransfer:
 
     # -- sharing with late joiners and re-syncing clusters ------------------------------------------------
     def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a late joiner downloads: θ_outer, the outer momentum (if any), the sparse block scores (if any,
-        last) and the round counter."""
+        """What a late joiner downloads: θ_outer, the outer momentum (if any), the sparse block scores (if
+        any, last) and the round counter."""
         with self.lock:
             tensors = [self.params.clone()]
             if self.momentum_buffer is not None:
@@ -41,7 +41,8 @@ class OuterStateTransfer:
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """Take a peer's outer state and push θ_outer into the model: a re-sync or a join, onto another
-        trajectory, so what this cluster kept of its own (a round in flight, the error feedback) is dropped."""
+        trajectory, so what this cluster kept of its own (a round in flight, the error feedback) is
+        dropped."""
         with torch.no_grad(), self.lock:
             self._take(metadata, tensors)
             self.local_at_start = None  # a round in flight, if any, belonged to the trajectory we just left
@@ -75,11 +76,11 @@ class OuterStateTransfer:
     # -- checkpoints (through DiLoCo.state_dict / load_state_dict) ------------------------------------------
     def checkpoint_state(self, streaming: bool) -> dict[str, Any]:
         """This shard's outer state for a checkpoint, pieces placed for DCP (``outer/stateful.py``): the round
-        counter and ``fragments``; the momentum, the error feedback and this shard's block scores when kept; and
-        where the model may not hold θ_outer at a save (``streaming``: other fragments, a sync delay; or a sparse
-        round's unsent progress), θ_outer itself (``outer_params``) and, with a round in flight, ``sync_start``
-        (θ_outer with the fragment's θ_local at the round's start), so a resume can send that round again.
-        Views where it can, as ``Module.state_dict``: copy before the state changes."""
+        counter and ``fragments``; the momentum, the error feedback and this shard's block scores when kept;
+        and where the model may not hold θ_outer at a save (``streaming``: other fragments, a sync delay; or a
+        sparse round's unsent progress), θ_outer itself (``outer_params``) and, with a round in flight,
+        ``sync_start`` (θ_outer with the fragment's θ_local at the round's start), so a resume can send that
+        round again. Views where it can, as ``Module.state_dict``: copy before the state changes."""
         state: dict[str, Any] = {"outer_step": self.outer_step, "fragments": self.fragments}
         if self.momentum_buffer is not None:
             state["outer_momentum"] = self._placed(self.momentum_buffer)
@@ -97,10 +98,11 @@ class OuterStateTransfer:
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Take what :meth:`checkpoint_state` gave, or the part of it a checkpoint of another kind of run holds,
-        once the model's own state is loaded. Without ``outer_params`` θ_outer is read from the model (saves land
-        on outer-step boundaries, where θ_local ← θ_outer); a piece it lacks keeps its fresh value (no momentum
-        yet, zero error feedback), except the block scores, zeroed unless they fit (:meth:`sparse_scores_fit`)."""
+        """Take what :meth:`checkpoint_state` gave, or the part of it a checkpoint of another kind of run
+        holds, once the model's own state is loaded. Without ``outer_params`` θ_outer is read from the model
+        (saves land on outer-step boundaries, where θ_local ← θ_outer); a piece it lacks keeps its fresh value
+        (no momentum yet, zero error feedback), except the block scores, zeroed unless they fit
+        (:meth:`sparse_scores_fit`)."""
         with self.lock:
             self.outer_step = int(state.get("outer_step", 0))
             self.fragment, self.local_at_start = self.outer_step % self.fragments, None  # the round after it
