@@ -1,7 +1,7 @@
 """Checkpoint cost, measured in one run against baselines of the same run:
 
-- save (staged and written, waited for), load and size of an open_diloco checkpoint (DCP, sharded, atomic, with
-  the outer momentum) vs a plain `torch.save` of the same model + optimizer state;
+- save (staged and written, waited for), load and size of an open_diloco checkpoint (DCP, sharded, atomic,
+  with the outer momentum) vs a plain `torch.save` of the same model + optimizer state;
 - what a save costs the galaxy: the wall time of a round (H inner steps + the outer step, i.e. until this
   cluster is ready for the galaxy's next all-reduce) with no save, with a save that blocks until written (what
   the trainer did before saves went to the background), and with the trainer's background save, whose write
@@ -125,12 +125,13 @@ def bench_rounds(path_model: str, workdir: Path, device: torch.device, precision
                 saver.wait()
     saver.close(timeout=0)
     print(
-        f"  background saves written before their round ended: {sum(written_in_round)} of {len(written_in_round)}"
+        f"  background saves written before their round ended: {sum(written_in_round)} of "
+        f"{len(written_in_round)}"
     )
     base = statistics.median(rounds["no save"])
     print(
-        f"{Path(path_model).name}: round = {args.local_steps} inner steps (batch {args.batch} x seq {args.seq}) "
-        f"+ outer step, {device.type}, {precision}; medians of {args.rounds}"
+        f"{Path(path_model).name}: round = {args.local_steps} inner steps (batch {args.batch} x seq "
+        f"{args.seq}) + outer step, {device.type}, {precision}; medians of {args.rounds}"
     )
     for arm in ARMS:
         median = statistics.median(rounds[arm])

@@ -1,11 +1,11 @@
 """Throughput and error of the pseudo-gradient codecs (``open_diloco.outer.codecs``), one thread.
 
-Per codec: encode, decode and round_trip_ (what the outer loop runs) in millions of fp32 values per second, the
-encoding's size against fp32, and the relative L2 error on a pseudo-gradient (``--delta FILE``: a tensor, or a
-dict of tensors, saved with torch.save; default: a heavy-tailed synthetic one). Then the sparse rules' own work
-per round, in millions of the shard's values per second: picking the values (``select``; ``magnitude`` ranks the
-block scores) and packing them for the wire (``to_wire_``: gather, int2 round trip, and for ``magnitude`` this
-cluster's block scores).
+Per codec: encode, decode and round_trip_ (what the outer loop runs) in millions of fp32 values per second,
+the encoding's size against fp32, and the relative L2 error on a pseudo-gradient (``--delta FILE``: a tensor,
+or a dict of tensors, saved with torch.save; default: a heavy-tailed synthetic one). Then the sparse rules'
+own work per round, in millions of the shard's values per second: picking the values (``select``;
+``magnitude`` ranks the block scores) and packing them for the wire (``to_wire_``: gather, int2 round trip,
+and for ``magnitude`` this cluster's block scores).
 
     python scripts/bench/codecs.py --numel 4000000
 """
@@ -53,7 +53,8 @@ def main() -> None:
         }
     values = torch.randn(args.numel, generator=generator)
     print(
-        f"{'codec':<6} {'fp32/bytes':>10} {'encode M/s':>10} {'decode M/s':>10} {'round trip M/s':>14}  rel. L2 error"
+        f"{'codec':<6} {'fp32/bytes':>10} {'encode M/s':>10} {'decode M/s':>10} {'round trip M/s':>14}  "
+        "rel. L2 error"
     )
     for name, make in CODECS.items():
         codec = make()

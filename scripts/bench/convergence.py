@@ -1,14 +1,15 @@
-"""Convergence of a galaxy against plain data parallelism, simulated in one process (no hivemind, no torchrun):
-the quality yardstick of issue 12.
+"""Convergence of a galaxy against plain data parallelism, simulated in one process (no hivemind, no
+torchrun): the quality yardstick of issue 12.
 
 M clusters train one after the other in this process, each with its own model built by ``build_model`` (same
 seed), the trainer's AdamW + warm-up/cosine schedule, its own disjoint share of the corpus (``plan_data`` with
 galaxy_rank=m, galaxy_size=M) and the trainer's ``inner_step`` / ``evaluate``. Every H inner steps the real
 outer step runs: one :class:`open_diloco.outer.diloco.DiLoCo` per cluster, built from an ``HvConfig`` (so an
-arm without outer overrides runs the shipped defaults), averaging through the in-process galaxy (``open_diloco/outer/testing.py``)
-(the clusters' ``step()`` calls meet in threads). Each round is checked against a hand-written reference of the
-outer math (mean Δ, SGD with (Nesterov) momentum, the outer warm-up), the clusters' data is checked disjoint,
-the inits identical, and θ_local ← θ_outer checked to reach the model. Every arm sees the same total tokens.
+arm without outer overrides runs the shipped defaults), averaging through the in-process galaxy
+(``open_diloco/outer/testing.py``) (the clusters' ``step()`` calls meet in threads). Each round is checked
+against a hand-written reference of the outer math (mean Δ, SGD with (Nesterov) momentum, the outer warm-up),
+the clusters' data is checked disjoint, the inits identical, and θ_local ← θ_outer checked to reach the model.
+Every arm sees the same total tokens.
 
 Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run's defaults for that arm):
 
@@ -21,22 +22,22 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             codec (--hv.compression: int8, int4, int2, sparse, ...) ef (--hv.error-feedback, 0/1)
             density (--hv.sparse-density) rule (--hv.sparse-rule: magnitude, random, cyclic)
             robust (--hv.robust-mean, 0/1)
-            P (--hv.fragments) tau (--hv.sync-delay) alpha (--hv.sync-alpha): streaming arms; their outer loop runs after every inner
-            step (a fragment lands τ steps after its sync starts), checked for identical θ_outer, not against
-            the whole-model reference
+            P (--hv.fragments) tau (--hv.sync-delay) alpha (--hv.sync-alpha): streaming arms; their outer
+            loop runs after every inner step (a fragment lands τ steps after its sync starts), checked for
+            identical θ_outer, not against the whole-model reference
 
-    python scripts/bench/convergence.py --quick                        # 2M model, 4 seeds: ~14 min on 2 cores
-    python scripts/bench/convergence.py --quick --seeds 0,1            # half of it: ~7 min, a coarser verdict
-    python scripts/bench/convergence.py                                # seq 256, B 32, 300 steps, 2 seeds: ~40 min
-    python scripts/bench/convergence.py --model 25m --quick            # the ~25M config's quick setting
+    python scripts/bench/convergence.py --quick               # 2M model, 4 seeds: ~14 min on 2 cores
+    python scripts/bench/convergence.py --quick --seeds 0,1   # half of it: ~7 min, a coarser verdict
+    python scripts/bench/convergence.py                       # seq 256, B 32, 300 steps, 2 seeds: ~40 min
+    python scripts/bench/convergence.py --model 25m --quick   # the ~25M config's quick setting
     python scripts/bench/convergence.py --model 100m --quick --device cuda --lr 1.5e-3   # 96M: a GPU run
     python scripts/bench/convergence.py --arms "ddp diloco:M=2,H=20,olr=0.5,mom=0.8"
     python scripts/bench/convergence.py --quick --arms "ddp diloco:M=2,H=20 diloco:M=2,H=20,codec=int2"
 
 Every arm runs once per seed (``--seeds``; a seed sets the init and the data order, and each seed is a child
-process, ``--jobs`` at a time). Prints final val_loss per arm (mean over seeds, and each seed's) and its ratio to
-DDP's, taken per seed and averaged, ± its standard error, next to the paper's figure (arXiv 2503.09799). One
-seed moves a val_loss by up to ±3 % at the quick size: a single seed cannot tell 1-2 % apart.
+process, ``--jobs`` at a time). Prints final val_loss per arm (mean over seeds, and each seed's) and its ratio
+to DDP's, taken per seed and averaged, ± its standard error, next to the paper's figure (arXiv 2503.09799).
+One seed moves a val_loss by up to ±3 % at the quick size: a single seed cannot tell 1-2 % apart.
 
 Figures, dated, and the outer-settings sweep: docs/results/training-quality.md.
 """
@@ -329,8 +330,8 @@ def report(
         if name.startswith("half")
     }
     print(
-        f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'±se':>6} {'target':>7} {'ok':>3} {'jump':>6} {'|Δ| r1':>7} "
-        f"{'|Δ| last':>8} {'fp32/wire':>9} {'paper':>14}  per seed; checks"
+        f"\n{'arm':<40} {'val_loss':>8} {'/DDP':>7} {'±se':>6} {'target':>7} {'ok':>3} {'jump':>6} "
+        f"{'|Δ| r1':>7} {'|Δ| last':>8} {'fp32/wire':>9} {'paper':>14}  per seed; checks"
     )
     for name, runs in arms.items():
         val = mean(final_val(r) for r in runs)

@@ -55,7 +55,8 @@ WORLD = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0, is_mai
 
 
 class Cluster:
-    """One cluster: model, inner optimizer, schedule and its share of the data, as the trainer sets them up."""
+    """One cluster: model, inner optimizer, schedule and its share of the data, as the trainer sets them
+    up."""
 
     def __init__(self, args, spec, rank: int, size: int, batch: int):
         config = make_config(args, batch, spec["lr"], spec["wd"])
@@ -118,8 +119,8 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 def drift(locals_: list[torch.Tensor]) -> float:
     """How far apart the clusters' models are: ‖std over clusters‖, i.e. sqrt(Σ‖θ_m − mean‖² / (M − 1)).
-    Summed a cluster at a time: ``torch.stack(...).std(0)`` reduces across a strided dimension and took 3.2 s of a
-    25M round on a CPU core (more than the rest of the round's outer work together)."""
+    Summed a cluster at a time: ``torch.stack(...).std(0)`` reduces across a strided dimension and took 3.2 s
+    of a 25M round on a CPU core (more than the rest of the round's outer work together)."""
     if len(locals_) < 2:  # one cluster (an M=1 arm): no spread to measure, as torch.std says
         return float("nan")
     mean_theta = sum(locals_) / len(locals_)
@@ -289,8 +290,8 @@ def outer_steps_in_threads(outers: list[DiLoCo], step: int, last: bool = False) 
 
 
 def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) -> None:
-    """The outer loops of a streaming arm after inner step ``step``; a landed sync must leave every cluster with
-    the same θ_outer."""
+    """The outer loops of a streaming arm after inner step ``step``; a landed sync must leave every cluster
+    with the same θ_outer."""
     results = outer_steps_in_threads(outers, step, last)
     if results[0]:
         assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"

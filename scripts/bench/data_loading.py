@@ -1,9 +1,9 @@
 """Throughput of the trainer on real data vs fake data, measured in the same run (target ratio >= 0.95).
 
 Real data is read from a packed corpus (a memmap slice per sample), so it should cost no more than generating
-fake samples. The corpus is packed before timing (packing happens once per corpus, not per run); runs alternate
-fake / real so a shared machine's noise hits both alike. Each run's figure is the median tokens/s of its steps
-after the warm-up.
+fake samples. The corpus is packed before timing (packing happens once per corpus, not per run); runs
+alternate fake / real so a shared machine's noise hits both alike. Each run's figure is the median tokens/s of
+its steps after the warm-up.
 
     python scripts/bench/data_loading.py                       # stdlib sources as the corpus, 2 ranks
     python scripts/bench/data_loading.py --dataset-path DIR --nproc 1 --repeats 3
@@ -84,7 +84,8 @@ def run_trainer(args: argparse.Namespace, work: Path, data_flags: list[str], nam
 
 
 def loader_alone(packed: Path, args: argparse.Namespace, batches: int = 300) -> dict[str, float]:
-    """Samples/s the loaders alone produce (in-process, no model): the headroom real data leaves the trainer."""
+    """Samples/s the loaders alone produce (in-process, no model): the headroom real data leaves the
+    trainer."""
     sys.path.insert(0, str(REPO))
     from open_diloco.config import Config
     from open_diloco.data import build_train_loader, plan_data

@@ -1,6 +1,6 @@
-"""Outer-step cost: open_diloco's whole outer step (pseudo-gradient, canonical all-reduce, hash exchange, outer
-SGD-Nesterov, copy back) vs a raw hivemind ``DecentralizedAverager`` all-reduce of the same bytes, measured in
-the same run, on the same DHT, with the same matchmaking settings and compression.
+"""Outer-step cost: open_diloco's whole outer step (pseudo-gradient, canonical all-reduce, hash exchange,
+outer SGD-Nesterov, copy back) vs a raw hivemind ``DecentralizedAverager`` all-reduce of the same bytes,
+measured in the same run, on the same DHT, with the same matchmaking settings and compression.
 
     python scripts/bench/outer_step.py                        # 2 peers on 127.0.0.1, 2M and 25M values
     python scripts/bench/outer_step.py --numel 2000000 --peers 3 --compression fp16
@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     print(
-        f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is warm-up)"
+        f"{args.peers} peers on 127.0.0.1, compression {args.compression}, {args.rounds} rounds (first is "
+        "warm-up)"
     )
     print(
         "| values | fp32 size | raw hivemind all-reduce | open_diloco outer step (its all-reduce) | ratio "
@@ -176,8 +177,9 @@ def main() -> None:
         r = run_size(args, numel)
         size = 4 * numel
         print(
-            f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s ({r['allreduce']:.3f} s) | {r['ratio']:.2f} | "
-            f"{r['sent'] / 2**20:.1f} MiB ({r['sent'] / size:.2f}x model) | {r['identical']} | {r['broken']} |",
+            f"| {numel:,} | {size / 2**20:.1f} MiB | {r['raw']:.3f} s | {r['ours']:.3f} s "
+            f"({r['allreduce']:.3f} s) | {r['ratio']:.2f} | {r['sent'] / 2**20:.1f} MiB "
+            f"({r['sent'] / size:.2f}x model) | {r['identical']} | {r['broken']} |",
             flush=True,
         )
 

@@ -1,23 +1,26 @@
-"""Overlap yardstick: does the network idle the clusters? A real galaxy over the WAN lab (scripts/wan/), once with
-blocking outer steps (``--hv.fragments 1 --hv.sync-delay 0``) and once streaming (``--hv.fragments P`` with the
-largest delay, H/P: a sync lands at the step the next starts), in the same run, same lab, same H (issue 17).
+"""Overlap yardstick: does the network idle the clusters? A real galaxy over the WAN lab (scripts/wan/), once
+with blocking outer steps (``--hv.fragments 1 --hv.sync-delay 0``) and once streaming (``--hv.fragments P``
+with the largest delay, H/P: a sync lands at the step the next starts), in the same run, same lab, same H
+(issue 17).
 
     python scripts/bench/overlap.py                                       # intercontinental, 25M, H 32, P 4
     python scripts/bench/overlap.py --model 100m --local-steps 24 --fragments 4
-    python scripts/bench/overlap.py --model 100m --local-steps 18 --fragments 1   # a whole round in flight, τ = H
+    # a whole round in flight, τ = H:
+    python scripts/bench/overlap.py --model 100m --local-steps 18 --fragments 1
 
 Needs root and iproute2 (the lab's). Each arm starts ``hivemind-dht`` and two 1-rank clusters in the lab's
-namespaces (open_diloco/local_galaxy.py, which ends everything by PID) and trains ``--cycles`` + 2 cycles of H inner
-steps; the first and last cycle (start-up, the run's final landing) are left out. Printed per arm:
+namespaces (open_diloco/local_galaxy.py, which ends everything by PID) and trains ``--cycles`` + 2 cycles of H
+inner steps; the first and last cycle (start-up, the run's final landing) are left out. Printed per arm:
 
 - ``busy``: Σ inner-step seconds ÷ wall seconds over the measured cycles (wall from when each metrics line
   appeared, polled every 50 ms): the share of time the cluster computed;
-- ``util``: the mean of the ``compute_utilization`` metric of the syncs in the window (the share of wall time the
-  trainer was not held by the outer loop);
+- ``util``: the mean of the ``compute_utilization`` metric of the syncs in the window (the share of wall time
+  the trainer was not held by the outer loop);
 - ``wait s``: Σ ``network_wait_seconds`` in the window (what the inner loop waited for the network);
 - ``steps/s``, and ``× blocking``: that throughput ÷ the blocking arm's (the speed-up; on this CPU machine the
   background all-reduce shares the two cores with the inner steps, so it is below busy ÷ busy);
-- ``peak MB``: the largest bytes sent + received by one sync, and ``allreduce s``: the median sync's all-reduce.
+- ``peak MB``: the largest bytes sent + received by one sync, and ``allreduce s``: the median sync's
+  all-reduce.
 """
 
 from __future__ import annotations
@@ -133,8 +136,8 @@ def main() -> None:
     arms = [("blocking", 1, 0), ("streaming", args.fragments, stride if args.delay is None else args.delay)]
     rows = []
     print(
-        f"{'arm':<10} {'profile':<17} {'model':>5} {'H':>3} {'P':>2} {'τ':>3} {'busy':>6} {'util':>6} {'wait s':>7} "
-        f"{'steps/s':>8} {'× blocking':>10} {'peak MB':>8} {'allreduce s':>11}",
+        f"{'arm':<10} {'profile':<17} {'model':>5} {'H':>3} {'P':>2} {'τ':>3} {'busy':>6} {'util':>6} "
+        f"{'wait s':>7} {'steps/s':>8} {'× blocking':>10} {'peak MB':>8} {'allreduce s':>11}",
         flush=True,
     )
     for name, fragments, delay in arms:

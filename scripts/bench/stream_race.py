@@ -3,12 +3,12 @@
     python scripts/bench/stream_race.py                         # 130 inner steps, H = 2: 65 rounds, fp32
     python scripts/bench/stream_race.py --steps 130 --extra --hv.compression int2
 
-Starts ``hivemind-dht`` and two 2-rank clusters on 127.0.0.1 (open_diloco/local_galaxy.py, which ends everything
-by PID) with hivemind's debug log on (it slows the averagers' processes, which is what made the race common), and
-many short rounds. Prints one line per round that was not whole on both sides (not 2 peers, retried, re-synced or
-not in sync), the reducer errors of the two logs (``sent k parts, but we expected n``), and a summary: rounds,
-one-sided rounds, median all-reduce seconds. What it showed before and after the fix in galaxy/allreduce.py (a
-reducer's stream ends only once its sender has read every average): docs/LOG.md.
+Starts ``hivemind-dht`` and two 2-rank clusters on 127.0.0.1 (open_diloco/local_galaxy.py, which ends
+everything by PID) with hivemind's debug log on (it slows the averagers' processes, which is what made the
+race common), and many short rounds. Prints one line per round that was not whole on both sides (not 2 peers,
+retried, re-synced or not in sync), the reducer errors of the two logs (``sent k parts, but we expected n``),
+and a summary: rounds, one-sided rounds, median all-reduce seconds. What it showed before and after the fix in
+galaxy/allreduce.py (a reducer's stream ends only once its sender has read every average): docs/LOG.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""Communication yardstick: a real galaxy over the WAN lab (scripts/wan/), per profile and model, against a raw
-hivemind all-reduce of the same bytes over the same lab in the same run (issue 13).
+r"""Communication yardstick: a real galaxy over the WAN lab (scripts/wan/), per profile and model, against a
+raw hivemind all-reduce of the same bytes over the same lab in the same run (issue 13).
 
-    python scripts/bench/wan.py                                   # continent + intercontinental, 2M, 2 clusters
+    python scripts/bench/wan.py                                # continent + intercontinental, 2M, 2 clusters
     python scripts/bench/wan.py --profiles intercontinental --models 2m 100m --clusters 2 4
-    python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs none bf16 int8 int4 int2 sparse
-    python scripts/bench/wan.py --profiles intercontinental --models 100m --codecs sparse sparse,rule=random,density=0.0625
+    python scripts/bench/wan.py --profiles intercontinental --models 100m \
+        --codecs none bf16 int8 int4 int2 sparse
+    python scripts/bench/wan.py --profiles intercontinental --models 100m \
+        --codecs sparse sparse,rule=random,density=0.0625
 
-Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per lab
-namespace (open_diloco/local_galaxy.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
+Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per
+lab namespace (open_diloco/local_galaxy.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
 ``--local-steps`` inner steps (the first warms up; the last may lose its tail when a cluster exits right after
 it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Printed per case:
 
@@ -17,15 +19,15 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
   ``bytes_sent``/``bytes_received`` ÷ the profile's rate, plus 3 round trips (join request and accept, the
   group's start message, the first part out and its average back: the all-reduce streams its parts, so the
   rest overlaps);
-- ``÷ bound``: allreduce s ÷ wire bound. ``--matchmaking-time`` (1 s by default; 4 clusters sharing 2 cores need
-  more to meet) is not a fixed wait: hivemind's leader starts the round as soon as the whole galaxy has joined
-  its group, so it is only paid in full when a cluster is missing. What a whole round pays is the DHT lookups and
-  the joins, inside ``allreduce s``;
+- ``÷ bound``: allreduce s ÷ wire bound. ``--matchmaking-time`` (1 s by default; 4 clusters sharing 2 cores
+  need more to meet) is not a fixed wait: hivemind's leader starts the round as soon as the whole galaxy has
+  joined its group, so it is only paid in full when a cluster is missing. What a whole round pays is the DHT
+  lookups and the joins, inside ``allreduce s``;
 - ``÷ fp32``: with ``--codecs``, allreduce s ÷ that of the uncompressed case (``none``, run first) of the same
   profile, model and size in the same run; the raw baseline moves fp32, so it runs with ``none`` only;
-- ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics line
-  appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner steps of
-  the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
+- ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics
+  line appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner
+  steps of the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
 """
 
 from __future__ import annotations
@@ -161,11 +163,11 @@ def raw_peer(args: argparse.Namespace) -> None:
 
 
 def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> list[dict]:
-    """Cluster 0's records of the round before the steady ones (where the wall clock starts) and of the ``rounds``
-    steady rounds: whole rounds (every cluster took part, equal hashes),
+    """Cluster 0's records of the round before the steady ones (where the wall clock starts) and of the
+    ``rounds`` steady rounds: whole rounds (every cluster took part, equal hashes),
     after the first whole one (it also waits for the slowest start) and before the run's last (see the module
-    docstring). With 4 clusters on 2 cores one often starts late and adopts the galaxy's state: the rounds before
-    it arrived are not steady."""
+    docstring). With 4 clusters on 2 cores one often starts late and adopts the galaxy's state: the rounds
+    before it arrived are not steady."""
     by_round = [{r["outer_step"]: r for r in s.values() if "outer_step" in r} for s in seen]
     last = min(max(rounds_of) for rounds_of in by_round)
     whole = [
@@ -193,8 +195,9 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
 
 
 def codec_flags(codec: str) -> list[str]:
-    """``NAME[,key=value...]`` as trainer flags: the name is ``--hv.compression``, each key ``--hv.sparse-<key>``
-    (``sparse,rule=random,density=0.0625``: the sparse codec with another rule and density)."""
+    """``NAME[,key=value...]`` as trainer flags: the name is ``--hv.compression``, each key
+    ``--hv.sparse-<key>`` (``sparse,rule=random,density=0.0625``: the sparse codec with another rule and
+    density)."""
     name, *options = codec.split(",")
     flags = ["--hv.compression", name]
     for option in options:
@@ -316,8 +319,8 @@ def main() -> None:
         codec_flags(codec)  # a bad spec fails before any lab is built
     codecs = sorted(args.codecs, key=lambda codec: codec != "none")
     print(
-        f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} {'raw s':>7} "
-        f"{'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}",
+        f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} "
+        f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}",
         flush=True,
     )
     for profile in args.profiles:
@@ -343,8 +346,8 @@ def main() -> None:
                     vs = f"{row['vs_fp32']:>7.2f}" if row["vs_fp32"] is not None else f"{'—':>7}"
                     print(
                         f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
-                        f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} "
-                        f"{vs} {row['utilization']:>11.0%}",
+                        f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} "
+                        f"{row['ratio']:>8.2f} {vs} {row['utilization']:>11.0%}",
                         flush=True,
                     )
     if args.out:

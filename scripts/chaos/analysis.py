@@ -5,8 +5,8 @@ Words as the figures use them:
 - a fault's **repair**: from the fault's end to a cluster's first good sync after it, in that cluster's syncs
   (1: its very next sync is good) and seconds; the fault's repair is the slowest cluster's;
 - a sync is **due to a fault** while the fault lasts (a kill until the victim's first sync after its restart,
-  a late joiner from the soak's start to its first sync) and for the syncs after it until the cluster's repair,
-  at most ``REPAIR_LIMIT``; everything else happened with no fault to blame.
+  a late joiner from the soak's start to its first sync) and for the syncs after it until the cluster's
+  repair, at most ``REPAIR_LIMIT``; everything else happened with no fault to blame.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The soak's processes: the WAN lab, a stock `hivemind-dht` bootstrap peer and the clusters (a `torchrun` of
 open_diloco/train_fsdp.py each), started, killed and restarted by PID.
 
-Every PID the soak ever saw (each root and every descendant: ranks, hivemind's DHT and averager processes, p2pd
-daemons, the lab's forwarders and reaper) is remembered with its start time, so the end of the soak can say
-exactly which ones are still running, without mistaking a reused PID for a leftover, and without ``pkill``.
+Every PID the soak ever saw (each root and every descendant: ranks, hivemind's DHT and averager processes,
+p2pd daemons, the lab's forwarders and reaper) is remembered with its start time, so the end of the soak can
+say exactly which ones are still running, without mistaking a reused PID for a leftover, and without
+``pkill``.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class Galaxy:
 
     def left_running(self, wait: float = 15) -> list[dict]:
         """Every process the soak saw that still runs (same PID and start time), after up to ``wait`` s for
-        stragglers (the lab's reaper, a p2pd finishing); each is then ended by PID so none outlives the soak."""
+        stragglers (the lab's reaper, a p2pd finishing); each is then ended by PID so none outlives the
+        soak."""
         deadline = time.monotonic() + wait
         while (left := self._alive()) and time.monotonic() < deadline:
             time.sleep(0.5)

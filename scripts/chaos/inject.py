@@ -3,8 +3,8 @@
 - ``lost_average``: tests/e2e/faults/lose_last_average on the target cluster's PYTHONPATH, armed at launch for
   one all-reduce number (the target's outer step the schedule picked, less the outer step it launches at) and
   one shard (local rank). Its window runs from the record that brings the target's all-reduces (a sync and its
-  retries, as its records count them) to that number less one, to the record that reaches it: the records' view,
-  within a sync of the moment it struck (a retry whose matchmaking failed made no all-reduce).
+  retries, as its records count them) to that number less one, to the record that reaches it: the records'
+  view, within a sync of the moment it struck (a retry whose matchmaking failed made no all-reduce).
 - ``kill_restart``: kill -9 of the cluster's whole process tree by PID, then, ``seconds`` later, the same
   command again with ``--ckpt.resume latest`` (when a checkpoint is complete; else it joins as a newcomer).
 - ``partition``: the cluster's port on the lab's bridge goes down for ``seconds`` (scripts/wan/control.py).

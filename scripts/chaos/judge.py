@@ -55,7 +55,8 @@ def judge(
     hung: bool,
     left_running: list[dict],
 ) -> dict:
-    """Every figure of the summary and the verdict on each target (``launches``: ``Launch.to_json()`` each)."""
+    """Every figure of the summary and the verdict on each target (``launches``: ``Launch.to_json()``
+    each)."""
     table = hashes_by_step(syncs)
     spans = windows(faults, syncs)
     fault_rows = fault_figures(faults, syncs, table)

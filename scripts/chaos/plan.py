@@ -2,9 +2,9 @@
 
 Faults are placed by the galaxy's progress (the clusters' median outer step), not by the clock: a run's pace
 depends on the machine and the link, and a fault aimed at "sync 40" lands in the same phase of the run on any
-machine. Faults that take the soak's hands (a kill, a partition, a burst, a slow-down) run one at a time, so each
-repair is measured from a galaxy that was healthy before it; a lost average is armed in the trainer at launch and
-fires on its own clock; a late joiner is the run's first fault.
+machine. Faults that take the soak's hands (a kill, a partition, a burst, a slow-down) run one at a time, so
+each repair is measured from a galaxy that was healthy before it; a lost average is armed in the trainer at
+launch and fires on its own clock; a late joiner is the run's first fault.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def _kinds_in_order(n: int, kinds: list[str], rng: random.Random) -> list[str]:
 
 def schedule(n: int, kinds: list[str], clusters: int, ranks: int, total_syncs: int, seed: int) -> list[Fault]:
     """A seeded schedule of ``n`` faults over a run of ``total_syncs`` syncs per cluster. At most one lost
-    average per cluster (the fault module takes one all-reduce number per launch); a kind that cannot be placed
-    (a lost average when every cluster has one) gives way to the next kind of the order."""
+    average per cluster (the fault module takes one all-reduce number per launch); a kind that cannot be
+    placed (a lost average when every cluster has one) gives way to the next kind of the order."""
     rng = random.Random(seed)
     order = _kinds_in_order(n, kinds, rng)
     lo, hi = max(2, int(FIRST * total_syncs)), max(3, int(LAST * total_syncs))

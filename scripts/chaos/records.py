@@ -1,9 +1,11 @@
-"""The clusters' jsonl metrics as the soak reads them: while it runs (progress, to place faults) and at the end.
+"""The clusters' jsonl metrics as the soak reads them: while it runs (progress, to place faults) and at the
+end.
 
 A sync is a record with ``outer_step``; a launch (first start or restart, appending to the same file) begins
 with a ``{"event": "start"}`` record. Only keys the round protocol promises to keep are read: ``outer_step``,
 ``in_sync``, ``resynced``, ``param_hash``, ``galaxy_peers``, ``galaxy_alive``, ``retries``,
-``pseudo_grad_finite``, ``pseudo_grad_in_bound``, ``time``, ``step`` (and ``committed``/``attempt`` where present).
+``pseudo_grad_finite``, ``pseudo_grad_in_bound``, ``time``, ``step`` (and ``committed``/``attempt`` where
+present).
 """
 
 from __future__ import annotations

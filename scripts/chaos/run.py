@@ -58,9 +58,9 @@ def with_overrides(defaults: list[str], extra: list[str]) -> list[str]:
 
 
 def matchmaking_time(cfg: SoakConfig) -> str:
-    """How long a round waits for a late cluster: over the lab, long enough to cover a re-synced cluster's download
-    of the 2M model's θ_outer at the slowest profile's 10 Mbit/s (6-7 s; at 1 s such a cluster missed every later
-    round, docs/results/chaos-soak.md); on loopback 1 s."""
+    """How long a round waits for a late cluster: over the lab, long enough to cover a re-synced cluster's
+    download of the 2M model's θ_outer at the slowest profile's 10 Mbit/s (6-7 s; at 1 s such a cluster missed
+    every later round, docs/results/chaos-soak.md); on loopback 1 s."""
     return "1.0" if cfg.profile in (None, "none") else "8.0"
 
 
@@ -124,7 +124,8 @@ def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None
 
 
 def has_checkpoint(root: Path) -> bool:
-    """A complete checkpoint under ``root`` (what ``--ckpt.resume latest`` takes): not a ``.tmp``, with metadata."""
+    """A complete checkpoint under ``root`` (what ``--ckpt.resume latest`` takes): not a ``.tmp``, with
+    metadata."""
     return any(
         p.is_dir() and not p.name.endswith(".tmp") and (p / "metadata.json").is_file()
         for p in root.glob("step_*")

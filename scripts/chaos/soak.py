@@ -1,15 +1,16 @@
 """The chaos soak: a galaxy over the WAN lab under a seeded schedule of faults, judged against issue 34.
 
-    python -m scripts.chaos.soak                       # the target: 4 clusters x 2 ranks, `home`, 500 syncs, 20 faults
+    python -m scripts.chaos.soak              # the target: 4 clusters x 2 ranks, `home`, 500 syncs, 20 faults
     python -m scripts.chaos.soak --clusters 3 --ranks 2 --steps 150 --faults 8 --seed 1
-    python -m scripts.chaos.soak --quick               # 2 x 1 on 127.0.0.1, one lost average, ~2 minutes
+    python -m scripts.chaos.soak --quick      # 2 x 1 on 127.0.0.1, one lost average, ~2 minutes
     python -m scripts.chaos.soak --no-faults --profile intercontinental   # the re-sync share with no fault
     python -m scripts.chaos.soak ... -- --hv.averaging-timeout 60         # trainer flags replace the soak's
     python -m scripts.chaos.soak --rejudge outputs/chaos/DIR             # judge a finished soak again
 
-Streams at τ = H/P (``--hv.fragments P --hv.sync-delay H/P``), the setting the README recommends for WANs. Writes
-``summary.json``, ``summary.md`` (printed), ``events.log`` (every fault's start and end) and the clusters' logs and
-metrics to ``--out``; exits 1 when a target fails, 2 when the soak could not run. The WAN lab needs root.
+Streams at τ = H/P (``--hv.fragments P --hv.sync-delay H/P``), the setting the README recommends for WANs.
+Writes ``summary.json``, ``summary.md`` (printed), ``events.log`` (every fault's start and end) and the
+clusters' logs and metrics to ``--out``; exits 1 when a target fails, 2 when the soak could not run. The WAN
+lab needs root.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"plan   {fault.describe()}")
     if len(faults) < cfg.faults:
         say(
-            f"only {len(faults)} of {cfg.faults} faults fit the kinds allowed here ({', '.join(cfg.kinds) or 'none'})"
+            f"only {len(faults)} of {cfg.faults} faults fit the kinds allowed here "
+            f"({', '.join(cfg.kinds) or 'none'})"
         )
     signal.signal(
         signal.SIGTERM, _interrupt

@@ -1,13 +1,13 @@
-"""Faults a running lab takes from outside, by run id: cut an endpoint's link (a partition) or change the loss on
-it (a burst). The chaos soak (scripts/chaos/) injects them while its galaxy trains; they work by hand too:
+"""Faults a running lab takes from outside, by run id: cut an endpoint's link (a partition) or change the loss
+on it (a burst). The chaos soak (scripts/chaos/) injects them while its galaxy trains; they work by hand too:
 
     python -m scripts.wan.control link RUN_ID c1 down     # nothing in or out of cluster 1 ... `up` heals it
     python -m scripts.wan.control loss RUN_ID c1 5        # 5 % of packets lost both ways on cluster 1's link
     python -m scripts.wan.control loss RUN_ID c1 off      # back to the profile's loss
 
 A link is the endpoint's veth port on the lab's bridge (what ``Lab.set_link`` takes down); loss is read by the
-endpoint's forwarder from ``/run/open_diloco-wan/RUN_ID/ENDPOINT.control`` (scripts/wan/forwarder.py polls it), so
-neither needs the process that holds the lab. Needs root, as the lab does.
+endpoint's forwarder from ``/run/open_diloco-wan/RUN_ID/ENDPOINT.control`` (scripts/wan/forwarder.py polls
+it), so neither needs the process that holds the lab. Needs root, as the lab does.
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ def set_link(run_id: str, endpoint: str, up: bool) -> None:
 
 
 def control_file(run_id: str, endpoint: str) -> Path:
-    """Where the forwarder of ``endpoint`` in lab ``run_id`` reads its loss (the lab passes it the same path)."""
+    """Where the forwarder of ``endpoint`` in lab ``run_id`` reads its loss (the lab passes it the same
+    path)."""
     return RUNTIME / run_id / f"{_endpoint(endpoint)}.control"
 
 
 def set_loss(run_id: str, endpoint: str, loss_pct: float | None) -> None:
-    """Lose ``loss_pct`` % of the packets sent and received on ``endpoint``'s link; None: the profile's loss."""
+    """Lose ``loss_pct`` % of the packets sent and received on ``endpoint``'s link; None: the profile's
+    loss."""
     path = control_file(run_id, endpoint)
     if not path.parent.is_dir():
         raise LabError(f"no lab {run_id} here ({path.parent} is missing)")

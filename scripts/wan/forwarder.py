@@ -13,8 +13,9 @@ Packet order is kept in each direction (a packet's release time is never before 
 real path without reordering. On SIGTERM it prints its counters to stderr and exits.
 
 Loss can change while it runs: ``control_file`` (scripts/wan/control.py writes it) holds ``{"loss_pct": X,
-"loss_in_pct": Y}`` for packets sent and received; without the file, the profile's loss one way. A burst of loss
-is a fault the chaos soak injects, and restarting a forwarder to change it would cut every connection through it.
+"loss_in_pct": Y}`` for packets sent and received; without the file, the profile's loss one way. A burst of
+loss is a fault the chaos soak injects, and restarting a forwarder to change it would cut every connection
+through it.
 """
 
 from __future__ import annotations

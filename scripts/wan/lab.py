@@ -1,16 +1,18 @@
 """The WAN lab: clusters and a DHT in network namespaces of their own, joined through a bridge in another,
 every link shaped to a profile of scripts/wan/profiles.toml.
 
-    python -m scripts.wan.lab up --clusters 2 --profile intercontinental   # builds, self-checks, holds until Ctrl+C
-    python -m scripts.wan.lab check --profile continent                     # up, self-check, down; exit 1 if off
-    python -m scripts.wan.lab down RUN_ID | --all                           # remove a lab left behind / all of them
-    ip netns exec odw-RUN_ID-c0 COMMAND                                     # run something in cluster 0
+    # builds, self-checks, holds until Ctrl+C:
+    python -m scripts.wan.lab up --clusters 2 --profile intercontinental
+    python -m scripts.wan.lab check --profile continent    # up, self-check, down; exit 1 if off
+    python -m scripts.wan.lab down RUN_ID | --all          # remove a lab left behind / all of them
+    ip netns exec odw-RUN_ID-c0 COMMAND                    # run something in cluster 0
 
 Layout of a lab with run id R: namespace ``odw-R-br`` holds bridge ``br0``; each endpoint (``dht``, ``c0``,
 ``c1`` ...) has namespace ``odw-R-<endpoint>`` with a veth ``eth0`` to the bridge (no IP on it) and a TUN
 ``wan0`` holding its address (10.77.0.2 the DHT, 10.77.0.10+i cluster i). Rate: a tbf on ``eth0`` (the
-endpoint's uplink) and on its peer in the bridge (its downlink). Delay, jitter and loss: scripts/wan/forwarder.py
-between ``wan0`` and ``eth0``, one per endpoint. Only the lab's own namespaces are touched, never the host's.
+endpoint's uplink) and on its peer in the bridge (its downlink). Delay, jitter and loss:
+scripts/wan/forwarder.py between ``wan0`` and ``eth0``, one per endpoint. Only the lab's own namespaces are
+touched, never the host's.
 
 Cleanup: ``Lab`` is a context manager; the CLI removes its lab on exit, Ctrl+C or SIGTERM; the forwarders die
 with the process that started them, and a reaper process (its own session) removes the namespaces when that
@@ -53,8 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Lab:
-    """N clusters and a DHT in namespaces, each link shaped to ``profile``. ``with Lab(2, "continent") as lab:``
-    builds it and removes every namespace and process it made on exit."""
+    """N clusters and a DHT in namespaces, each link shaped to ``profile``. ``with Lab(2, "continent") as
+    lab:`` builds it and removes every namespace and process it made on exit."""
 
     def __init__(
         self, clusters: int, profile: str | Profile, run_id: str | None = None, python: str = sys.executable
@@ -266,7 +268,8 @@ class Lab:
         return [ns for ns in lab_namespaces() if ns.startswith(f"{PREFIX}{self.run_id}-")]
 
     def check(self, port: int = 7777) -> dict:
-        """The self-check (``scripts/wan/self_check.py``): RTT and rate against the profile, ``ok`` within ±10 %."""
+        """The self-check (``scripts/wan/self_check.py``): RTT and rate against the profile, ``ok`` within ±10
+        %."""
         return self_check(self, port)
 
 

@@ -1,6 +1,7 @@
 """What a WAN lab (``scripts/wan/lab.py``) leaves on the host, found and removed by run id: its network
-namespaces (named ``odw-RUN_ID-…``), the processes in them and the ones it recorded in /run/open_diloco-wan. None
-of it needs the process that built the lab: ``lab down``, the reaper and ``scripts/wan/control.py`` use it too."""
+namespaces (named ``odw-RUN_ID-…``), the processes in them and the ones it recorded in /run/open_diloco-wan.
+None of it needs the process that built the lab: ``lab down``, the reaper and ``scripts/wan/control.py`` use
+it too."""
 
 from __future__ import annotations
 

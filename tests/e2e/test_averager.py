@@ -71,10 +71,11 @@ CODEC_NUMEL = 1_100_003  # int8 and int4 parts hold 2^19 and 2^20 values: severa
 
 @pytest.mark.parametrize("fault", ["nan", "huge", "liar"])
 def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
-    # peer 2 sends NaN parts (nan), a finite Δ 1000x the others' (huge) or parts 1000x the norm it claimed (liar):
-    # the other reducers leave it out of their spans and name it; the others end the round with identical, finite
-    # bytes, the mean of the honest peers' buffers on the spans they reduced (the span peer 2 reduces itself is
-    # its own to spoil: docs/security.md). CODEC_NUMEL: parts enough for every peer to reduce a span.
+    # peer 2 sends NaN parts (nan), a finite Δ 1000x the others' (huge) or parts 1000x the norm it claimed
+    # (liar): the other reducers leave it out of their spans and name it; the others end the round with
+    # identical, finite bytes, the mean of the honest peers' buffers on the spans they reduced (the span peer
+    # 2 reduces itself is its own to spoil: docs/security.md). CODEC_NUMEL: parts enough for every peer to
+    # reduce a span.
     n, barrier = 3, CTX.Barrier(4)
     galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
@@ -114,9 +115,9 @@ MAX_ERROR = {
 @pytest.mark.parametrize("codec", sorted(MIN_RATIO))
 def test_codec_rounds_are_bitwise_identical(galaxy, codec):
     """Our codecs: every peer ends each round with the same bytes, near the mean, at the codec's byte count
-    (sparse's wire is int2 with empty trailing blocks skipped; its selection is the outer loop's, not tested here).
-    Sparse ``magnitude``'s block scores end as the peers' mean kept to its power of two (the reducer encodes it
-    once, like the values)."""
+    (sparse's wire is int2 with empty trailing blocks skipped; its selection is the outer loop's, not tested
+    here). Sparse ``magnitude``'s block scores end as the peers' mean kept to its power of two (the reducer
+    encodes it once, like the values)."""
     rounds, n = 2, 2
     barrier = CTX.Barrier(n + 1)
     compression, _, rule = codec.partition(" ")

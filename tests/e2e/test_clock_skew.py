@@ -1,5 +1,6 @@
-"""Membership does not depend on two sites' clocks agreeing (issue 34, point 8): a cluster whose clock is 100 s
-behind stays a member of the galaxy from its first round, and each side names the other's skew in one line."""
+"""Membership does not depend on two sites' clocks agreeing (issue 34, point 8): a cluster whose clock is 100
+s behind stays a member of the galaxy from its first round, and each side names the other's skew in one
+line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ FAULTS = Path(__file__).parent / "faults"
 
 
 def _skewed_clock(seconds: float) -> dict[str, str]:
-    """The environment of a cluster whose status clock runs ``seconds`` off (``faults/skewed_status_clock``)."""
+    """The environment of a cluster whose status clock runs ``seconds`` off
+    (``faults/skewed_status_clock``)."""
     search_path = [
         str(FAULTS / "skewed_status_clock"),
         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),

@@ -1,6 +1,6 @@
 """The galaxy guard's content checks on real clusters: a cluster whose training diverges cannot poison the
-others (the reducers' checks on real hivemind, and a stranger refused by the allowlist, are in test_averager.py
-and test_membership.py)."""
+others (the reducers' checks on real hivemind, and a stranger refused by the allowlist, are in
+test_averager.py and test_membership.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ pytestmark = pytest.mark.e2e
 def test_a_diverged_cluster_cannot_poison_a_healthy_one(galaxy):
     # Cluster 1 trains at an absurd lr (10): from its first round its Δ is not finite, or finite but 130x the
     # weights it came from (out of bound from the first round, before any history; measured: rounds 1 and 3).
-    # It never sends it: it sits each round out, adopts the healthy cluster's θ_outer, diverges again, and after
-    # --hv.max-bad-rounds (3) such rounds in a row stops with one line. Cluster 0 trains on to the end, finite.
+    # It never sends it: it sits each round out, adopts the healthy cluster's θ_outer, diverges again, and
+    # after --hv.max-bad-rounds (3) such rounds in a row stops with one line. Cluster 0 trains on to the end,
+    # finite.
     common = [
         "--hv.local-steps",
         "3",

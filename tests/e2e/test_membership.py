@@ -22,8 +22,8 @@ MATCHMAKING, EXPIRY = 1.0, 4.0
 
 def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
     # Before live membership, every round after a loss waited the whole averaging timeout (here 30 s), three
-    # times under `retry`. Cluster 2 is killed outright after round 2, and with it the bootstrap hivemind-dht (the
-    # clusters' own DHT nodes carry on); cluster 1 finishes at step 27, cluster 0 trains on to step 45.
+    # times under `retry`. Cluster 2 is killed outright after round 2, and with it the bootstrap hivemind-dht
+    # (the clusters' own DHT nodes carry on); cluster 1 finishes at step 27, cluster 0 trains on to step 45.
     common = [
         "--hv.local-steps",
         "3",
@@ -50,8 +50,9 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
 
     rounds = [outer_records(m) for m in metrics[:2]]
     # one round may come out partial on one side only (docs/LOG.md: seen here under load right after the
-    # kill); the side left out then re-syncs and may skip that round's number. At most one such incident, reported
-    # as incomplete, healed by a re-sync within two rounds; every other round is checked in full below
+    # kill); the side left out then re-syncs and may skip that round's number. At most one such incident,
+    # reported as incomplete, healed by a re-sync within two rounds; every other round is checked in full
+    # below
     incident = [
         r
         for r in range(killed_at_round + 2, 10)
@@ -69,7 +70,8 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
     assert set(rounds[1]) | set(incident) == set(range(1, 10)) and max(rounds[1]) == 9
     before = [rounds[0][r]["allreduce_seconds"] for r in range(1, killed_at_round + 1)]
     # from the second round after the kill on: both survivors average, each round (its retries included) costs
-    # at most the old pace + matchmaking + expiry; once the expiry has passed, whole rounds of the two live ones
+    # at most the old pace + matchmaking + expiry; once the expiry has passed, whole rounds of the two live
+    # ones
     for r in (r for r in range(killed_at_round + 2, 10) if r not in incident):
         a, b = rounds[0][r], rounds[1][r]
         assert a["param_hash"] == b["param_hash"] and a["galaxy_peers"] == 2, (r, a, b)
@@ -108,10 +110,11 @@ def _identity(directory) -> str:
 
 
 def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
-    """A stranger who knows the run id and the DHT starts beside the galaxy's two members (``metrics``: theirs):
-    it is refused both ways (no state, no group) and named once, and the galaxy's rounds go on as before."""
-    # the stranger: a real averager for the members' shard (same size and model fingerprint, so matchmaking and
-    # the schema check would let it in), with hivemind's debug log on to show what the members answered it
+    """A stranger who knows the run id and the DHT starts beside the galaxy's two members (``metrics``:
+    theirs): it is refused both ways (no state, no group) and named once, and the galaxy's rounds go on as
+    before."""
+    # the stranger: a real averager for the members' shard (same size and model fingerprint, so matchmaking
+    # and the schema check would let it in), with hivemind's debug log on to show what the members answered it
     model = build_model(TINY_MODEL, seed=0)
     stranger_log = tmp_path / "stranger.log"
     stranger = subprocess.Popen(
@@ -165,8 +168,8 @@ def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
     # The galaxy's rounds go on as before: both members, equal hashes, the same pace. One round may come out
     # partial on one side (the one-sided race of docs/LOG.md, seen in full suite runs here), which that side
     # retries (`retries`) or, once the other side's record shows the round applied, ends by adopting its state
-    # (`resynced`, peers 0; seen once, 2026-11-26). Either is reported, and neither is the stranger's doing: it
-    # costs a round its peers or its pace, never splits the galaxy.
+    # (`resynced`, peers 0; seen once, 2026-11-26). Either is reported, and neither is the stranger's doing:
+    # it costs a round its peers or its pace, never splits the galaxy.
     retried = [r for r in during if any(side[r]["retries"] or repaired(side[r]) for side in rounds)]
     assert len(retried) <= 1, [(r, rounds[0][r], rounds[1][r]) for r in retried]
     for r in during:
@@ -179,9 +182,9 @@ def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
 
 def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy(galaxy, tmp_path):
     # The galaxy runs with identity files and an allowlist naming its two clusters. A stranger who knows the
-    # run id and the DHT starts beside them: it is refused both ways (no state, no group) and named once, and the
-    # galaxy's rounds go on as before. Then cluster 1 is stopped with Ctrl+C, which costs cluster 0 nothing, and
-    # started again from its checkpoint with the same identity directory: it is let back in.
+    # run id and the DHT starts beside them: it is refused both ways (no state, no group) and named once, and
+    # the galaxy's rounds go on as before. Then cluster 1 is stopped with Ctrl+C, which costs cluster 0
+    # nothing, and started again from its checkpoint with the same identity directory: it is let back in.
     lines = {name: _identity(tmp_path / name) for name in ("id0", "id1")}
     allowlist = tmp_path / "allowlist.txt"
     allowlist.write_text("# the galaxy\n" + lines["id0"] + lines["id1"])
@@ -224,16 +227,17 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     galaxy.wait_for_step(metrics[0], 5 * (stopped_at + 4), 120)
     alone = outer_records(metrics[0])
     before = max(alone[r]["allreduce_seconds"] for r in alone if r <= stopped_at)  # (a re-sync skips numbers)
-    # The round it was stopped in may still have averaged with it before it wrote its metrics, or, when the stop
-    # landed in matchmaking, come out partial and been retried once, by then with 1 alive; from the next one on,
-    # no retry. Neither waits for the stopped cluster.
+    # The round it was stopped in may still have averaged with it before it wrote its metrics, or, when the
+    # stop landed in matchmaking, come out partial and been retried once, by then with 1 alive; from the next
+    # one on, no retry. Neither waits for the stopped cluster.
     first = min(r for r in alone if r > stopped_at and alone[r]["galaxy_peers"] == 1)
     assert first <= stopped_at + 2, [alone[r] for r in range(stopped_at, first + 1)]
     for r in (first, first + 1):
         assert alone[r]["galaxy_alive"] == 1 and alone[r]["retries"] <= (1 if r == first else 0), alone[r]
         assert (alone[r]["retries"] + 1) * alone[r]["allreduce_seconds"] <= before + 5.0, (alone[r], before)
 
-    # it comes back from its last checkpoint, behind the galaxy: it adopts the galaxy's state and averages again
+    # it comes back from its last checkpoint, behind the galaxy: it adopts the galaxy's state and averages
+    # again
     del galaxy.procs["cluster1"]
     resumed = member(1, "--ckpt.resume", "latest", name="cluster1")
     together = _wait_until_together(galaxy, metrics[0], resumed, after=stopped_at, seconds=180)
@@ -244,8 +248,8 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
 
 
 def _wait_until_together(galaxy, ours_file, theirs_file, after: int, seconds: float) -> int | None:
-    """Poll two clusters' metrics for up to ``seconds``: the first round after ``after`` they averaged together
-    (2 peers) into equal hashes, or None."""
+    """Poll two clusters' metrics for up to ``seconds``: the first round after ``after`` they averaged
+    together (2 peers) into equal hashes, or None."""
     deadline = time.monotonic() + seconds
     together = None
     while together is None and time.monotonic() < deadline:

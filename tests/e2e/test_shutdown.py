@@ -38,9 +38,9 @@ def _wait_in_round(galaxy: Galaxy, name: str) -> list[int]:
 
 
 def _tracebacks_other_than_torchruns_signal(log: str) -> list[str]:
-    """The tracebacks in ``log`` that are not torchrun's SignalException or an exception chained to it ("During
-    handling of the above exception"): torch's own elastic agent can raise one more while handling the signal
-    (an UnboundLocalError in its metrics wrapper when the signal lands before its timer starts)."""
+    """The tracebacks in ``log`` that are not torchrun's SignalException or an exception chained to it
+    ("During handling of the above exception"): torch's own elastic agent can raise one more while handling
+    the signal (an UnboundLocalError in its metrics wrapper when the signal lands before its timer starts)."""
     others, previous_was_torchruns, chained = [], False, False
     for traceback in log.split("Traceback (most recent call last):")[1:]:
         torchruns = "SignalException" in traceback.split("\n\n")[0] or (chained and previous_was_torchruns)

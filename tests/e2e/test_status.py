@@ -1,5 +1,5 @@
-"""`open-diloco status` against a real galaxy: each row matches its cluster's own metrics, and a cluster that was
-stopped or killed is flagged as such."""
+"""`open-diloco status` against a real galaxy: each row matches its cluster's own metrics, and a cluster that
+was stopped or killed is flagged as such."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Streaming DiLoCo across real clusters (DHT + torchrun clusters on 127.0.0.1, hivemind all-reduce): fragments
-that sync in turn while training goes on stay bitwise identical, survive a cluster killed mid-fragment, and
-resume bit-exact from a checkpoint taken with a fragment in flight."""
+"""Streaming DiLoCo across real clusters (DHT + torchrun clusters on 127.0.0.1, hivemind all-reduce):
+fragments that sync in turn while training goes on stay bitwise identical, survive a cluster killed
+mid-fragment, and resume bit-exact from a checkpoint taken with a fragment in flight."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ SYNCS = 8  # two full cycles of the four fragments
 
 
 def test_fragments_in_flight_stay_bitwise_identical(galaxy):
-    """Every sync is whole and bitwise identical in both clusters, but for at most one incident: under load a round
-    has come out partial on one side only (the reducer's averages never reached the other peer: "sent 0 parts"),
-    which the round reports (``galaxy_complete`` false) and the galaxy heals by re-syncing within two syncs; with
-    every sync after it whole and identical again."""
+    """Every sync is whole and bitwise identical in both clusters, but for at most one incident: under load a
+    round has come out partial on one side only (the reducer's averages never reached the other peer: "sent 0
+    parts"), which the round reports (``galaxy_complete`` false) and the galaxy heals by re-syncing within two
+    syncs; with every sync after it whole and identical again."""
     metrics = [galaxy.start_cluster(rank, 2, "--max-steps", "16", *STREAMING) for rank in (0, 1)]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
@@ -55,8 +55,9 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
 
 
 def _whole_and_equal(a: dict, b: dict) -> bool:
-    """Both clusters took part, both say in sync, and θ_outer (all of it and the synced fragment) is bitwise equal.
-    (A sync a cluster sat out, adopting the galaxy's state instead, has no ``fragment_hash``: not whole.)"""
+    """Both clusters took part, both say in sync, and θ_outer (all of it and the synced fragment) is bitwise
+    equal. (A sync a cluster sat out, adopting the galaxy's state instead, has no ``fragment_hash``: not
+    whole.)"""
     return (
         a["param_hash"] == b["param_hash"]
         and a.get("fragment_hash", 0) == b.get("fragment_hash", 1)

@@ -1,7 +1,7 @@
 """The README stays a guide and the docs stay connected: README length, every relative link (and its #anchor)
-resolves, the repository paths the docs name exist, and the README's quick-start commands name files that exist
-and flags the trainer accepts. Fast: no network, no processes (running the quick-start torchrun itself takes
-about a minute on 2 cores; tests/dist runs the same trainer)."""
+resolves, the repository paths the docs name exist, and the README's quick-start commands name files that
+exist and flags the trainer accepts. Fast: no network, no processes (running the quick-start torchrun itself
+takes about a minute on 2 cores; tests/dist runs the same trainer)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def test_relative_links_resolve(page):
 
 
 def exists(path: str) -> bool:
-    """A path of the repository, or a module's attribute written as one (`tests/e2e/galaxy_harness.Galaxy`)."""
+    """A path of the repository, or a module's attribute written as one
+    (`tests/e2e/galaxy_harness.Galaxy`)."""
     path = path.rstrip("/")
     return (REPO / path).exists() or (REPO / re.sub(r"\.\w+$", ".py", path)).is_file()
 

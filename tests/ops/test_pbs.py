@@ -20,7 +20,8 @@ FAKE_CLUSTER_TRAIN = """#!/usr/bin/env bash
 python3 - "$@" <<'PY'
 import json, os, sys
 keep = ("BACKEND", "NPROC_PER_NODE", "RDZV_ID", "VENV")
-record = {"args": sys.argv[1:], "cwd": os.getcwd(), "env": {k: os.environ[k] for k in keep if k in os.environ}}
+env = {k: os.environ[k] for k in keep if k in os.environ}
+record = {"args": sys.argv[1:], "cwd": os.getcwd(), "env": env}
 with open(os.path.join("RECORD_DIR", f"node{sys.argv[3]}.json"), "w") as out:
     json.dump(record, out)
 PY

@@ -35,7 +35,8 @@ BASE = dict(
 
 
 def peer_input(round_id: int, rank: int, numel: int, scores: int = 0) -> torch.Tensor:
-    """A peer's input: ``numel`` values, then ``scores`` block scores (powers of two, as the outer loop sends them)."""
+    """A peer's input: ``numel`` values, then ``scores`` block scores (powers of two, as the outer loop sends
+    them)."""
     generator = torch.Generator().manual_seed(1000 * round_id + rank)
     values = torch.randn(numel, generator=generator)
     return torch.cat([values, 2.0 ** -torch.randint(0, 40, (scores,), generator=generator).float()])
@@ -61,8 +62,8 @@ def _crash_when_reducing() -> None:
 
 
 def _send_garbage(fault: str) -> None:
-    """Fault injection: every part this peer sends to another reducer is NaN (``nan``: a broken sender) or 1000x
-    what it claimed (``liar``: a hostile one); the span it reduces itself stays as it is."""
+    """Fault injection: every part this peer sends to another reducer is NaN (``nan``: a broken sender) or
+    1000x what it claimed (``liar``: a hostile one); the span it reduces itself stays as it is."""
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
     from open_diloco.galaxy.allreduce import CanonicalAllReduce
@@ -163,8 +164,8 @@ def _peer(
 
 
 def _round_result(mine: torch.Tensor, inputs: list, rank: int, report, numel: int, started: float) -> dict:
-    """What the test checks of one peer's round: its result ``mine`` against the mean of the inputs of the peers
-    the round ``report`` names (and of those it did not reject)."""
+    """What the test checks of one peer's round: its result ``mine`` against the mean of the inputs of the
+    peers the round ``report`` names (and of those it did not reject)."""
     present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
     mean = present.mean(0)
     honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()

@@ -2,16 +2,17 @@
 the shard's size (so hivemind's matchmaking would group it with the members), but is on nobody's allowlist.
 
 It tries to download the state once, then to average ``--rounds`` rounds, and prints one JSON line per
-attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. A round's matchmaking key holds the round
-and the attempt, so it does what an intruder would: reads the members' records for the round they are in and waits
-under the key of the next one, where the members come to look for their group. With ``--log`` (its own output, with
-hivemind's debug log on) it goes on for up to ``--max-rounds`` until that log shows a member refusing its join
-request. Its matchmaking time is longer than the members' (1 s in the tests), so it declares itself a leader for
-later than they do and asks to join them, rather than wait for them to ask it (they never would: its PeerID is not
-on their allowlist). It ends its averager, DHT and p2pd itself (the test checks by PID that nothing is left).
+attempt: ``{"download": bool}`` and ``{"round": i, "group_size": n}``. A round's matchmaking key holds the
+round and the attempt, so it does what an intruder would: reads the members' records for the round they are in
+and waits under the key of the next one, where the members come to look for their group. With ``--log`` (its
+own output, with hivemind's debug log on) it goes on for up to ``--max-rounds`` until that log shows a member
+refusing its join request. Its matchmaking time is longer than the members' (1 s in the tests), so it declares
+itself a leader for later than they do and asks to join them, rather than wait for them to ask it (they never
+would: its PeerID is not on their allowlist). It ends its averager, DHT and p2pd itself (the test checks by
+PID that nothing is left).
 
-    python -m tests.support.stranger --initial-peers MADDR --run-id ID --numel N --model-fingerprint F [--rounds R]
-        [--log PATH --max-rounds M]
+    python -m tests.support.stranger --initial-peers MADDR --run-id ID --numel N --model-fingerprint F
+        [--rounds R] [--log PATH --max-rounds M]
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from open_diloco.config import HvConfig
 from open_diloco.galaxy.build import ClusterShard, start_shard_averager
 
 REFUSED = "got rejected with PROTOCOL_VIOLATION"
-"""hivemind's debug line when a leader refuses a join request (a member's allowlist: ``CanonicalAverager``)."""
+"""hivemind's debug line when a leader refuses a join request (a member's allowlist:
+``CanonicalAverager``)."""
 
 
 def main() -> None:

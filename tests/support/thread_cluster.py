@@ -1,7 +1,7 @@
-"""The ranks of one cluster as threads: a ``ClusterComm`` whose collectives really gather across them, so the outer
-loop's agreement (every rank takes the same decision through the same collectives) is tested without a process
-group. A rank that skips a collective its siblings enter makes the barrier time out: the test fails, as the real
-cluster would hang."""
+"""The ranks of one cluster as threads: a ``ClusterComm`` whose collectives really gather across them, so the
+outer loop's agreement (every rank takes the same decision through the same collectives) is tested without a
+process group. A rank that skips a collective its siblings enter makes the barrier time out: the test fails,
+as the real cluster would hang."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ BARRIER_SECONDS = 20.0
 
 
 class ThreadCluster:
-    """``ranks`` ranks; :meth:`comm` gives each its ``ClusterComm``; :meth:`run` runs one function per rank."""
+    """``ranks`` ranks; :meth:`comm` gives each its ``ClusterComm``; :meth:`run` runs one function per
+    rank."""
 
     def __init__(self, ranks: int):
         self.ranks = ranks
@@ -31,7 +32,8 @@ class ThreadCluster:
         return gathered
 
     def run(self, work: Callable[[int, ThreadComm], Any]) -> list[Any]:
-        """``work(rank, comm)`` on every rank at once; their results in rank order (an exception is re-raised)."""
+        """``work(rank, comm)`` on every rank at once; their results in rank order (an exception is
+        re-raised)."""
         results: list[Any] = [None] * self.ranks
         errors: list[BaseException] = []
 

@@ -1,5 +1,5 @@
-"""The all-reduce's stream ends (``open_diloco.galaxy.span_streams``): a sender holds its end open until it has read
-every average, a reducer closes only after that end, and neither waits past hivemind's timeouts."""
+"""The all-reduce's stream ends (``open_diloco.galaxy.span_streams``): a sender holds its end open until it
+has read every average, a reducer closes only after that end, and neither waits past hivemind's timeouts."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ async def _collect(stream) -> list:
 
 
 def test_a_reducer_lets_a_sender_go_after_its_last_part_at_the_sender_timeout():
-    # hivemind's sender timeout ends the wait for the sender's end: all its parts are in, so that is no failure
+    # hivemind's sender timeout ends the wait for the sender's end: all its parts are in, so that is no
+    # failure
     assert len(asyncio.run(_collect(until_sender_read_all(_parts(3, asyncio.TimeoutError()), 3)))) == 3
     assert len(asyncio.run(_collect(until_sender_read_all(_parts(3), 3)))) == 3
     with pytest.raises(asyncio.TimeoutError):  # a sender that stalls before its last part is one that failed
@@ -67,7 +68,8 @@ class _Stub:
 async def _reducer(reader, writer, answers, close_after: int | None = None) -> int | None:
     """The reducer's side: reads the sender's messages, answers each of its two parts with the next of
     ``answers`` (the rest after the second part), closes after ``close_after`` answers if given, else once the
-    sender ended its stream; returns how many answers had been written when the sender's end came (or None)."""
+    sender ended its stream; returns how many answers had been written when the sender's end came (or
+    None)."""
     from hivemind.p2p import P2P
 
     written = 0
@@ -87,8 +89,8 @@ async def _reducer(reader, writer, answers, close_after: int | None = None) -> i
 
 
 def _exchange(answers, expected: int, reducer_timeout: float = 5.0, close_after: int | None = None):
-    """Our parts (two) to a reducer over a real socket pair; returns (the codes we read, when our end came, the
-    seconds it took)."""
+    """Our parts (two) to a reducer over a real socket pair; returns (the codes we read, when our end came,
+    the seconds it took)."""
     import socket
 
     async def run():
@@ -127,6 +129,7 @@ def test_a_stream_the_reducer_cuts_short_ends_at_once():
 
 
 def test_a_sender_gives_up_waiting_for_averages_at_the_reducer_timeout():
-    # a reducer that answers once of three, then neither answers nor closes: our end comes at the reducer timeout
+    # a reducer that answers once of three, then neither answers nor closes: our end comes at the reducer
+    # timeout
     codes, ended_after, seconds = _exchange([AVERAGE], expected=3, reducer_timeout=0.5)
     assert codes == [averaging_pb2.AVERAGED_PART] and ended_after == 1 and 0.5 <= seconds < 3.0

@@ -90,8 +90,14 @@ def test_a_kill_lasts_until_the_victim_syncs_again():
 
 
 def test_log_lines_become_kinds():
-    a = "2026-11-27 08:59:45,513 WARN galaxy_rank=0 rank=1 local_rank=1 open_diloco.outer: outer step 5: attempt 1/2"
-    b = "2026-11-27 09:10:00,000 WARN galaxy_rank=2 rank=0 local_rank=0 open_diloco.outer: outer step 81: attempt 2/2"
+    a = (
+        "2026-11-27 08:59:45,513 WARN galaxy_rank=0 rank=1 "
+        "local_rank=1 open_diloco.outer: outer step 5: attempt 1/2"
+    )
+    b = (
+        "2026-11-27 09:10:00,000 WARN galaxy_rank=2 rank=0 "
+        "local_rank=0 open_diloco.outer: outer step 81: attempt 2/2"
+    )
     assert normalize(a) == normalize(b) == "WARN open_diloco.outer: outer step N: attempt N/N"
     peer = (
         "Nov 27 08:59:45.498 [WARN] [x:174] peer 12D3KooWMa2sv7rxA3d24mrxhsK7N1vm2omUf1MNMqhivq5gQt4E sent 3"

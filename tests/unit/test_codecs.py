@@ -1,5 +1,5 @@
-"""The pseudo-gradient codecs and their error feedback, on edge-case inputs and against hand-written references
-(sparse rounds: test_sparse.py)."""
+"""The pseudo-gradient codecs and their error feedback, on edge-case inputs and against hand-written
+references (sparse rounds: test_sparse.py)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_packing_sizes():
         assert blob.numel() == 12 + 2 * 4096 // block + 4096 * bits // 8
 
 
-# -- error feedback -----------------------------------------------------------------------------------------------
+# -- error feedback ------------------------------------------------------------------------------------------
 def _hand_int8(x: torch.Tensor) -> torch.Tensor:
     """int8 blocks of 256 written out: scale = absmax truncated to bf16, 255 levels spanning ± scale."""
     out = torch.empty_like(x)
@@ -149,8 +149,8 @@ def _hand_int8(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_error_feedback_matches_a_hand_computed_reference():
-    """One cluster, int8, plain averaging: round k sends Q(Δ_k + e_{k−1}), keeps e_k = Δ_k + e_{k−1} − sent, and
-    θ_outer moves by what was sent."""
+    """One cluster, int8, plain averaging: round k sends Q(Δ_k + e_{k−1}), keeps e_k = Δ_k + e_{k−1} − sent,
+    and θ_outer moves by what was sent."""
     torch.manual_seed(0)
     start = torch.randn(300)
     model = torch.nn.Linear(300, 1, bias=False)

@@ -1,4 +1,5 @@
-"""Real data without processes: sources, packing, tokenizers, the galaxy split, the sampler contract, resume."""
+"""Real data without processes: sources, packing, tokenizers, the galaxy split, the sampler contract,
+resume."""
 
 from __future__ import annotations
 

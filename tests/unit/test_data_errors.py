@@ -89,7 +89,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, case: str) -> 
     lines = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in lines if line.startswith("open-diloco: error: ")]
     assert code == 2
-    # One error line, last; a corpus found too small only after packing may be preceded by the packing summary.
+    # One error line, last; a corpus found too small only after packing may be preceded by the packing
+    # summary.
     assert len(errors) == 1 and lines[-1] == errors[0] and expected in errors[0], lines
     assert all(line.startswith("packed ") for line in lines[:-1]), lines
 

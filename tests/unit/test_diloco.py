@@ -44,7 +44,8 @@ def test_outer_step_matches_hand_computed_nesterov():
     # θ0 = [1, 2]; round 1 locals A=[0.5, 2.5], B=[0.9, 1.5] → Δ = [0.5, −0.5], [0.1, 0.5] → avg [0.3, 0.0]
     # momentum buf = [0.3, 0]; nesterov update = g + 0.9·buf = [0.57, 0]; θ1 = θ0 − 0.7·update = [0.601, 2.0]
     # round 2 locals A=[0.401, 2.2], B=[0.601, 1.8] → Δ = [0.2, −0.2], [0, 0.2] → avg [0.1, 0.0]
-    # buf = 0.9·[0.3, 0] + [0.1, 0] = [0.37, 0]; update = [0.1 + 0.333, 0] = [0.433, 0]; θ2 = [0.601 − 0.3031, 2.0]
+    # buf = 0.9·[0.3, 0] + [0.1, 0] = [0.37, 0]; update = [0.1 + 0.333, 0] = [0.433, 0]; θ2 = [0.601 − 0.3031,
+    # 2.0]
     galaxy = InProcessGalaxy(2)
     locals_ = {0: [[0.5, 2.5], [0.401, 2.2]], 1: [[0.9, 1.5], [0.601, 1.8]]}
     results = _run_clusters(galaxy, [1.0, 2.0], locals_)
@@ -111,8 +112,8 @@ def test_partial_round_fail_policy_stops():
 
 
 def test_the_only_live_cluster_averages_alone_at_once():
-    # the other cluster's membership record says it left: no matchmaking (which could only time out), no retry,
-    # not even under `fail`; the outer step uses this cluster's own Δ
+    # the other cluster's membership record says it left: no matchmaking (which could only time out), no
+    # retry, not even under `fail`; the outer step uses this cluster's own Δ
     galaxy = InProcessGalaxy(1, departed={1})
     warnings: list[str] = []
     model = linear_model([1.0])
@@ -133,8 +134,9 @@ def test_the_only_live_cluster_averages_alone_at_once():
 
 @pytest.mark.parametrize("left", ["said it ended", "fell silent"])
 def test_a_cluster_alone_is_in_sync_only_when_the_others_said_they_ended(left):
-    # a cluster that fell silent may be training on behind a partition: alone, nothing was compared, so the round
-    # must not claim the galaxy agrees (both sides of a cut logged in_sync True while they drifted apart)
+    # a cluster that fell silent may be training on behind a partition: alone, nothing was compared, so the
+    # round must not claim the galaxy agrees (both sides of a cut logged in_sync True while they drifted
+    # apart)
     galaxy = InProcessGalaxy(1, departed={1}, silent={1} if left == "fell silent" else set())
     outer = DiLoCo(linear_model([1.0]), galaxy.averager(0, 1), outer_hv(galaxy_size=2), warn=lambda *_: None)
     record = outer.after_inner_step(1)
@@ -188,7 +190,8 @@ def test_outer_momentum_zero_is_plain_sgd():
 
 def test_heavy_ball_momentum_hand_computed():
     # θ0 = 1; one cluster; locals 0.5 then 0.3 (Δ1 = 0.5, Δ2 = θ1 − 0.3)
-    # round 1: b = 0.5, θ1 = 1 − 0.7·0.5 = 0.65; round 2: Δ2 = 0.35, b = 0.9·0.5 + 0.35 = 0.8, θ2 = 0.65 − 0.56
+    # round 1: b = 0.5, θ1 = 1 − 0.7·0.5 = 0.65; round 2: Δ2 = 0.35, b = 0.9·0.5 + 0.35 = 0.8, θ2 = 0.65 −
+    # 0.56
     results = _run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.3]]}, outer_nesterov=False)
     weight, _, outer = results[0]
     assert weight.item() == pytest.approx(0.09, abs=1e-6)
@@ -240,8 +243,8 @@ def _three_rounds(outer: DiLoCo, model: torch.nn.Module, rounds: range) -> None:
     [dict(outer_warmup_rounds=2), dict(outer_momentum=0.0, outer_lr=1.3), dict(outer_nesterov=False)],
 )
 def test_resume_from_outer_state_is_bit_exact(settings):
-    """What a checkpoint keeps (θ_outer in the model, the outer state dict: momentum, round counter) continues the
-    outer schedule exactly, also when saved after a warm-up round that has no momentum yet."""
+    """What a checkpoint keeps (θ_outer in the model, the outer state dict: momentum, round counter) continues
+    the outer schedule exactly, also when saved after a warm-up round that has no momentum yet."""
     hv = outer_hv(**settings)
     model = linear_model([1.0, 2.0, 3.0])
     straight = DiLoCo(model, InProcessGalaxy(1).averager(0, 3), hv, warn=lambda *_: None)

@@ -1,6 +1,6 @@
 """DiLoCo when training or a round goes wrong: a diverged cluster sends nothing and adopts the galaxy's state,
-a non-finite pseudo-gradient or average is never encoded nor applied, and a cluster that keeps failing stops with
-one line. In-process averager (no hivemind)."""
+a non-finite pseudo-gradient or average is never encoded nor applied, and a cluster that keeps failing stops
+with one line. In-process averager (no hivemind)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def test_a_non_finite_average_is_never_applied():
 
 
 def test_a_round_still_holding_the_buffer_stops_with_one_line():
-    # The round's result never came and hivemind still holds the buffer past its timeout: nothing can be applied.
+    # The round's result never came and hivemind still holds the buffer past its timeout: nothing can be
+    # applied.
     class StuckAfterStart(InProcessAverager):
         @contextlib.contextmanager
         def buffer(self):

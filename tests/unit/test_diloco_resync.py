@@ -1,6 +1,6 @@
-"""DiLoCo for a cluster behind or apart from the galaxy: it sends nothing from an old θ_outer, is left out of a
-round it started elsewhere, and takes the galaxy's state (a re-sync, or the round it missed). In-process averager
-(no hivemind)."""
+"""DiLoCo for a cluster behind or apart from the galaxy: it sends nothing from an old θ_outer, is left out of
+a round it started elsewhere, and takes the galaxy's state (a re-sync, or the round it missed). In-process
+averager (no hivemind)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tests.support.tiny_outer import linear_model, outer_hv
 
 
 def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
-    # the membership records show a live cluster at outer step 3 while this one is at 0 (say, a late joiner whose
-    # download is already old): its Δ comes from an older θ_outer and must never enter the average
+    # the membership records show a live cluster at outer step 3 while this one is at 0 (say, a late joiner
+    # whose download is already old): its Δ comes from an older θ_outer and must never enter the average
     galaxy = InProcessGalaxy(1, serve_state=True)
     hv = dict(galaxy_size=2, on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0, join_timeout=5.0)
     ahead_model = linear_model([1.0])
@@ -58,8 +58,9 @@ def test_a_cluster_behind_the_galaxy_sends_nothing_and_adopts_its_state():
     ],
 )
 def test_a_cluster_that_sat_out_goes_on_where_the_galaxy_is(lead_progress, step_seconds, expected):
-    # a cluster that adopted the galaxy's state at outer step 3 while the lead cluster is already training towards
-    # the next sync: going on from step 60 it would reach that sync as late as it was behind, so it skips ahead
+    # a cluster that adopted the galaxy's state at outer step 3 while the lead cluster is already training
+    # towards the next sync: going on from step 60 it would reach that sync as late as it was behind, so it
+    # skips ahead
     galaxy = InProcessGalaxy(1, serve_state=True)
     hv = dict(
         galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0
@@ -103,8 +104,8 @@ def test_out_of_sync_is_reported():
 
 
 class ScriptedRound(InProcessAverager):
-    """A peer whose round reports what the test says (``peers`` by galaxy rank, ``stale`` ranks), leaving the buffer
-    as it was, and whose state downloads answer with ``served`` (metadata, tensors) or nothing."""
+    """A peer whose round reports what the test says (``peers`` by galaxy rank, ``stale`` ranks), leaving the
+    buffer as it was, and whose state downloads answer with ``served`` (metadata, tensors) or nothing."""
 
     peers: dict = {}
     stale: list = []
@@ -128,10 +129,11 @@ class ScriptedRound(InProcessAverager):
 
 
 def test_a_cluster_left_out_re_syncs_even_when_its_peer_was_left_out_too():
-    # Seen in the e2e suite: after a round that came out partial on one side only, each cluster's shards met the
-    # other's in different rounds, so one shard's reducers left cluster 0 out and another shard's left cluster 1
-    # out. Judged only against peers not left out, each found itself "in sync" with nobody and went on with its
-    # own θ_outer: two models for the rest of the run. A cluster left out must adopt the reference's state.
+    # Seen in the e2e suite: after a round that came out partial on one side only, each cluster's shards met
+    # the other's in different rounds, so one shard's reducers left cluster 0 out and another shard's left
+    # cluster 1 out. Judged only against peers not left out, each found itself "in sync" with nobody and went
+    # on with its own θ_outer: two models for the rest of the run. A cluster left out must adopt the
+    # reference's state.
     galaxy = InProcessGalaxy(1)
     averager = ScriptedRound(galaxy, 0, 2)
     averager.peers = {1: {"galaxy_rank": 1, "round_id": 1, "param_hash": "theirs"}}
@@ -152,8 +154,8 @@ def test_a_cluster_left_out_re_syncs_even_when_its_peer_was_left_out_too():
 
 
 def test_a_re_sync_takes_the_state_a_stuck_reference_started_from():
-    # the reference is a round ahead and stuck in that round (waiting on us): after --hv.join-timeout its state at
-    # that round's start is adopted (the galaxy's θ_outer), not our own diverged one kept
+    # the reference is a round ahead and stuck in that round (waiting on us): after --hv.join-timeout its
+    # state at that round's start is adopted (the galaxy's θ_outer), not our own diverged one kept
     averager = ScriptedRound(InProcessGalaxy(1), 0, 2)
     averager.peers = {1: {"galaxy_rank": 1, "round_id": 4, "param_hash": "theirs"}}
     averager.stale = [0]
@@ -173,9 +175,9 @@ def test_a_re_sync_takes_the_state_a_stuck_reference_started_from():
 
 
 class LosesAPartThenIsOvertaken(ScriptedRound):
-    """Round 1: the other cluster's reducer never delivers our last part, so the round is partial here but whole
-    there, and that cluster applies it. Our retry then looks for a group nobody else looks for, until the
-    membership poll sees that cluster's record at outer step 1 (``RoundReport.overtaken``)."""
+    """Round 1: the other cluster's reducer never delivers our last part, so the round is partial here but
+    whole there, and that cluster applies it. Our retry then looks for a group nobody else looks for, until
+    the membership poll sees that cluster's record at outer step 1 (``RoundReport.overtaken``)."""
 
     def start_round(self, round_id, fingerprint, attempt=0):
         self.calls += 1
@@ -194,7 +196,8 @@ class LosesAPartThenIsOvertaken(ScriptedRound):
 
 def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once():
     # Seen in the e2e suite (test_two_clusters_stay_bitwise_identical[fp16], under load): the retry waited for
-    # the other cluster's next round, was left out of it, and re-synced a round later: two rounds lost for one part
+    # the other cluster's next round, was left out of it, and re-synced a round later: two rounds lost for one
+    # part
     averager = LosesAPartThenIsOvertaken(InProcessGalaxy(1), 0, 2)
     reference = DiLoCo(
         linear_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), outer_hv(), warn=lambda *_: None
@@ -208,7 +211,8 @@ def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once(
     )
     record = outer.after_inner_step(1)
     assert averager.calls == 2, warnings  # the round and one retry: no third round started
-    # our Δ is in the round the other cluster committed: taking its result is our commit too, nothing re-synced
+    # our Δ is in the round the other cluster committed: taking its result is our commit too, nothing
+    # re-synced
     assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], warnings
     assert record["outer_step"] == 1 and record["state_source"] == 1
     assert outer.state.hash() == reference.state.hash()
@@ -229,7 +233,8 @@ def test_out_of_cohort_names_who_started_elsewhere():
     assert (
         out_of_cohort({0: {**same, "galaxy_rank": 0}, 1: {"galaxy_rank": 1}}) == set()
     )  # no claim: the guard's
-    # two sides of a healed partition at one round: the θ_outer most clusters hold is the reference, not rank 0's
+    # two sides of a healed partition at one round: the θ_outer most clusters hold is the reference, not rank
+    # 0's
     three = {
         0: {**same, "param_hash": "lone", "galaxy_rank": 0},
         1: {**same, "galaxy_rank": 1},
@@ -245,8 +250,9 @@ def test_out_of_cohort_names_who_started_elsewhere():
 
 
 def test_a_cluster_that_started_elsewhere_is_left_out_and_the_cohort_averages_exactly():
-    """Three clusters; cluster 2 starts the round from another θ_outer. Every reducer leaves it out: clusters 0 and
-    1 apply the exact mean of their own Δs (nothing of cluster 2's), and cluster 2 adopts their state."""
+    """Three clusters; cluster 2 starts the round from another θ_outer. Every reducer leaves it out: clusters
+    0 and 1 apply the exact mean of their own Δs (nothing of cluster 2's), and cluster 2 adopts their
+    state."""
     galaxy = InProcessGalaxy(3, serve_state=True)
     results = {}
     locals_ = {0: [0.5, 2.5], 1: [0.9, 1.5], 2: [9.0, 9.0]}

@@ -50,7 +50,8 @@ def test_p2pd_closing_its_own_socket_at_shutdown_is_not_logged_as_an_error():
 
 
 def test_a_failed_state_download_is_one_warning_line():
-    # hivemind logs it with logger.exception: an ERROR and a traceback for a routine retry (a peer not yet listening)
+    # hivemind logs it with logger.exception: an ERROR and a traceback for a routine retry (a peer not yet
+    # listening)
     import logging
 
     from open_diloco.galaxy.canonical_averager import one_line_download_failures

@@ -1,8 +1,8 @@
 """The hivemind privates open_diloco overrides or reads are still there, shaped as we expect.
 
-open_diloco/galaxy/ subclasses DecentralizedAverager and AllReduceRunner for a canonical all-reduce, and reads their
-private attributes (see the module docstring there and design.md). pyproject pins hivemind to a minor; this
-test tells, on a new hivemind, exactly which of those privates moved, before an e2e run fails obscurely.
+open_diloco/galaxy/ subclasses DecentralizedAverager and AllReduceRunner for a canonical all-reduce, and reads
+their private attributes (see the module docstring there and design.md). pyproject pins hivemind to a minor;
+this test tells, on a new hivemind, exactly which of those privates moved, before an e2e run fails obscurely.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def test_attributes_we_use_are_still_set_in_init(cls, attributes):
 
 
 def test_parent_pid_is_the_creating_process():
-    # become_galaxy_child (galaxy/lifecycle.py) watches this pid from the forked child: it must be the creator's.
+    # become_galaxy_child (galaxy/lifecycle.py) watches this pid from the forked child: it must be the
+    # creator's.
     for cls in (DecentralizedAverager, hivemind.DHT):
         assert "self._parent_pid = os.getpid()" in inspect.getsource(cls.__init__), changed(
             f"{cls.__name__}._parent_pid"

@@ -1,4 +1,5 @@
-"""Rank logging: one handler however often it is set up, our INFO shown, others' from WARNING, warnings as one line."""
+"""Rank logging: one handler however often it is set up, our INFO shown, others' from WARNING, warnings as one
+line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The outer loop as a ``Stateful``: what ``state_dict()`` gives is everything a resume needs, in the shape DCP
-stores (pieces keyed and shaped like the parameters), and ``load_state_dict()`` puts it back bit for bit."""
+"""The outer loop as a ``Stateful``: what ``state_dict()`` gives is everything a resume needs, in the shape
+DCP stores (pieces keyed and shaped like the parameters), and ``load_state_dict()`` puts it back bit for
+bit."""
 
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def _assert_bitwise_equal(got: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("run", RUNS)
 def test_outer_state_dict_round_trips_bit_exact(run):
-    """Save, perturb every buffer, load: θ_outer, momentum, error feedback, block scores, the round in flight and
-    the counters come back bit for bit, into the same loop and into a freshly built one (a resume)."""
+    """Save, perturb every buffer, load: θ_outer, momentum, error feedback, block scores, the round in flight
+    and the counters come back bit for bit, into the same loop and into a freshly built one (a resume)."""
     settings, pieces = RUNS[run]
     outer, model, _ = _outer(0, **settings)
     _fill(outer, model, seed=1)

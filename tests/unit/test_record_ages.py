@@ -1,5 +1,5 @@
-"""Membership ages on the reader's own clock (galaxy/status.py ``RecordAges``): whether a cluster counts as alive
-must not depend on two sites' clocks agreeing (issue 34, point 8)."""
+"""Membership ages on the reader's own clock (galaxy/status.py ``RecordAges``): whether a cluster counts as
+alive must not depend on two sites' clocks agreeing (issue 34, point 8)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Sparse rounds (``--hv.compression sparse``): which values a round sends, that what it does not send stays in
-the model, and the ``magnitude`` rule's block scores shared by the galaxy; against hand-written references."""
+"""Sparse rounds (``--hv.compression sparse``): which values a round sends, that what it does not send stays
+in the model, and the ``magnitude`` rule's block scores shared by the galaxy; against hand-written
+references."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from open_diloco.outer.state import OuterState
 from open_diloco.outer.testing import InProcessGalaxy
 
 
-# -- sparse selection ---------------------------------------------------------------------------------------------
+# -- sparse selection ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rule", ["cyclic", "random"])
 def test_sparse_selection_is_a_function_of_the_round_only(rule):
     selection = SparseSelection(1 / 16, rule)
@@ -62,7 +63,7 @@ def test_sparse_wire_form_is_packed_in_front_and_spread_back():
     assert float((wire[chosen] - delta[chosen]).norm() / delta[chosen].norm()) < 0.6
 
 
-# -- sparse rounds: what a round does not send stays in the model ------------------------------------------------
+# -- sparse rounds: what a round does not send stays in the model --------------------------------------------
 def _sparse_clusters(numel: int, rule: str, **hv) -> tuple[torch.Tensor, list, list[DiLoCo]]:
     """Two clusters of one ``Linear(numel)`` each, from the same random start, averaging in threads with the
     sparse codec and ``rule``: (the start, the models, their outer loops)."""
@@ -91,10 +92,11 @@ def _round_in_threads(outers: list[DiLoCo]) -> None:
 
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_feedback):
-    """Two clusters, plain averaging, two rounds written out by hand: θ_outer moves by the mean of the clusters'
-    Q(Δ_sel) on the selected places only; on those places the model becomes θ_outer minus what the encoding
-    dropped (with error feedback) or θ_outer itself (without); every other value keeps its local progress, so
-    the next round's Δ there is everything since it was last sent. No error-feedback buffer is kept."""
+    """Two clusters, plain averaging, two rounds written out by hand: θ_outer moves by the mean of the
+    clusters' Q(Δ_sel) on the selected places only; on those places the model becomes θ_outer minus what the
+    encoding dropped (with error feedback) or θ_outer itself (without); every other value keeps its local
+    progress, so the next round's Δ there is everything since it was last sent. No error-feedback buffer is
+    kept."""
     torch.manual_seed(0)
     numel = 3 * 4096 + 100
     start, models, outers = _sparse_clusters(
@@ -142,8 +144,9 @@ def test_a_sparse_round_syncs_the_values_it_sent_and_keeps_the_rest_local(error_
 
 
 def test_a_sparse_run_checkpoints_theta_outer_beside_the_model():
-    """The model is not θ_outer after a sparse round, so a checkpoint stores θ_outer too, and a resync or a late
-    join puts θ_outer into the whole model (the unsent local progress belonged to the trajectory it leaves)."""
+    """The model is not θ_outer after a sparse round, so a checkpoint stores θ_outer too, and a resync or a
+    late join puts θ_outer into the whole model (the unsent local progress belonged to the trajectory it
+    leaves)."""
     model = torch.nn.Linear(5000, 1, bias=False)
     hv = HvConfig(local_steps=1, compression="sparse")
     outer = DiLoCo(
@@ -158,7 +161,7 @@ def test_a_sparse_run_checkpoints_theta_outer_beside_the_model():
     assert torch.equal(model.weight.detach().reshape(-1), outer.state.params)
 
 
-# -- the magnitude rule: blocks picked by the galaxy's shared scores -------------------------------------------
+# -- the magnitude rule: blocks picked by the galaxy's shared scores -----------------------------------------
 def test_score_codec_keeps_powers_of_two_in_one_byte():
     codec = ScoreCodec()
     values = torch.tensor([0.0, 1.0, 0.75, 3.9e-3, 2.0**-126, 1e-45, 6e37])
@@ -221,8 +224,8 @@ def test_unsent_scores_are_mean_squares_of_what_stays_behind():
 
 def test_magnitude_rounds_share_the_scores_and_follow_them():
     """Two clusters, plain averaging: after a round both hold the same block scores, each the power of two of
-    the clusters' mean of what they left unsent there, written out by hand; the next round sends the blocks with
-    the top codes; a late joiner's snapshot and the hash carry the scores."""
+    the clusters' mean of what they left unsent there, written out by hand; the next round sends the blocks
+    with the top codes; a late joiner's snapshot and the hash carry the scores."""
     torch.manual_seed(1)
     numel, density = 20 * 128 + 30, 0.2
     _start, models, outers = _sparse_clusters(

@@ -40,7 +40,8 @@ def _inner_step(model: torch.nn.Module, generator: torch.Generator) -> None:
 
 
 def _run(size: int, steps: int, compression: str = "none", models=None, on_step=None, **hv) -> dict:
-    """``size`` clusters in threads, ``steps`` inner steps each; returns each cluster's records and outer loop."""
+    """``size`` clusters in threads, ``steps`` inner steps each; returns each cluster's records and outer
+    loop."""
     galaxy = InProcessGalaxy(
         size, compression=compression, sparse_rule=hv.get("sparse_rule", HvConfig().sparse_rule)
     )
@@ -130,7 +131,8 @@ def test_schedule():
 def test_fragments_with_delay_match_a_per_fragment_reference(delay):
     """P = 4, H = 8: fragment f's θ_outer follows its own Nesterov outer optimizer over its own rounds,
     fed the mean of the clusters' Δ taken when its round started; the other fragments are untouched by its
-    round; every cluster holds the same θ_outer bytes; the fragment lands as α·θ_local + (1 − α)·θ_outer_new."""
+    round; every cluster holds the same θ_outer bytes; the fragment lands as α·θ_local + (1 −
+    α)·θ_outer_new."""
     size, fragments, steps = 2, 4, 8 * 3
     models = _models(size)
     numel = _flat(models[0]).numel()
@@ -173,7 +175,8 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
         grad = mean_delta.clone()
         outer_sgd_step_(theta[region], grad, momenta[fragment], lr=lr, momentum=momentum, nesterov=True)
         if k + 1 < len(records[0]) and records[0][k + 1]["step"] == record["step"]:
-            continue  # τ = H/P at the run's end: the last sync ran at the step this one landed; checked after it
+            # τ = H/P at the run's end: the last sync ran at the step this one landed; checked after it
+            continue
         model_before, params, model_after = landed[0][record["step"]]
         assert torch.allclose(params, theta, atol=1e-6, rtol=0), (
             f"sync {k + 1}: θ_outer differs from the reference"
@@ -203,8 +206,9 @@ def _checkpoint(outer: DiLoCo, model: torch.nn.Module) -> dict:
 # int2: the error feedback of the fragment in flight; τ = 2 = H/P: sync 4 landed at the step of the save
 @pytest.mark.parametrize(("compression", "delay"), [("none", 1), ("int2", 1), ("none", 2)])
 def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
-    """A checkpoint taken while a fragment's round is in flight records it (θ_outer and the fragment's θ_local at
-    the round's start); the resumed galaxy sends that round again and ends bitwise where the straight run does."""
+    """A checkpoint taken while a fragment's round is in flight records it (θ_outer and the fragment's θ_local
+    at the round's start); the resumed galaxy sends that round again and ends bitwise where the straight run
+    does."""
     size, steps, saved_at = 2, 24, 10  # H = 8, P = 4: sync 5 (fragment 0) starts at step 10
     hv = dict(local_steps=8, fragments=4, sync_delay=delay, outer_momentum=0.9, outer_warmup_rounds=2)
     straight = _run(size, steps, compression, **hv)

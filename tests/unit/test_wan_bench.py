@@ -1,5 +1,5 @@
-"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady, and how a
-case names its codec."""
+"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady, and
+how a case names its codec."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def _records(rounds: dict[int, tuple[int, str]], local_steps: int = 5) -> dict[i
 
 
 def test_a_late_cluster_s_missed_rounds_are_not_steady():
-    # cluster 3 started late: rounds 1-2 had 3 peers, it adopted the state at round 3 and took part from round 4
+    # cluster 3 started late: rounds 1-2 had 3 peers, it adopted the state at round 3 and took part from round
+    # 4
     early = {1: (3, "a"), 2: (3, "b")}
     joint = {k: (4, f"h{k}") for k in range(3, 9)}
     seen = [_records({**early, **joint}) for _ in range(3)] + [

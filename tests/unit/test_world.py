@@ -157,7 +157,8 @@ def test_default_master_addr():
 
 def test_the_process_group_timeout_covers_the_longest_wait_of_a_round():
     assert process_group_timeout(None) == 600.0  # no galaxy: torch's own default, as before
-    # defaults: 3 attempts x (buffer lock 121 s + all-reduce 120 s) + a 60 s re-sync + 2 s gathering = 785 s, x 1.5
+    # defaults: 3 attempts x (buffer lock 121 s + all-reduce 120 s) + a 60 s re-sync + 2 s gathering = 785 s,
+    # x 1.5
     assert process_group_timeout(HvConfig()) == pytest.approx(1.5 * 785.0)
     slow_link = HvConfig(
         averaging_timeout=900.0, max_retries=0, join_timeout=600.0

@@ -49,9 +49,10 @@ def test_self_check_within_ten_percent():
 
 @needs_root
 def test_two_clusters_over_intercontinental(tmp_path):
-    # 4 rounds, 3 checked: a cluster that exits right after the final round can cut off the tail of the span it
-    # sends back (its p2pd ends while TCP still retransmits over the lossy 150 ms path), so the other cluster's
-    # final round may be partial ("received 93.7% results"). Seen here; not yet fixed in the trainer.
+    # 4 rounds, 3 checked: a cluster that exits right after the final round can cut off the tail of the span
+    # it sends back (its p2pd ends while TCP still retransmits over the lossy 150 ms path), so the other
+    # cluster's final round may be partial ("received 93.7% results"). Seen here; not yet fixed in the
+    # trainer.
     steps = ["--max-steps", "20", "--hv.local-steps", "5", "--hv.averaging-timeout", "30"]
     with Lab(2, "intercontinental") as lab:
         pids = lab_pids(lab)
@@ -79,11 +80,12 @@ def test_two_clusters_over_intercontinental(tmp_path):
 
 @needs_root
 def test_a_partition_heals_into_one_galaxy(tmp_path):
-    # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the link
-    # is back the two average together again with equal hashes within 2 rounds, the one behind re-synced to the
-    # other if they drifted apart. H = 80 makes a round 7-15 s here: the heal costs seconds whatever the round
-    # length (a new connection a round trip after the link is back, a heartbeat, a read at a round's end, a
-    # state download: 5-7 s), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
+    # cluster 1's link goes down for 30 s after round 2: each side trains alone (two models), and once the
+    # link is back the two average together again with equal hashes within 2 rounds, the one behind re-synced
+    # to the other if they drifted apart. H = 80 makes a round 7-15 s here: the heal costs seconds whatever
+    # the round length (a new connection a round trip after the link is back, a heartbeat, a read at a round's
+    # end, a state download: 5-7 s), so "2 rounds" needs rounds of several seconds, still far shorter than a
+    # real galaxy's.
     averaging_timeout = 10
     steps = [
         "--max-steps",
@@ -119,9 +121,10 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     assert_gone(lab, pids)
     rounds = [outer_records(m) for m in metrics]
     # apart, both trained on into two different models, and neither hung: each side finished a round after the
-    # cut within the 30 s (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and
-    # rounds are 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no
-    # round while apart claims the galaxy agrees with it: the other side fell silent, it did not say it ended
+    # cut within the 30 s (the round in flight at the cut may wait --hv.averaging-timeout for the other side,
+    # and rounds are 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's),
+    # and no round while apart claims the galaxy agrees with it: the other side fell silent, it did not say it
+    # ended
     while_apart = [
         [rounds[side][r] for r in sorted(rounds[side]) if cut_at[side] < r <= apart[side]] for side in (0, 1)
     ]
@@ -137,11 +140,11 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     # or the next one is together
     in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
     assert healed <= in_flight + 1, (healed, in_flight, healed_after)
-    # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see): the
-    # round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one more
-    # round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in rounds of
-    # this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs), and 32.2 s at
-    # rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
+    # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see):
+    # the round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one
+    # more round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in
+    # rounds of this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs),
+    # and 32.2 s at rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
     pace = _median_round_seconds(rounds, before=apart)
     assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
@@ -162,7 +165,8 @@ def _first_round_together(rounds: list[dict], after: int) -> int | None:
 
 
 def _wait_until_together(galaxy: Galaxy, metrics: list, after: int, seconds: float) -> int | None:
-    """Poll the clusters' records for up to ``seconds``: the first round after ``after`` they share, or None."""
+    """Poll the clusters' records for up to ``seconds``: the first round after ``after`` they share, or
+    None."""
     start, healed = time.monotonic(), None
     while healed is None and time.monotonic() - start < seconds:
         time.sleep(1)
@@ -184,8 +188,8 @@ def _median_round_seconds(rounds: list[dict], before: list[int]) -> float:
 def _print_timeline(rounds, cut_at, apart, healed, healed_after, back_wall) -> None:
     """What the partition test saw, for its log: each side's rounds around the cut and the heal."""
     print(
-        f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link came "
-        f"back (round {healed})"
+        f"rounds at the cut {cut_at}, after 30 s apart {apart}; healed {healed_after:.0f} s after the link "
+        f"came back (round {healed})"
     )
     for side in (0, 1):
         print(

@@ -1,9 +1,10 @@
 """Fault injection for the e2e tests, on the PYTHONPATH of one cluster only: in the all-reduce number
-``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF`` (1-based, counted per averager process) this cluster's reducers never
-send the last average of their span, as a stream cut short did under load ("sent 2 parts, but we expected 3"):
-the round is whole here and partial at the other peer. With ``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK`` set, only
-that local rank's averager (that shard) loses it. Applied when ``open_diloco.galaxy.allreduce`` is first
-imported (the averager process is forked after that and inherits it); nothing else changes."""
+``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF`` (1-based, counted per averager process) this cluster's reducers
+never send the last average of their span, as a stream cut short did under load ("sent 2 parts, but we
+expected 3"): the round is whole here and partial at the other peer. With
+``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK`` set, only that local rank's averager (that shard) loses it.
+Applied when ``open_diloco.galaxy.allreduce`` is first imported (the averager process is forked after that and
+inherits it); nothing else changes."""
 
 import importlib.abc
 import importlib.util

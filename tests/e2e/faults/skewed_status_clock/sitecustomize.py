@@ -1,7 +1,8 @@
 """Fault injection for the e2e tests, on the PYTHONPATH of one cluster only: the clock this cluster's status
-board and membership reads use (``open_diloco.galaxy.status.get_dht_time``) runs ``OPEN_DILOCO_TEST_STATUS_SKEW``
-seconds off (negative: behind), as on a site off NTP. hivemind's own clock is left alone: its matchmaking and DHT
-expiry compare clocks too, at the scale of the matchmaking time, which is not what this fault looks at."""
+board and membership reads use (``open_diloco.galaxy.status.get_dht_time``) runs
+``OPEN_DILOCO_TEST_STATUS_SKEW`` seconds off (negative: behind), as on a site off NTP. hivemind's own clock is
+left alone: its matchmaking and DHT expiry compare clocks too, at the scale of the matchmaking time, which is
+not what this fault looks at."""
 
 import importlib.abc
 import importlib.util
