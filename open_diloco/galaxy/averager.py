@@ -23,6 +23,7 @@ from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
 from open_diloco.galaxy.status import (
     DHT_PIPE_LOCK,
     departed,
+    finished_and_serving,
     lead_outer_step,
     lead_progress,
     past_round,
@@ -72,11 +73,12 @@ class HivemindAverager:
         """Made by ``galaxy.build.start_shard_averager``, which starts ``dht`` and ``averager``."""
         self.dht, self.averager = dht, averager
         self.wire_buffer = wire_buffer
-        """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``) the
-        block scores; hivemind's tensors are views of it."""
+        """The whole flat buffer a round averages, in shared memory: the values, then (sparse ``magnitude``)
+        the block scores; hivemind's tensors are views of it."""
         self.sparse_rule = hv.sparse_rule
         self.shard_index = shard_index
-        """Which shard of the cluster this averager serves: it averages with the same shard of every other cluster."""
+        """Which shard of the cluster this averager serves: it averages with the same shard of every other
+        cluster."""
         self.galaxy_rank, self.galaxy_size = hv.world_rank, hv.galaxy_size
         self.averaging_timeout, self.join_timeout = hv.averaging_timeout, hv.join_timeout
         self.status_key, self.member_expiry = status_key(hv.run_id), hv.member_expiry
@@ -157,16 +159,17 @@ class HivemindAverager:
         lead = lead_outer_step(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
         live = [record for record in records if record["galaxy_rank"] not in gone]
+        serving = live + [record for record in records if finished_and_serving(record, self.member_expiry)]
         return Membership(
             departed=gone,
             lead=lead,
             silent=quiet,
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,
-            steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in live},
+            steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in serving},
             sources={
                 record["galaxy_rank"]: peer
-                for record in live
+                for record in serving
                 if (peer := shard_peer(record, self.shard_index))
             },
             attempts={
@@ -241,15 +244,16 @@ class HivemindAverager:
         return [tensor.numel() for tensor in self.averager._averaged_tensors]
 
     def serve_state(self, get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]) -> None:
-        """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on demand)."""
+        """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on
+        demand)."""
         self.averager.get_state = get_state
         self.averager.allow_state_sharing = True
 
     def download_state(
         self, timeout: float, source: str | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download ``(metadata, tensors)`` from ``source`` (a PeerID), or any peer serving this shard; ``None``
-        if none answers in time.
+        """Download ``(metadata, tensors)`` from ``source`` (a PeerID), or any peer serving this shard;
+        ``None`` if none answers in time.
 
         Retries until ``timeout``: a serving peer's DHT declaration may not have propagated yet."""
         deadline = time.monotonic() + timeout
@@ -276,13 +280,13 @@ class HivemindAverager:
         return None
 
     def _let_last_averages_drain(self, seconds: float) -> None:
-        """Our round is done once *we* hold every averaged part; the averages we computed for the others may still
-        sit in our p2pd on their way. Ending p2pd at once cut that tail off (the other cluster's final round then
-        came out partial, hivemind's "received …% results", seen on loopback under load and over an emulated 150 ms
-        link), so keep it up until every other cluster of the last round says (in its status record) that it is
-        past that round, or has stopped, or ``seconds`` after the round ended: a run's end waits
-        :data:`FINISH_DRAIN_SECONDS` for slow peers, a stop :data:`DRAIN_SECONDS` (inside the trainer's stop
-        grace)."""
+        """Our round is done once *we* hold every averaged part; the averages we computed for the others may
+        still sit in our p2pd on their way. Ending p2pd at once cut that tail off (the other cluster's final
+        round then came out partial, hivemind's "received …% results", seen on loopback under load and over an
+        emulated 150 ms link), so keep it up until every other cluster of the last round says (in its status
+        record) that it is past that round, or has stopped, or ``seconds`` after the round ended: a run's end
+        waits :data:`FINISH_DRAIN_SECONDS` for slow peers, a stop :data:`DRAIN_SECONDS` (inside the trainer's
+        stop grace)."""
         if self.last_group_round_end is None:
             return
         deadline = self.last_group_round_end + seconds
@@ -293,7 +297,8 @@ class HivemindAverager:
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def _past_round(self, round_id: int, ranks: frozenset[int], timeout: float) -> bool:
-        """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is empty)."""
+        """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is
+        empty)."""
         if not ranks:
             return True
         return past_round(
@@ -304,8 +309,8 @@ class HivemindAverager:
         )
 
     def shutdown(self, finished: bool = False) -> None:
-        """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``: the
-        run ended, nothing hurries it; see :meth:`_let_last_averages_drain`)."""
+        """Stop the averager, then the DHT (and its p2pd); idempotent, a few seconds at most (``finished``:
+        the run ended, nothing hurries it; see :meth:`_let_last_averages_drain`)."""
         if self._closed:
             return
         self._closed = True
