@@ -275,6 +275,13 @@ def is_live(record: dict[str, Any], expiry: float) -> bool:
     return record.get("state") == "training" and record["last_seen_seconds"] <= expiry
 
 
+def finished_and_serving(record: dict[str, Any], expiry: float) -> bool:
+    """The record's cluster finished its run within ``expiry`` seconds: it still serves its final state (its
+    averager drains until the others are past its last round), so a cluster whose last average never came can
+    take that round from it."""
+    return record.get("state") == "finished" and record["last_seen_seconds"] <= expiry
+
+
 def past_round(records: list[dict[str, Any]], round_id: int, ranks: frozenset[int], expiry: float) -> bool:
     """Every cluster in ``ranks`` has a record that shows an outer step past ``round_id`` (it holds that round's
     result, whole or partial), or says it stopped training, or is older than ``expiry``. A cluster without a

@@ -166,11 +166,10 @@ class Committing:
                 return self._take_round(flight, view, report, network_wait)
             clusters = len(view.group) - len(view.rejected) - len(view.stale)
             alive = flight.alive - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
-            if not view.committable or (clusters < alive and self.policy.on_partial_round == "retry"):
-                if self._committed_elsewhere(
-                    round_no
-                ):  # whoever committed it has our Δ if we were in its group
-                    return self._take_round(flight, view, report, network_wait)
+            partial = clusters < alive and self.policy.on_partial_round == "retry"
+            # whoever committed it has our Δ if we were in its group
+            if (not view.committable or partial) and self._committed_elsewhere(round_no):
+                return self._take_round(flight, view, report, network_wait)
             decision = (
                 Decision.RETRY
                 if not view.committable
@@ -184,7 +183,13 @@ class Committing:
             flight = self.start_round(flight.attempts + 1)
             if (
                 flight.sits_out
-            ):  # the galaxy moved on meanwhile: adopt its state rather than meet its next round
+                and flight.lead > round_no - 1
+                and not (flight.diverged or flight.out_of_bound)
+            ):
+                # the galaxy committed this round after our check above (its record a read behind): take it,
+                # as a commit when our Δ is in it, rather than sit it out and re-sync
+                return self._take_round(flight, view, report, network_wait)
+            if flight.sits_out:
                 return self.sit_out(flight)
 
         if decision is Decision.STOP:
@@ -192,6 +197,10 @@ class Committing:
                 f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
                 "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
             )
+        if clusters <= 1 < self.hv.galaxy_size and self._committed_elsewhere(round_no):
+            # alone because the others finished their run meanwhile (a finished cluster is gone from the rounds
+            # but serves its last state): the round they committed is the galaxy's, not our Δ alone
+            return self._take_round(flight, view, report, network_wait)
         if not view.committable or (clusters <= 1 < alive and self.policy.on_partial_round == "retry"):
             # out of attempts with nothing whole, or whole but alone: the others are likely committing this round
             # right now, their records a heartbeat behind. Take it from one when its record shows up; apply our own
@@ -212,6 +221,19 @@ class Committing:
             f"outer step {round_no}: {what}: nothing applied; attempt {flight.attempts + 1}/"
             f"{self.hv.max_retries}"
         )
+
+    def _say_who_was_left_out(self, round_no: int, view: RoundView) -> None:
+        if view.rejected:
+            self.warn(
+                f"outer step {round_no}: left cluster(s) {view.rejected} out of the average: their "
+                "pseudo-gradient was not finite, larger than they claimed, or above "
+                f"--hv.delta-norm-bound={self.hv.delta_norm_bound} times ours"
+            )
+        if view.stale:
+            self.warn(
+                f"outer step {round_no}: left cluster(s) {view.stale} out of the average: they started this "
+                "round from another θ_outer; they take the galaxy's state"
+            )
 
     def _committed_elsewhere(self, round_no: int) -> bool:
         """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state now."""
@@ -235,17 +257,7 @@ class Committing:
         its progress and which the next round's hash check repairs; then land it in the model."""
         round_no = self.outer_step + 1
         galaxy_average = alone is None
-        if view.rejected:
-            self.warn(
-                f"outer step {round_no}: left cluster(s) {view.rejected} out of the average: their pseudo-gradient "
-                f"was not finite, larger than they claimed, or above --hv.delta-norm-bound={self.hv.delta_norm_bound}"
-                " times ours"
-            )
-        if view.stale:
-            self.warn(
-                f"outer step {round_no}: left cluster(s) {view.stale} out of the average: they started this "
-                "round from another θ_outer; they take the galaxy's state"
-            )
+        self._say_who_was_left_out(round_no, view)
         if galaxy_average:
             self.norm_history.record(
                 meta.get("delta_norm")

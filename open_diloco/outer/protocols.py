@@ -67,9 +67,10 @@ class Membership:
     lead_seen_seconds: float = 0.0
     """How long ago that cluster reported ``lead_inner_step`` (its record's age): it has trained on since."""
     steps: dict[int, int] = field(default_factory=dict)
-    """The outer step each live cluster's record shows, by galaxy rank: who can serve a round's state."""
+    """The outer step each cluster that can serve a round's state shows, by galaxy rank: the live ones and those
+    that finished their run moments ago (a finished cluster serves its final state while it drains)."""
     sources: dict[int, str] = field(default_factory=dict)
-    """The PeerID of this shard's averager in each live cluster, by galaxy rank: where to download it from."""
+    """The PeerID of this shard's averager in each cluster of :attr:`steps`: where to download it from."""
     attempts: dict[int, tuple[int, int]] = field(default_factory=dict)
     """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins the
     galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""

@@ -79,6 +79,29 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
     assert "applied this round without this cluster while it looked for a group" in galaxy.log("cluster1")
 
 
+def test_a_last_round_that_came_short_is_taken_from_the_cluster_that_finished(galaxy):
+    """The galaxy's last round: cluster 0's reducers never send the last average of it, so cluster 0 commits the
+    round and ends its run while cluster 1's round is partial. A finished cluster is gone from the rounds, but it
+    serves its last state while it drains: cluster 1 takes the round from it (its Δ is in it: a commit) and the
+    run ends with one θ. Before, cluster 1 found no live cluster to take it from, applied its own Δ alone and the
+    galaxy ended split (CI, 2026-11-27)."""
+    steps = ["--max-steps", "12", "--hv.local-steps", "6", "--hv.averaging-timeout", "30"]
+    metrics = [
+        galaxy.start_cluster(0, 2, *steps, nproc=1, env=_losing_last_average(of_round=2)),
+        galaxy.start_cluster(1, 2, *steps, nproc=1),
+    ]
+    for rank in (0, 1):
+        assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    rounds = [outer_records(m) for m in metrics]
+    shown = _both_clusters_rounds(rounds)
+    assert sorted(rounds[0]) == sorted(rounds[1]) == [1, 2], shown
+    whole, partial = rounds[0][2], rounds[1][2]
+    assert whole["galaxy_peers"] == 2 and whole["galaxy_complete"], shown
+    assert partial["round_outcome"] == "adopted" and partial["committed"] and not partial["resynced"], shown
+    assert partial["state_source"] == 0 and partial["param_hash"] == whole["param_hash"], shown
+    assert not any("split" in galaxy.log(f"cluster{rank}") for rank in (0, 1))
+
+
 @pytest.mark.parametrize(
     "schedule",
     [

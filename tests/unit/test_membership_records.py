@@ -13,6 +13,7 @@ from open_diloco.errors import RoundFailed
 from open_diloco.galaxy.status import (
     cluster_identity,
     departed,
+    finished_and_serving,
     lead_outer_step,
     lead_progress,
     past_round,
@@ -92,6 +93,11 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     assert lead_outer_step(records, expiry=15) == 7  # only a live cluster leads
     assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
     assert lead_outer_step(records, expiry=60) == 9
+    # a finished cluster is gone from the rounds but still serves its final state (its averager drains), so a
+    # cluster whose last average never came can take that round from it; a silent or stopped one serves nothing
+    assert [finished_and_serving(record, expiry=15) for record in records] == [False, False, True]
+    assert not finished_and_serving({**records[2], "last_seen_seconds": 20.0}, expiry=15)
+    assert not finished_and_serving({**records[2], "state": "stopped (SIGINT)"}, expiry=15)
 
 
 def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():

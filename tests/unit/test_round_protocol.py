@@ -65,9 +65,17 @@ class ShardPeer(InProcessAverager):
     """One rank's averager in a cluster of two ranks: its round reports what the test says; the membership shows
     the clusters ``served`` names (galaxy rank → (metadata, tensors)) and downloads answer with them."""
 
-    def __init__(self, numel: int, reports: list[RoundReport], served: dict, membership_after: int = 0):
+    def __init__(
+        self,
+        numel: int,
+        reports: list[RoundReport],
+        served: dict,
+        membership_after: int = 0,
+        shown_from_read: int = 0,
+    ):
         super().__init__(InProcessGalaxy(1), 0, numel)
         self.reports, self.served, self.membership_after = reports, served, membership_after
+        self.shown_from_read, self.reads = shown_from_read, 0
         self.sources_asked: list[str] = []
 
     def start_round(self, round_id, fingerprint, attempt=0):
@@ -78,10 +86,12 @@ class ShardPeer(InProcessAverager):
         return types.SimpleNamespace(wait=lambda: report)
 
     def membership(self):
-        if self.calls < self.membership_after:
+        self.reads += 1
+        if self.calls < self.membership_after or self.reads < self.shown_from_read:
             return Membership()
         steps = {rank: int(meta["outer_step"]) for rank, (meta, _) in self.served.items()}
-        return Membership(steps=steps, sources={rank: str(rank) for rank in self.served})
+        sources = {rank: str(rank) for rank in self.served}
+        return Membership(lead=max(steps.values(), default=-1), steps=steps, sources=sources)
 
     def download_state(self, timeout, source=None):
         self.sources_asked.append(source)
@@ -141,6 +151,23 @@ def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_r
     torch.testing.assert_close(params0, torch.tensor([0.25, 0.5]))  # cluster 1's bytes, not a partial average
     torch.testing.assert_close(params1, torch.tensor([0.75, 1.0]))
     assert peers[0].sources_asked == peers[1].sources_asked == ["1"]
+
+
+def test_a_commit_seen_only_when_the_retry_starts_is_taken_as_a_commit_not_a_resync():
+    # The committer's record showed up between the check after the partial round (2nd membership read: not yet)
+    # and the retry's start (3rd read: cluster 1 is at round 1). Before, the retry sat the round out and
+    # re-synced (CI, 2026-11-27); our Δ is in cluster 1's round, so taking it is our commit.
+    served = {1: _served([0.5, 0.25], step=1, group=[0, 1])}
+    peer = ShardPeer(2, [_report([0, 1], complete=False)], served, shown_from_read=3)
+    warnings: list[str] = []
+    model = _model([1.0, 2.0])
+    outer = DiLoCo(model, peer, _hv(), warn=warnings.append)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    record = outer.after_inner_step(1)
+    assert record["round_outcome"] == "adopted" and record["committed"] and not record["resynced"], warnings
+    assert record["state_source"] == 1 and peer.calls == 1  # the retry never went on the wire
+    torch.testing.assert_close(outer.state.params, torch.tensor([0.5, 0.25]))
 
 
 def test_every_rank_downloads_its_shard_from_rank_0s_choice_and_agrees_on_the_step():
