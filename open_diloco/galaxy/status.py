@@ -11,8 +11,9 @@ went silent.
 The publisher refreshes the record from a thread of its own every ``--hv.heartbeat-interval`` seconds and
 at once after every round, so a record's age says how long ago the cluster was last alive, independent of how
 long a round takes. That age is measured on the reader's own clock (:class:`RecordAges`): two sites' clocks
-need not agree for membership to hold. The training loop only hands over fields (:meth:`StatusPublisher.update`, no I/O); only
-this thread talks to the DHT, so a slow or unreachable DHT never stalls an inner step.
+need not agree for membership to hold. The training loop only hands over fields
+(:meth:`StatusPublisher.update`, no I/O); only this thread talks to the DHT, so a slow or unreachable DHT
+never stalls an inner step.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ RECORD_TTL = 3600.0
 went silent, short enough that a finished run's records do not linger for days."""
 
 STORE_TIMEOUT = PUBLISH_DELAY_SECONDS
-"""Seconds one publication may take before it is given up (the next heartbeat tries again); readers allow for it
-(:data:`~open_diloco.galaxy.record_ages.PUBLISH_DELAY_SECONDS`)."""
+"""Seconds one publication may take before it is given up (the next heartbeat tries again); readers allow for
+it (:data:`~open_diloco.galaxy.record_ages.PUBLISH_DELAY_SECONDS`)."""
 CLOSE_SECONDS = 3.0
 """What the final publication gets at the end of a run; on loopback or a sane link it takes milliseconds."""
 
@@ -59,8 +60,9 @@ _FROM_METRICS = (
     "bytes_received",
     "round_attempt",
 )
-"""A record's fields taken from the trainer's records. ``round_attempt`` (``[round, attempt]``, from the outer loop
-at each attempt's start) lets a cluster join the galaxy's current attempt of a round instead of one nobody is in."""
+"""A record's fields taken from the trainer's records. ``round_attempt`` (``[round, attempt]``, from the outer
+loop at each attempt's start) lets a cluster join the galaxy's current attempt of a round instead of one
+nobody is in."""
 
 
 def status_key(run_id: str) -> str:
@@ -95,7 +97,8 @@ class StatusPublisher:
         self._thread.start()
 
     def update(self, step_record: dict[str, Any]) -> None:
-        """Take the trainer's record of one inner step (the metrics record); after a round, publish at once."""
+        """Take the trainer's record of one inner step (the metrics record); after a round, publish at
+        once."""
         fields = {key: step_record[key] for key in _FROM_METRICS if key in step_record}
         if "step" in step_record:
             fields["inner_step"] = step_record["step"]
@@ -153,7 +156,8 @@ class StatusPublisher:
 
 SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments")
 """What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
-tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs (codec)."""
+tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs
+(codec)."""
 
 
 def cluster_identity(
@@ -178,8 +182,8 @@ def cluster_identity(
 
 
 def shard_peer(record: dict[str, Any], shard_index: int) -> str | None:
-    """The PeerID of the averager of shard ``shard_index`` in the cluster of ``record``; ``None`` when the record
-    does not name it (a record of a version before ``shard_peer_ids`` names rank 0's only)."""
+    """The PeerID of the averager of shard ``shard_index`` in the cluster of ``record``; ``None`` when the
+    record does not name it (a record of a version before ``shard_peer_ids`` names rank 0's only)."""
     peers = record.get("shard_peer_ids") or [record.get("peer_id")]
     peer = peers[shard_index] if shard_index < len(peers) else None
     return str(peer) if peer else None
@@ -189,8 +193,9 @@ def schema_conflict(
     records: list[dict[str, Any]], galaxy_rank: int, schema: dict[str, Any], expiry: float
 ) -> str | None:
     """A line naming the first cluster whose record says it cannot average with this one, and what differs;
-    ``None`` when all can. Only clusters heard from within ``expiry`` count (also one that just stopped over the
-    same conflict, so that both sides are told): an old run's records under the same run id are no conflict."""
+    ``None`` when all can. Only clusters heard from within ``expiry`` count (also one that just stopped over
+    the same conflict, so that both sides are told): an old run's records under the same run id are no
+    conflict."""
     for record in records:
         if record["galaxy_rank"] == galaxy_rank or record["last_seen_seconds"] > expiry:
             continue
@@ -249,8 +254,8 @@ class StatusReader:
 
 def read_records(dht: DHT, key: str, timeout: float, ages: RecordAges | None = None) -> list[dict[str, Any]]:
     """Every cluster's latest record under ``key``, by galaxy rank; empty when none is found in ``timeout``.
-    Each gains ``last_seen_seconds``: how long ago its cluster last refreshed it, measured by ``ages``, which a
-    caller that reads again and again keeps across its reads (then on this machine's clock alone, see
+    Each gains ``last_seen_seconds``: how long ago its cluster last refreshed it, measured by ``ages``, which
+    a caller that reads again and again keeps across its reads (then on this machine's clock alone, see
     :class:`RecordAges`). Without ``ages`` every record is a first sighting: aged by the publisher's clock."""
     try:
         with DHT_PIPE_LOCK:
@@ -283,9 +288,9 @@ def finished_and_serving(record: dict[str, Any], expiry: float) -> bool:
 
 
 def past_round(records: list[dict[str, Any]], round_id: int, ranks: frozenset[int], expiry: float) -> bool:
-    """Every cluster in ``ranks`` has a record that shows an outer step past ``round_id`` (it holds that round's
-    result, whole or partial), or says it stopped training, or is older than ``expiry``. A cluster without a
-    record is not past it: the DHT may just not have answered."""
+    """Every cluster in ``ranks`` has a record that shows an outer step past ``round_id`` (it holds that
+    round's result, whole or partial), or says it stopped training, or is older than ``expiry``. A cluster
+    without a record is not past it: the DHT may just not have answered."""
     by_rank = {record["galaxy_rank"]: record for record in records}
     return all(
         rank in by_rank
@@ -302,8 +307,8 @@ def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
 def lead_progress(
     records: list[dict[str, Any]], expiry: float, galaxy_rank: int, lead: int
 ) -> tuple[int, float]:
-    """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after the
-    lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
+    """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after
+    the lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
     at_lead = [
         r
         for r in records

@@ -36,8 +36,8 @@ class RoundReport:
     """Galaxy ranks outside the round's cohort (``policy.out_of_cohort``: they started from another round or
     θ_outer), left out by every reducer; they re-sync."""
     moved_on: bool = False
-    """While this peer looked for a group, every other live cluster it could meet started a later attempt of the
-    round: nobody is left in this one. The round is not whole; the next attempt joins theirs."""
+    """While this peer looked for a group, every other live cluster it could meet started a later attempt of
+    the round: nobody is left in this one. The round is not whole; the next attempt joins theirs."""
     overtaken: bool = False
     """While this peer still looked for a group, the galaxy applied this very round without it (the membership
     records show a later outer step): a retry after a part was lost on its way, say. Nobody is left to average
@@ -45,8 +45,8 @@ class RoundReport:
 
 
 MEMBERSHIP_READ_SECONDS = 3.0
-"""The most one read of the membership records may take (``Averager.membership`` is bounded so): what a read adds
-to a round's start, and what a wait for a record to show up allows per read."""
+"""The most one read of the membership records may take (``Averager.membership`` is bounded so): what a read
+adds to a round's start, and what a wait for a record to show up allows per read."""
 
 
 @dataclass(frozen=True)
@@ -54,26 +54,28 @@ class Membership:
     """The galaxy as its clusters' membership records describe it when a round starts."""
 
     departed: frozenset[int] = frozenset()
-    """Galaxy ranks that left (end of run, a stop) or have not refreshed their record for --hv.member-expiry."""
+    """Galaxy ranks that left (end of run, a stop) or have not refreshed their record for
+    --hv.member-expiry."""
     lead: int = -1
-    """The highest outer step a live cluster has applied (-1: unknown). A cluster below it would send a Δ taken
-    from an older θ_outer than the round's."""
+    """The highest outer step a live cluster has applied (-1: unknown). A cluster below it would send a Δ
+    taken from an older θ_outer than the round's."""
     silent: frozenset[int] = frozenset()
-    """The departed ranks that did not say they ended: crashed, or cut off and perhaps training on (a partition).
-    A cluster whose round met nobody cannot call itself in sync while any is silent."""
+    """The departed ranks that did not say they ended: crashed, or cut off and perhaps training on (a
+    partition). A cluster whose round met nobody cannot call itself in sync while any is silent."""
     lead_inner_step: int = -1
-    """The furthest inner step a live cluster at the ``lead`` outer step has reported (-1: unknown): how far into
-    the next round the galaxy is, for a cluster that just adopted the lead state (``DiLoCo._catch_up_target``)."""
+    """The furthest inner step a live cluster at the ``lead`` outer step has reported (-1: unknown): how far
+    into the next round the galaxy is, for a cluster that just adopted the lead state
+    (``DiLoCo._catch_up_target``)."""
     lead_seen_seconds: float = 0.0
     """How long ago that cluster reported ``lead_inner_step`` (its record's age): it has trained on since."""
     steps: dict[int, int] = field(default_factory=dict)
-    """The outer step each cluster that can serve a round's state shows, by galaxy rank: the live ones and those
-    that finished their run moments ago (a finished cluster serves its final state while it drains)."""
+    """The outer step each cluster that can serve a round's state shows, by galaxy rank: the live ones and
+    those that finished their run moments ago (a finished cluster serves its final state while it drains)."""
     sources: dict[int, str] = field(default_factory=dict)
     """The PeerID of this shard's averager in each cluster of :attr:`steps`: where to download it from."""
     attempts: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins the
-    galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""
+    """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins
+    the galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""
 
     reported: dict[int, tuple[int, str | None, bool]] = field(default_factory=dict)
     """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
@@ -119,13 +121,14 @@ class Averager(Protocol):
 
     def start_round(self, round_id: int, fingerprint: dict[str, Any], attempt: int = 0) -> PendingRound:
         """Begin attempt ``attempt`` of averaging the buffer's current contents for the round that starts from
-        outer step ``round_id``; ``fingerprint`` travels to every peer. Peers of other rounds or attempts never
-        meet it."""
+        outer step ``round_id``; ``fingerprint`` travels to every peer. Peers of other rounds or attempts
+        never meet it."""
         ...
 
     def membership(self) -> Membership:
         """What the clusters' membership records say now (see :class:`Membership`); the empty default when
-        nothing is known (no record read in time): a round then waits for the whole galaxy, as without them."""
+        nothing is known (no record read in time): a round then waits for the whole galaxy, as without
+        them."""
         ...
 
     def serve_state(self, get_state: Any) -> None:
@@ -135,13 +138,14 @@ class Averager(Protocol):
     def download_state(
         self, timeout: float, source: str | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving this
-        shard; ``None`` when none answers in time."""
+        """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving
+        this shard; ``None`` when none answers in time."""
         ...
 
     def shutdown(self, finished: bool = False) -> None:
         """Stop the averager and its DHT; idempotent; bounded in time; leaves no process behind. ``finished``:
-        the run ended (rather than was stopped), so it may wait a little longer for the peers of its last round."""
+        the run ended (rather than was stopped), so it may wait a little longer for the peers of its last
+        round."""
         ...
 
 
@@ -160,9 +164,9 @@ class OuterLoop(Protocol):
 
     def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
         """Land the sync in flight when its delay is over (or, with ``last``, at once), start a sync if
-        ``inner_step`` (1-based) is on the schedule; return the metrics of every round that ended, oldest first
-        (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands a sync at the step the
-        next starts and that one ends at once as well)."""
+        ``inner_step`` (1-based) is on the schedule; return the metrics of every round that ended, oldest
+        first (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands a sync at the
+        step the next starts and that one ends at once as well)."""
         ...
 
     def inner_step_of_galaxy(self) -> int:
@@ -171,17 +175,18 @@ class OuterLoop(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the outer loop, as torch.distributed.checkpoint's ``Stateful`` gives it:
-        ``outer_step`` and ``fragments``; each per-value buffer it holds (``outer/stateful.py``'s ``PIECES``: the
-        outer momentum, the error feedback; θ_outer and a round in flight's start where the model may differ from
-        θ_outer at a save) as one tensor per parameter, placed like the parameter so that DCP reshards it; this
-        rank's ``sparse_scores`` when kept (cut from its shard: not reshardable). A piece it does not hold is
-        absent; ``{}``: no outer state (no galaxy). Views where it can: copy before the state changes."""
+        ``outer_step`` and ``fragments``; each per-value buffer it holds (``outer/stateful.py``'s ``PIECES``:
+        the outer momentum, the error feedback; θ_outer and a round in flight's start where the model may
+        differ from θ_outer at a save) as one tensor per parameter, placed like the parameter so that DCP
+        reshards it; this rank's ``sparse_scores`` when kept (cut from its shard: not reshardable). A piece it
+        does not hold is absent; ``{}``: no outer state (no galaxy). Views where it can: copy before the state
+        changes."""
         ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take what :meth:`state_dict` gave, or the part of it a checkpoint of another kind of run holds, once the
-        model's own state is loaded (θ_outer is the model's weights unless ``outer_params`` is there); a round in
-        flight is sent again by :meth:`join_galaxy`."""
+        """Take what :meth:`state_dict` gave, or the part of it a checkpoint of another kind of run holds,
+        once the model's own state is loaded (θ_outer is the model's weights unless ``outer_params`` is
+        there); a round in flight is sent again by :meth:`join_galaxy`."""
         ...
 
     def report(self, record: dict[str, Any]) -> None:
@@ -195,8 +200,9 @@ class OuterLoop(Protocol):
 
 
 class StatusBoard(Protocol):
-    """Where a cluster tells the rest of the galaxy (and its operators) how it is doing: ``open-diloco status``
-    reads it. The galaxy package keeps it in the DHT; only a cluster's rank 0 has a real one."""
+    """Where a cluster tells the rest of the galaxy (and its operators) how it is doing:
+    ``open-diloco status`` reads it. The galaxy package keeps it in the DHT; only a cluster's rank 0 has a
+    real one."""
 
     def update(self, step_record: dict[str, Any]) -> None:
         """Take an inner step's metrics record (or ``{"state": ...}``); publishes in the background."""

@@ -55,8 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Lab:
-    """N clusters and a DHT in namespaces, each link shaped to ``profile``. ``with Lab(2, "continent") as
-    lab:`` builds it and removes every namespace and process it made on exit."""
+    """N clusters and a DHT in namespaces, each link shaped to ``profile``.
+    ``with Lab(2, "continent") as lab:`` builds it and removes every namespace and process it made on exit."""
 
     def __init__(
         self, clusters: int, profile: str | Profile, run_id: str | None = None, python: str = sys.executable

@@ -1,6 +1,6 @@
 """Membership records (galaxy/status.py): who a cluster is, which peer each of its shards averages over, and
-who counts as gone (pure functions over the records the DHT returns), and what a peer still looking for a group
-makes of them."""
+who counts as gone (pure functions over the records the DHT returns), and what a peer still looking for a
+group makes of them."""
 
 from __future__ import annotations
 
@@ -94,14 +94,16 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
     assert lead_outer_step(records, expiry=60) == 9
     # a finished cluster is gone from the rounds but still serves its final state (its averager drains), so a
-    # cluster whose last average never came can take that round from it; a silent or stopped one serves nothing
+    # cluster whose last average never came can take that round from it; a silent or stopped one serves
+    # nothing
     assert [finished_and_serving(record, expiry=15) for record in records] == [False, False, True]
     assert not finished_and_serving({**records[2], "last_seen_seconds": 20.0}, expiry=15)
     assert not finished_and_serving({**records[2], "state": "stopped (SIGINT)"}, expiry=15)
 
 
 def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
-    # this cluster's last round with clusters 1 and 2 had id 4 (their records show 5 once they hold its result)
+    # this cluster's last round with clusters 1 and 2 had id 4 (their records show 5 once they hold its
+    # result)
     def record(rank, outer_step, state="training", age=1.0):
         return {"galaxy_rank": rank, "state": state, "last_seen_seconds": age, "outer_step": outer_step}
 
@@ -171,7 +173,8 @@ def _looking_round(monkeypatch, view):
 
 
 def test_a_peer_looking_for_a_group_in_a_round_the_galaxy_applied_stops_looking(monkeypatch):
-    # the other cluster's record is at outer step 4: it applied round 3 (round_id 3 = rounds applied before it)
+    # the other cluster's record is at outer step 4: it applied round 3 (round_id 3 = rounds applied before
+    # it)
     pending, control = _looking_round(monkeypatch, Membership(lead=4))
     started = time.monotonic()
     report = pending.wait()
@@ -190,7 +193,8 @@ def test_a_peer_looking_for_a_group_the_galaxy_has_not_reached_waits_it_out(monk
 
 
 class _EndedCancelled(_StillLooking):
-    """A hivemind step whose future ended with ``asyncio.CancelledError`` (seen by a refused stranger in the suite)."""
+    """A hivemind step whose future ended with ``asyncio.CancelledError`` (seen by a refused stranger in the
+    suite)."""
 
     def result(self, timeout):
         raise asyncio.CancelledError

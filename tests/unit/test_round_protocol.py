@@ -1,6 +1,7 @@
-"""The round protocol with clusters of two ranks (threads sharing a real gather, ``tests/support/thread_cluster``):
-the commit rule (a cluster applies a round only when every shard's average came whole from the same clusters), a
-round taken from the cluster that committed it, state from one source, the round in the matchmaking key."""
+"""The round protocol with clusters of two ranks (threads sharing a real gather,
+``tests/support/thread_cluster``): the commit rule (a cluster applies a round only when every shard's average
+came whole from the same clusters), a round taken from the cluster that committed it, state from one source,
+the round in the matchmaking key."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def test_the_round_and_the_attempt_are_in_the_matchmaking_key():
 
 
 def test_zero_claims_never_make_the_bound_zero():
-    # after a re-sync a cluster may send a fragment with no inner step since: ‖Δ‖ = 0. Counted, the median (and
-    # the bound) became 0 and every healthy Δ after it was "out of bound" (2 clusters stopped, 2026-11-27)
+    # after a re-sync a cluster may send a fragment with no inner step since: ‖Δ‖ = 0. Counted, the median
+    # (and the bound) became 0 and every healthy Δ after it was "out of bound" (2 clusters stopped,
+    # 2026-11-27)
     history = NormHistory(factor=10.0)
     history.record([1.0, 2.0])
     for _ in range(5):
@@ -62,8 +64,8 @@ def test_zero_claims_never_make_the_bound_zero():
 
 
 class ShardPeer(InProcessAverager):
-    """One rank's averager in a cluster of two ranks: its round reports what the test says; the membership shows
-    the clusters ``served`` names (galaxy rank → (metadata, tensors)) and downloads answer with them."""
+    """One rank's averager in a cluster of two ranks: its round reports what the test says; the membership
+    shows the clusters ``served`` names (galaxy rank → (metadata, tensors)) and downloads answer with them."""
 
     def __init__(
         self,
@@ -121,10 +123,11 @@ def _hv(**overrides) -> HvConfig:
 
 
 def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_round_on_every_shard():
-    # Cluster 0, two ranks. Round 1: rank 0's shard got its average whole from {0, 1}; rank 1's last average never
-    # came (a lost stream). Cluster 1 got everything and committed. Before: rank 1 applied what had arrived, rank 0
-    # the whole average: a model no cluster held, repaired a round later. Now neither rank applies anything of its
-    # own; both take round 1 from cluster 1 (one source), and since cluster 0's Δ is in it, it is a commit.
+    # Cluster 0, two ranks. Round 1: rank 0's shard got its average whole from {0, 1}; rank 1's last average
+    # never came (a lost stream). Cluster 1 got everything and committed. Before: rank 1 applied what had
+    # arrived, rank 0 the whole average: a model no cluster held, repaired a round later. Now neither rank
+    # applies anything of its own; both take round 1 from cluster 1 (one source), and since cluster 0's Δ is
+    # in it, it is a commit.
     served = [
         {1: _served([0.25, 0.5], step=1, group=[0, 1])},
         {1: _served([0.75, 1.0], step=1, group=[0, 1])},
@@ -154,8 +157,8 @@ def test_a_shard_whose_average_came_short_makes_its_cluster_take_the_committed_r
 
 
 def test_a_commit_seen_only_when_the_retry_starts_is_taken_as_a_commit_not_a_resync():
-    # The committer's record showed up between the check after the partial round (2nd membership read: not yet)
-    # and the retry's start (3rd read: cluster 1 is at round 1). Before, the retry sat the round out and
+    # The committer's record showed up between the check after the partial round (2nd membership read: not
+    # yet) and the retry's start (3rd read: cluster 1 is at round 1). Before, the retry sat the round out and
     # re-synced (CI, 2026-11-27); our Δ is in cluster 1's round, so taking it is our commit.
     served = {1: _served([0.5, 0.25], step=1, group=[0, 1])}
     peer = ShardPeer(2, [_report([0, 1], complete=False)], served, shown_from_read=3)
@@ -171,8 +174,8 @@ def test_a_commit_seen_only_when_the_retry_starts_is_taken_as_a_commit_not_a_res
 
 
 def test_every_rank_downloads_its_shard_from_rank_0s_choice_and_agrees_on_the_step():
-    # rank 1's records say cluster 2 is further ahead; rank 0 picks cluster 1: both ranks take cluster 1's shards
-    # (a θ_outer that cluster holds whole), never one shard of each
+    # rank 1's records say cluster 2 is further ahead; rank 0 picks cluster 1: both ranks take cluster 1's
+    # shards (a θ_outer that cluster holds whole), never one shard of each
     ahead = {1: ({"outer_step": 5}, [torch.ones(2)]), 2: ({"outer_step": 5}, [torch.zeros(2)])}
     further = {1: ({"outer_step": 5}, [torch.ones(2)]), 2: ({"outer_step": 6}, [torch.zeros(2)])}
     peers = [ShardPeer(2, [], ahead), ShardPeer(2, [], further)]
@@ -207,8 +210,9 @@ def test_a_download_whose_bytes_do_not_match_the_served_hash_is_never_taken():
 
 
 def test_a_cluster_starting_a_round_joins_the_attempt_the_galaxy_is_in():
-    # three clusters at the matchmaking edge: clusters 1 and 2 retried round 1 (attempt 1) while this one's shard
-    # still looked for a group in attempt 0. Its next start joins attempt 1, not an attempt nobody is in.
+    # three clusters at the matchmaking edge: clusters 1 and 2 retried round 1 (attempt 1) while this one's
+    # shard still looked for a group in attempt 0. Its next start joins attempt 1, not an attempt nobody is
+    # in.
     class InAttempt(ShardPeer):
         def membership(self):
             return Membership(attempts={1: (1, 1), 2: (1, 1), 0: (1, 0)})
@@ -258,9 +262,9 @@ def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_st
 
 
 def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rather_than_its_own():
-    # the soak's split last round: a late cluster's attempts all came out alone while the other two committed the
-    # round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer. Now it
-    # waits for a committer's record (a heartbeat or so) and takes that round.
+    # the soak's split last round: a late cluster's attempts all came out alone while the other two committed
+    # the round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer.
+    # Now it waits for a committer's record (a heartbeat or so) and takes that round.
     served = {1: _served([0.25], step=1, group=[1, 2])}
     peer = ShardPeer(
         1, [_report([0])], served, membership_after=4
