@@ -153,9 +153,8 @@ class CanonicalAllReduce(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         scale = self.claims.scale(peer_id) if self.claims is not None else 1.0
         weight = self.weight
-        if (
-            self.claims is not None and peer_id in self.claims.stale
-        ):  # we started elsewhere: the cohort's average
+        # we started elsewhere: the cohort's average
+        if self.claims is not None and peer_id in self.claims.stale:
             weight = 0.0
             self.rejected_senders.add(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):

@@ -136,9 +136,8 @@ class HivemindAverager:
         if self.galaxy_size == 1:
             return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
-        if (
-            self.allowlist is not None
-        ):  # a stranger's record (say, a mismatched schema) must not stop or stall us
+        # a stranger's record (say, a mismatched schema) must not stop or stall us
+        if self.allowlist is not None:
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
@@ -223,9 +222,8 @@ class HivemindAverager:
             shared.copy_(values.view(-1))
         codecs = wire_codecs(self.compression, self.sparse_rule)
         on_wire = values.reshape(-1)
-        if (
-            codecs is not None
-        ):  # what the parts will decode to, tensor by tensor (values, then any block scores)
+        # what the parts will decode to, tensor by tensor (values, then any block scores)
+        if codecs is not None:
             pieces = []
             for key, tensor in enumerate(values.reshape(-1).split(self._tensor_sizes())):
                 codec = codecs.for_key(key)

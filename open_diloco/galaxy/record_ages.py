@@ -79,9 +79,8 @@ class RecordAges:
         elif _newer(version, known[0], incarnations):
             old, _, last_read = known
             between = float(version["published_at"] or 0.0) - float(old["published_at"] or 0.0)
-            if (
-                version["started_at"] != old["started_at"] or between < 0
-            ):  # a restart, or a clock stepped back
+            # a restart, or a clock stepped back
+            if version["started_at"] != old["started_at"] or between < 0:
                 published = max(last_read, now - self._first_age(record, clock_age))  # not readable before
             else:
                 published = min(now, last_read + between)

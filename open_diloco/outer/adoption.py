@@ -1,13 +1,13 @@
 """Taking the galaxy's outer state from one cluster: the one path for joining, re-syncing and adopting a round
 that another cluster committed.
 
-Why one source: each rank of a cluster downloads its own shard. Left to hivemind, each rank takes whichever peer
-its DHT lists first, so after two clusters ended up with different θ at the same step a cluster could assemble a
-θ that no cluster holds. Here rank 0 picks one source cluster from the membership records and every rank
-downloads its shard from *that* cluster's averager of the same shard, checks the bytes against the hash the
-source sent with them, and the ranks agree that all of them got the same step before anyone takes it. Every
-branch runs the same collectives on every rank, so a rank whose download fails can never leave its siblings in a
-collective it skipped.
+Why one source: each rank of a cluster downloads its own shard. Left to hivemind, each rank takes whichever
+peer its DHT lists first, so after two clusters ended up with different θ at the same step a cluster could
+assemble a θ that no cluster holds. Here rank 0 picks one source cluster from the membership records and every
+rank downloads its shard from *that* cluster's averager of the same shard, checks the bytes against the hash
+the source sent with them, and the ranks agree that all of them got the same step before anyone takes it.
+Every branch runs the same collectives on every rank, so a rank whose download fails can never leave its
+siblings in a collective it skipped.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def choose_source(
     view: Membership, own_rank: int, at_least: int, exact: int | None = None
 ) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
-    later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to the
-    lowest galaxy rank, so clusters that re-sync at once pick the same source. ``None``: no live cluster qualifies
-    (or none whose record names this shard's averager)."""
+    later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to
+    the lowest galaxy rank, so clusters that re-sync at once pick the same source. ``None``: no live cluster
+    qualifies (or none whose record names this shard's averager)."""
     candidates = [
         (rank, step)
         for rank, step in view.steps.items()
@@ -73,8 +73,8 @@ class StateAdoption:
     def download(
         self, at_least: int, timeout: float, exact: int | None = None, appear_within: float | None = None
     ) -> Downloaded | None:
-        """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact`` first),
-        tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
+        """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact``
+        first), tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
         ``appear_within``: give up
         sooner when no record has shown a source at all after that many seconds (nobody has that state)."""
         started = time.monotonic()
@@ -102,8 +102,8 @@ class StateAdoption:
     def _fetch(
         self, source: int, peer: str | None, deadline: float
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """This rank's shard of ``source``'s state (from ``peer``, that cluster's averager of this shard), its bytes
-        checked against the hash the source sent with them."""
+        """This rank's shard of ``source``'s state (from ``peer``, that cluster's averager of this shard), its
+        bytes checked against the hash the source sent with them."""
         left = deadline - time.monotonic()
         if peer is None or left <= 0:
             return None

@@ -1,8 +1,8 @@
-"""How a cluster takes the galaxy's state instead of applying its own round: joining (a late start, a resume from
-an older checkpoint), taking a round that another cluster committed (``round_outcome`` ``adopted`` or
-``resynced``), sitting a round out (a diverged Δ, a galaxy ahead), catching up with the galaxy's inner step, and
-comparing the last round at the end. Kept apart from the round itself (``outer/diloco.py``) so that each reads
-on its own; every path takes the state from one source (``outer/adoption.py``).
+"""How a cluster takes the galaxy's state instead of applying its own round: joining (a late start, a resume
+from an older checkpoint), taking a round that another cluster committed (``round_outcome`` ``adopted`` or
+``resynced``), sitting a round out (a diverged Δ, a galaxy ahead), catching up with the galaxy's inner step,
+and comparing the last round at the end. Kept apart from the round itself (``outer/diloco.py``) so that each
+reads on its own; every path takes the state from one source (``outer/adoption.py``).
 
 :class:`CatchingUp` is a part of :class:`~open_diloco.outer.diloco.DiLoCo` (its attributes are DiLoCo's)."""
 
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from open_diloco.outer.streaming import SyncSchedule
 
 FINAL_CHECK_SECONDS = 15.0
-"""How long a finished cluster waits for the others' records to reach its last outer step (:meth:`verify_final`)."""
+"""How long a finished cluster waits for the others' records to reach its last outer step
+(:meth:`verify_final`)."""
 
 
 class CatchingUp:
@@ -48,10 +49,10 @@ class CatchingUp:
     _step_seconds: float | None
 
     def join_galaxy(self) -> int:
-        """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late joiner, or a
-        resume from an older checkpoint); return the inner step to continue after. Nothing is downloaded when no
-        cluster is ahead: the records carry each cluster's outer step. The state comes from one source cluster,
-        every rank's shard from it (``outer/adoption.py``), or is not taken at all."""
+        """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late
+        joiner, or a resume from an older checkpoint); return the inner step to continue after. Nothing is
+        downloaded when no cluster is ahead: the records carry each cluster's outer step. The state comes from
+        one source cluster, every rank's shard from it (``outer/adoption.py``), or is not taken at all."""
         wanted = self.hv.galaxy_size > 1 and not self.hv.skip_load_from_peers
         previous = self.outer_step
         got = self._find_and_take_newer() if wanted else None
@@ -68,15 +69,14 @@ class CatchingUp:
 
     def _find_and_take_newer(self) -> Downloaded | None:
         """Wait (up to ``--hv.join-timeout``) for the records of the other clusters to show up: a cluster that
-        starts beside running ones must not train alone from scratch because the DHT had not answered yet. Once
-        any other cluster's record is seen, download only if one of them is ahead."""
+        starts beside running ones must not train alone from scratch because the DHT had not answered yet.
+        Once any other cluster's record is seen, download only if one of them is ahead."""
         deadline = time.monotonic() + self.hv.join_timeout
         while True:
             view = self.averager.membership()
             others = [step for rank, step in view.steps.items() if rank != self.galaxy_rank]
-            known = -self.cluster.min_int(
-                -len(set(view.reported) - {self.galaxy_rank})
-            )  # someone's record came
+            # someone's record came
+            known = -self.cluster.min_int(-len(set(view.reported) - {self.galaxy_rank}))
             ahead = -self.cluster.min_int(-max(others, default=-1)) > self.outer_step
             if ahead:
                 got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
@@ -88,8 +88,8 @@ class CatchingUp:
             time.sleep(1.0)
 
     def _resume_round_in_flight(self) -> None:
-        """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step does
-        the same, so the round meets and lands where it would have)."""
+        """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step
+        does the same, so the round meets and lands where it would have)."""
         started_at = self.schedule.inner_step_of(self.outer_step + 1)
         self.warn(
             f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again"
@@ -100,17 +100,17 @@ class CatchingUp:
         return max(self.schedule.inner_step_of(self.outer_step), self._catch_up_step)
 
     def _catch_up_target(self) -> int:
-        """The inner step to go on from after adopting the state of a galaxy that was ahead: as far as the lead
-        cluster has come since (its status record, moved on by the record's age at our step time), but at least a
-        quarter of --hv.averaging-timeout of steps before the next sync.
+        """The inner step to go on from after adopting the state of a galaxy that was ahead: as far as the
+        lead cluster has come since (its status record, moved on by the record's age at our step time), but at
+        least a quarter of --hv.averaging-timeout of steps before the next sync.
 
-        Why: a cluster that sat a round out (a side of a healed partition, a slow cluster) adopts the state at the
-        galaxy's latest round, while the lead cluster is already that far into the next one. Training the whole
-        stride again, it would reach the next sync that much later than the lead cluster, which waits at most
-        --hv.averaging-timeout for it: behind by more, it sits out again, round after round. Skipping those
-        steps (their batches are not trained on, as for a late joiner) puts it at the sync with the others, and
-        its Δ of fewer steps enters that round's average. The margin keeps it inside the lead's wait when the lead
-        is already waiting at the sync. The same on every rank of the cluster."""
+        Why: a cluster that sat a round out (a side of a healed partition, a slow cluster) adopts the state at
+        the galaxy's latest round, while the lead cluster is already that far into the next one. Training the
+        whole stride again, it would reach the next sync that much later than the lead cluster, which waits at
+        most --hv.averaging-timeout for it: behind by more, it sits out again, round after round. Skipping
+        those steps (their batches are not trained on, as for a late joiner) puts it at the sync with the
+        others, and its Δ of fewer steps enters that round's average. The margin keeps it inside the lead's
+        wait when the lead is already waiting at the sync. The same on every rank of the cluster."""
         start, next_sync = (
             self.schedule.inner_step_of(self.outer_step),
             self.schedule.inner_step_of(self.outer_step + 1),
@@ -135,7 +135,8 @@ class CatchingUp:
         """Take the round's result from a cluster that committed it, instead of applying anything of our own.
         When this cluster is in the group the round was committed with (the served state says), that average
         holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
-        commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a re-sync."""
+        commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a
+        re-sync."""
         round_no = self.outer_step + 1
         got = self.adoption.download(
             round_no, self.hv.join_timeout, exact=round_no, appear_within=appear_within
@@ -156,7 +157,7 @@ class CatchingUp:
             )
             self._catch_up()
             outcome = "resynced"
-        else:  # nobody served it in time: our own Δ alone keeps our progress; the next round's check repairs it
+        else:  # nobody served it in time: our own Δ alone keeps our progress; the next round repairs it
             return self._commit(
                 flight,
                 view,
@@ -186,20 +187,21 @@ class CatchingUp:
         """Send nothing this round, then adopt the galaxy's θ_outer once the round is applied, when:
 
         - the galaxy is ahead (``flight.lead``): this cluster's Δ was taken from an older θ_outer than the
-          round's (a late joiner whose download is already old, a side of a healed partition), and averaging it
-          would drag every cluster back;
-        - this cluster's Δ is not finite (its inner training diverged). Alone, or when no peer serves the state
-          in time, it drops its local progress and goes back to its own θ_outer. After ``--hv.max-bad-rounds``
-          such rounds in a row it stops: the divergence is its own, not a passing spike."""
+          round's (a late joiner whose download is already old, a side of a healed partition), and averaging
+          it would drag every cluster back;
+        - this cluster's Δ is not finite (its inner training diverged). Alone, or when no peer serves the
+          state in time, it drops its local progress and goes back to its own θ_outer. After
+          ``--hv.max-bad-rounds`` such rounds in a row it stops: the divergence is its own, not a passing
+          spike."""
         round_no = self.outer_step + 1
         if flight.diverged or flight.out_of_bound:
             self.bad_rounds += 1
             what = "not finite" if flight.diverged else "out of bound"
             if self.bad_rounds > self.hv.max_bad_rounds:
                 raise GalaxyError(
-                    f"outer step {round_no}: this cluster's pseudo-gradient was {what} in {self.bad_rounds} rounds "
-                    "in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or resume from an "
-                    "earlier checkpoint"
+                    f"outer step {round_no}: this cluster's pseudo-gradient was {what} in {self.bad_rounds} "
+                    "rounds in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or "
+                    "resume from an earlier checkpoint"
                 )
             detail = (
                 ""
@@ -207,14 +209,16 @@ class CatchingUp:
                 else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
             )
             self.warn(
-                f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training diverged; it "
-                f"sends nothing and adopts the galaxy's θ_outer ({self.bad_rounds}/{self.hv.max_bad_rounds})"
+                f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training "
+                "diverged; it sends nothing and adopts the galaxy's θ_outer "
+                f"({self.bad_rounds}/{self.hv.max_bad_rounds})"
             )
             why, wanted = "this cluster diverged", max(round_no, flight.lead)
         else:
             self.warn(
-                f"outer step {round_no}: the galaxy is at outer step {flight.lead}: this cluster's pseudo-gradient "
-                "comes from an older θ_outer, so it sends nothing and adopts the galaxy's state"
+                f"outer step {round_no}: the galaxy is at outer step {flight.lead}: this cluster's "
+                "pseudo-gradient comes from an older θ_outer, so it sends nothing and adopts the galaxy's "
+                "state"
             )
             why, wanted = "the galaxy was ahead", flight.lead
         taken = self._resync(wanted, why) if self.hv.galaxy_size > 1 else None
@@ -231,7 +235,8 @@ class CatchingUp:
         )
 
     def _catch_up(self) -> None:
-        """After taking the state of a galaxy that trains past it, go on where it is (:meth:`_catch_up_target`)."""
+        """After taking the state of a galaxy that trains past it, go on where it is
+        (:meth:`_catch_up_target`)."""
         self._catch_up_step = self._catch_up_target()
         if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
             self.warn(
@@ -240,8 +245,9 @@ class CatchingUp:
             )
 
     def _resync(self, at_least: int, why: str) -> Downloaded | None:
-        """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later, within
-        ``--hv.join-timeout`` (from one source, ``outer/adoption.py``); ``None`` (state kept) when none came."""
+        """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later,
+        within ``--hv.join-timeout`` (from one source, ``outer/adoption.py``); ``None`` (state kept) when none
+        came."""
         got = self.adoption.download(at_least, self.hv.join_timeout)
         if got is not None:
             previous = self.outer_step
@@ -254,11 +260,12 @@ class CatchingUp:
         return got
 
     def verify_final(self, param_hash: str, seconds: float = FINAL_CHECK_SECONDS) -> list[int] | None:
-        """At the end of a finished run, compare this cluster's final θ_outer (``param_hash``) with every other
-        cluster that ends at the same outer step, as their records show them: wait (``seconds`` at most) until
-        every cluster still training is at least this far, then name the ones whose hash differs in one warning.
-        The hash check of a round compares where rounds *start*, so without this a last round that came out
-        differently in two clusters would go unnoticed. Returns the clusters compared equal (``None``: none)."""
+        """At the end of a finished run, compare this cluster's final θ_outer (``param_hash``) with every
+        other cluster that ends at the same outer step, as their records show them: wait (``seconds`` at most)
+        until every cluster still training is at least this far, then name the ones whose hash differs in one
+        warning. The hash check of a round compares where rounds *start*, so without this a last round that
+        came out differently in two clusters would go unnoticed. Returns the clusters compared equal
+        (``None``: none)."""
         if self.hv.galaxy_size == 1:
             return None
         deadline = time.monotonic() + seconds
@@ -285,7 +292,7 @@ class CatchingUp:
         if differ:
             self.warn(
                 f"the run ends at outer step {self.outer_step} with a θ_outer unlike that of cluster(s) "
-                f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from the "
-                "checkpoint of the cluster you trust, or compare their exports"
+                f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from "
+                "the checkpoint of the cluster you trust, or compare their exports"
             )
         return same or None

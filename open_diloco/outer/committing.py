@@ -1,8 +1,8 @@
 """How one round of a cluster runs and ends: :meth:`Committing.start_round` computes the pseudo-gradient and
 launches the galaxy average; :meth:`Committing.finish_round` waits for it and commits it, or takes it from a
-cluster that did, or runs it again (``outer/round.py`` has the rule, ``docs/round-protocol.md`` the whole story).
-Every branch runs the same collectives on every rank of the cluster (:class:`ClusterComm`), so every shard
-follows the same path.
+cluster that did, or runs it again (``outer/round.py`` has the rule, ``docs/round-protocol.md`` the whole
+story). Every branch runs the same collectives on every rank of the cluster (:class:`ClusterComm`), so every
+shard follows the same path.
 
 :class:`Committing` is a part of :class:`~open_diloco.outer.diloco.DiLoCo` (its attributes are DiLoCo's)."""
 
@@ -55,9 +55,8 @@ class Committing:
         alive, lead, silent, galaxy_attempt = self._membership()
         attempts = max(attempts, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
         self.status.update({"round_attempt": [self.outer_step + 1, attempts]})
-        if (
-            lead > self.outer_step
-        ):  # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
+        # the galaxy applied rounds without this cluster (a late joiner, a healed cut)
+        if lead > self.outer_step:
             return RoundInFlight(None, own_hash, float("nan"), alive, attempts, lead=lead, silent=silent)
         with contextlib.ExitStack() as held:
             pseudo_grad = self._locked_buffer(held)
@@ -113,8 +112,8 @@ class Committing:
 
     def _locked_buffer(self, held: contextlib.ExitStack) -> torch.Tensor | None:
         """The averager's buffer, locked until ``held`` closes; ``None`` on every rank when any rank could not
-        lock it in time (a round that outlived its timeout still writes there), so no rank skips a collective its
-        siblings enter."""
+        lock it in time (a round that outlived its timeout still writes there), so no rank skips a collective
+        its siblings enter."""
         try:
             buffer = held.enter_context(self.averager.buffer())
         except RoundFailed:
@@ -122,14 +121,14 @@ class Committing:
         return buffer if self.cluster.all_true(buffer is not None) else None
 
     def _membership(self) -> tuple[int, int, int, int]:
-        """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of the next
-        round a live cluster started), the same on every rank of this cluster.
+        """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of
+        the next round a live cluster started), the same on every rank of this cluster.
 
-        Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
-        any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
-        cluster that is there. A cluster with no record at all counts as alive (a galaxy that starts together waits
-        for all of it). Lead: the highest outer step any rank saw in a live cluster's record. Silent: the most
-        gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
+        Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest
+        count any rank saw, so that a rank that could not read the DHT in time makes the round wait rather
+        than skip a cluster that is there. A cluster with no record at all counts as alive (a galaxy that
+        starts together waits for all of it). Lead: the highest outer step any rank saw in a live cluster's
+        record. Silent: the most gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
         view = self.averager.membership()
         ours = range(self.hv.galaxy_size)
         gone = {rank for rank in view.departed if rank != self.galaxy_rank and rank in ours}
@@ -140,9 +139,10 @@ class Committing:
 
     @torch.no_grad()
     def finish_round(self, flight: RoundInFlight) -> RoundResult:
-        """Wait for the round and commit it (``outer/round.py``): apply the average when every shard got it whole
-        from the same clusters, else take the round from a cluster that committed it, else run it again under the
-        next attempt; a round the policy calls partial runs again too (``--hv.on-partial-round``)."""
+        """Wait for the round and commit it (``outer/round.py``): apply the average when every shard got it
+        whole from the same clusters, else take the round from a cluster that committed it, else run it again
+        under the next attempt; a round the policy calls partial runs again too
+        (``--hv.on-partial-round``)."""
         round_no = self.outer_step + 1
         self.bad_rounds = 0
         network_wait = 0.0
@@ -195,16 +195,18 @@ class Committing:
         if decision is Decision.STOP:
             raise GalaxyError(
                 f"outer step {round_no}: only {clusters} of {flight.alive} live clusters averaged and "
-                "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing clusters)"
+                "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing "
+                "clusters)"
             )
         if clusters <= 1 < self.hv.galaxy_size and self._committed_elsewhere(round_no):
-            # alone because the others finished their run meanwhile (a finished cluster is gone from the rounds
-            # but serves its last state): the round they committed is the galaxy's, not our Δ alone
+            # alone because the others finished their run meanwhile (a finished cluster is gone from the
+            # rounds but serves its last state): the round they committed is the galaxy's, not our Δ alone
             return self._take_round(flight, view, report, network_wait)
         if not view.committable or (clusters <= 1 < alive and self.policy.on_partial_round == "retry"):
-            # out of attempts with nothing whole, or whole but alone: the others are likely committing this round
-            # right now, their records a heartbeat behind. Take it from one when its record shows up; apply our own
-            # Δ alone only when none does. Seen in the soak: applying alone at once split the galaxy's last round.
+            # out of attempts with nothing whole, or whole but alone: the others are likely committing this
+            # round right now, their records a heartbeat behind. Take it from one when its record shows up;
+            # apply our own Δ alone only when none does. Seen in the soak: applying alone at once split the
+            # galaxy's last round.
             record_lag = self.hv.heartbeat_interval + 2 * MEMBERSHIP_READ_SECONDS
             return self._take_round(flight, view, report, network_wait, appear_within=record_lag)
         return self._commit(flight, view, report, network_wait, clusters, alive, decision)
@@ -236,11 +238,10 @@ class Committing:
             )
 
     def _committed_elsewhere(self, round_no: int) -> bool:
-        """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state now."""
+        """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state
+        now."""
         steps = [step for rank, step in self.averager.membership().steps.items() if rank != self.galaxy_rank]
-        return (
-            -self.cluster.min_int(-max(steps, default=-1)) >= round_no
-        )  # (our own record may be an older life's)
+        return -self.cluster.min_int(-max(steps, default=-1)) >= round_no  # (ours may be an older life's)
 
     def _commit(
         self,
@@ -253,8 +254,8 @@ class Committing:
         decision: Decision,
         alone: str | None = None,
     ) -> RoundResult:
-        """Apply the round: the galaxy's average, or with ``alone`` (why) this cluster's own Δ alone, which keeps
-        its progress and which the next round's hash check repairs; then land it in the model."""
+        """Apply the round: the galaxy's average, or with ``alone`` (why) this cluster's own Δ alone, which
+        keeps its progress and which the next round's hash check repairs; then land it in the model."""
         round_no = self.outer_step + 1
         galaxy_average = alone is None
         self._say_who_was_left_out(round_no, view)
@@ -335,7 +336,8 @@ class Committing:
         fragment: int | None = None,
         **fields: Any,
     ) -> RoundResult:
-        """The round's :class:`RoundResult`; the hashes and norms are the cluster's (every shard's, combined)."""
+        """The round's :class:`RoundResult`; the hashes and norms are the cluster's (every shard's,
+        combined)."""
         fragment = self.state.fragment if fragment is None else fragment
         if outcome in ("applied", "adopted"):
             fields["fragment_hash"] = combine_hashes(
@@ -389,6 +391,7 @@ class Committing:
         for rank, meta in report.peers.items():
             if rank != self.galaxy_rank and meta.get("numel") not in (None, self.state.numel):
                 raise GalaxyMismatch(
-                    f"cluster {rank} averages a shard of {meta['numel']} values, this one {self.state.numel}: "
-                    "every cluster must train the same model config with the same number of ranks"
+                    f"cluster {rank} averages a shard of {meta['numel']} values, this one "
+                    f"{self.state.numel}: every cluster must train the same model config with the same "
+                    "number of ranks"
                 )

@@ -1,12 +1,12 @@
-"""A round of one cluster: what is in flight, what its shards saw of it (agreed by every rank), and what it came
-to (:class:`RoundResult`, the one object the trainer acts on and the metrics records are made from).
+"""A round of one cluster: what is in flight, what its shards saw of it (agreed by every rank), and what it
+came to (:class:`RoundResult`, the one object the trainer acts on and the metrics records are made from).
 
-The commit rule lives here. A cluster *commits* a round (applies the average its reducers sent) only when every
-shard's average arrived whole and every shard's group held the same clusters: then every cluster that commits
-holds the reducers' exact bytes, by construction. Otherwise it never applies its own partial values; it adopts
-the round from a cluster that committed it, or runs the round again under the next attempt (``outer/diloco.py``).
-Why: with one average lost on one shard, "apply what arrived" left one cluster a model no other cluster held, and
-the repairs after the fact (re-syncs a round later) cascaded on lossy links.
+The commit rule lives here. A cluster *commits* a round (applies the average its reducers sent) only when
+every shard's average arrived whole and every shard's group held the same clusters: then every cluster that
+commits holds the reducers' exact bytes, by construction. Otherwise it never applies its own partial values;
+it adopts the round from a cluster that committed it, or runs the round again under the next attempt
+(``outer/diloco.py``). Why: with one average lost on one shard, "apply what arrived" left one cluster a model
+no other cluster held, and the repairs after the fact (re-syncs a round later) cascaded on lossy links.
 """
 
 from __future__ import annotations
@@ -29,19 +29,21 @@ class RoundInFlight:
     local_sq: float
     """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
     alive: int
-    """Clusters alive when the round started (membership), this one included; agreed by the cluster's ranks."""
+    """Clusters alive when the round started (membership), this one included; agreed by the cluster's
+    ranks."""
     attempts: int = 0
     """The round's attempt (0 first): part of its matchmaking key, so attempts never meet each other."""
     start_error: str | None = None
     diverged: bool = False
     """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
     bound: float | None = None
-    """The largest ‖Δ‖ this shard could send this round (``guard.NormHistory``); ``None``: the check is off."""
+    """The largest ‖Δ‖ this shard could send this round (``guard.NormHistory``); ``None``: the check is
+    off."""
     out_of_bound: bool = False
     """Δ is finite but out of bound on some rank of this cluster: nothing was sent (it sits the round out)."""
     lead: int = -1
-    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks); above
-    this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks);
+    above this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
     silent: int = 0
     """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
     lands_at: int = 0
@@ -67,7 +69,8 @@ class RoundView:
     rejected: list[int]
     """Clusters some reducer left out as garbage (guard)."""
     stale: list[int]
-    """Clusters some reducer left out for starting from another θ_outer than the round's most advanced peer."""
+    """Clusters some reducer left out for starting from another θ_outer than the round's most advanced
+    peer."""
     in_sync: bool
     """Every shard's peers (less the stale ones) started from this cluster's θ_outer."""
     left_out: bool
@@ -82,7 +85,8 @@ class RoundView:
     def agree(
         cluster: ClusterComm, report: RoundReport, failed: bool, own_hash: str, galaxy_rank: int
     ) -> RoundView:
-        """Gather what each shard's report says into one view (a fixed sequence of collectives on every rank)."""
+        """Gather what each shard's report says into one view (a fixed sequence of collectives on every
+        rank)."""
         groups = cluster.gather_strings(",".join(map(str, sorted(report.peers))))
         rejected = _ranks_by_any_rank(cluster, report.rejected)
         stale = _ranks_by_any_rank(cluster, report.stale)
@@ -118,10 +122,11 @@ class RoundResult:
     """What a round came to for this cluster. The trainer acts on :attr:`diverged`; everything else is for the
     metrics records (:meth:`metrics`, whose keys are a public contract: add, never rename).
 
-    ``outcome``: ``applied`` (this cluster committed the galaxy's average, or its own Δ alone), ``adopted`` (it
-    took the round's result from a cluster that committed it, its own Δ included: nothing lost), ``resynced`` (it
-    took another cluster's state and dropped its own progress since the round started), ``sat_out`` (it sent
-    nothing: diverged, out of bound, or behind the galaxy, and kept its own state when no state came)."""
+    ``outcome``: ``applied`` (this cluster committed the galaxy's average, or its own Δ alone), ``adopted``
+    (it took the round's result from a cluster that committed it, its own Δ included: nothing lost),
+    ``resynced`` (it took another cluster's state and dropped its own progress since the round started),
+    ``sat_out`` (it sent nothing: diverged, out of bound, or behind the galaxy, and kept its own state when no
+    state came)."""
 
     outcome: str
     outer_step: int
@@ -156,7 +161,8 @@ class RoundResult:
 
     @property
     def committed(self) -> bool:
-        """This cluster holds the round's committed result (applied here, or adopted from a committed cluster)."""
+        """This cluster holds the round's committed result (applied here, or adopted from a committed
+        cluster)."""
         return self.outcome in ("applied", "adopted")
 
     def metrics(self) -> dict[str, Any]:

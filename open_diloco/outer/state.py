@@ -310,9 +310,8 @@ class OuterState(OuterStateTransfer):
             selection = self._settle_own_round()
             if self.compressor is not None:
                 self.compressor.from_wire_(averaged, selection)
-            if (
-                self.sparse_scores is not None
-            ):  # the galaxy's scores pick what this fragment's next round sends
+            # the galaxy's scores pick what this fragment's next round sends
+            if self.sparse_scores is not None:
                 self.sparse_scores[self.fragment].copy_(
                     averaged_pseudo_grad[self.wire_numel : self.wire_buffer_numel]
                 )

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.e2e
 FAULTS = Path(__file__).parent / "faults"
 
 
-# bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs here; sparse too, since its
-# default rule (magnitude) adds the block scores to the round's tensors and to the state the hash proves
+# bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs here; sparse too,
+# since its default rule (magnitude) adds the block scores to the round's tensors and to the state the hash
+# proves
 @pytest.mark.parametrize("compression", ["none", "fp16", "int2", "sparse"])
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
@@ -42,13 +43,13 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
 
 
 def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
-    """Cluster 0's reducers never send the last average of round 2 (fault injected: a stream cut short, seen under
-    load), so its round is whole and cluster 1's is not. Cluster 1 applies nothing of its own: it retries, and once
-    cluster 0's record shows the round committed, takes it from cluster 0 (its own Δ is in it: a commit, nothing
-    re-synced) and both meet round 3 in sync. Before, the retry waited for cluster 0's round 3, was left out of it
-    and re-synced after it."""
-    # H = 40: cluster 0's next round is seconds away, as in real runs, so the retry's membership poll (every 2 s)
-    # comes first; with H = 10 here the retry could meet that next round before its first poll
+    """Cluster 0's reducers never send the last average of round 2 (fault injected: a stream cut short, seen
+    under load), so its round is whole and cluster 1's is not. Cluster 1 applies nothing of its own: it
+    retries, and once cluster 0's record shows the round committed, takes it from cluster 0 (its own Δ is in
+    it: a commit, nothing re-synced) and both meet round 3 in sync. Before, the retry waited for cluster 0's
+    round 3, was left out of it and re-synced after it."""
+    # H = 40: cluster 0's next round is seconds away, as in real runs, so the retry's membership poll (every 2
+    # s) comes first; with H = 10 here the retry could meet that next round before its first poll
     steps = ["--max-steps", "120", "--hv.local-steps", "40", "--hv.averaging-timeout", "30"]
     fault = _losing_last_average(of_round=2)
     metrics = [
@@ -80,11 +81,11 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
 
 
 def test_a_last_round_that_came_short_is_taken_from_the_cluster_that_finished(galaxy):
-    """The galaxy's last round: cluster 0's reducers never send the last average of it, so cluster 0 commits the
-    round and ends its run while cluster 1's round is partial. A finished cluster is gone from the rounds, but it
-    serves its last state while it drains: cluster 1 takes the round from it (its Δ is in it: a commit) and the
-    run ends with one θ. Before, cluster 1 found no live cluster to take it from, applied its own Δ alone and the
-    galaxy ended split (CI, 2026-11-27)."""
+    """The galaxy's last round: cluster 0's reducers never send the last average of it, so cluster 0 commits
+    the round and ends its run while cluster 1's round is partial. A finished cluster is gone from the rounds,
+    but it serves its last state while it drains: cluster 1 takes the round from it (its Δ is in it: a commit)
+    and the run ends with one θ. Before, cluster 1 found no live cluster to take it from, applied its own Δ
+    alone and the galaxy ended split (CI, 2026-11-27)."""
     steps = ["--max-steps", "12", "--hv.local-steps", "6", "--hv.averaging-timeout", "30"]
     metrics = [
         galaxy.start_cluster(0, 2, *steps, nproc=1, env=_losing_last_average(of_round=2)),
@@ -106,18 +107,19 @@ def test_a_last_round_that_came_short_is_taken_from_the_cluster_that_finished(ga
     "schedule",
     [
         pytest.param([], id="blocking"),
-        # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started beside
-        # it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
+        # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started
+        # beside it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
         pytest.param(["--hv.fragments", "2", "--hv.sync-delay", "1"], id="streaming"),
     ],
 )
 def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galaxy, schedule):
-    """2-rank clusters: only cluster 0's rank-1 averager (one shard pair) never sends the last average of round 2,
-    so cluster 1 has one shard whole and one partial — the start of the cascade where a cluster whose shards ended
-    a round apart was left out at every later round. Now cluster 1 commits nothing of either shard: both its ranks
-    take round 2 from cluster 0 (their Δs are in it), and every round after that is in sync, with equal hashes.
-    At H = 2 cluster 0 is already in round 3 when cluster 1 retries round 2: the round in the matchmaking key keeps
-    the two apart (before, the retry met round 3, was left out of it and re-synced)."""
+    """2-rank clusters: only cluster 0's rank-1 averager (one shard pair) never sends the last average of
+    round 2, so cluster 1 has one shard whole and one partial — the start of the cascade where a cluster whose
+    shards ended a round apart was left out at every later round. Now cluster 1 commits nothing of either
+    shard: both its ranks take round 2 from cluster 0 (their Δs are in it), and every round after that is in
+    sync, with equal hashes. At H = 2 cluster 0 is already in round 3 when cluster 1 retries round 2: the
+    round in the matchmaking key keeps the two apart (before, the retry met round 3, was left out of it and
+    re-synced)."""
     steps = ["--max-steps", "30", "--hv.local-steps", "2", "--hv.averaging-timeout", "30", *schedule]
     metrics = [
         galaxy.start_cluster(0, 2, *steps, env=_losing_last_average(of_round=2, local_rank=1)),
@@ -131,8 +133,9 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
         shown
     )  # the fault did hit: cluster 1's round 2 is not whole
     assert rounds[1][2]["param_hash"] == rounds[0][2]["param_hash"], shown
-    # within two rounds, as before: under a full suite's load the streaming variant's round 3 once split too (an
-    # exchange broke, "received 50.0% results") and cluster 1 re-synced in it; every round from 4 on is checked
+    # within two rounds, as before: under a full suite's load the streaming variant's round 3 once split too
+    # (an exchange broke, "received 50.0% results") and cluster 1 re-synced in it; every round from 4 on is
+    # checked
     later = range(4, 16)
     assert all(s in rounds[0] and s in rounds[1] for s in later), shown
     for s in later:
@@ -155,7 +158,8 @@ def _losing_last_average(of_round: int, local_rank: int | None = None) -> dict[s
 
 
 def _both_clusters_rounds(rounds: list[dict[int, dict]]) -> dict[int, list[dict]]:
-    """Every round of both clusters, side by side, for a failed assertion to show (pytest cuts whole records short)."""
+    """Every round of both clusters, side by side, for a failed assertion to show (pytest cuts whole records
+    short)."""
     return {s: [_round_line(r.get(s, {})) for r in rounds] for s in sorted(set(rounds[0]) | set(rounds[1]))}
 
 
@@ -168,9 +172,10 @@ def test_galaxy_of_one(galaxy):
 
 def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
     # cluster 0 trains alone for two rounds (partial rounds proceed), then cluster 1 joins. Cluster 0 runs
-    # longer, so a round the late cluster spends behind (its Δ met cluster 0's next round) is re-synced. The late
-    # cluster joins at the galaxy's inner step and ends at its own --max-steps: under the suite's load its start
-    # (torchrun, imports, DHT, download) took 34 s, 4 of cluster 0's lone rounds, so it gets 5 rounds of room.
+    # longer, so a round the late cluster spends behind (its Δ met cluster 0's next round) is re-synced. The
+    # late cluster joins at the galaxy's inner step and ends at its own --max-steps: under the suite's load
+    # its start (torchrun, imports, DHT, download) took 34 s, 4 of cluster 0's lone rounds, so it gets 5
+    # rounds of room.
     policy = ["--hv.local-steps", "5", "--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "8"]
     early = galaxy.start_cluster(0, 2, "--max-steps", "55", *policy)
     galaxy.wait_for_step(early, 12, 240)

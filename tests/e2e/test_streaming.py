@@ -36,9 +36,8 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
         assert not (rounds[0][split[0]]["galaxy_complete"] and rounds[1][split[0]]["galaxy_complete"]), (
             incident
         )
-        if (
-            split[-1] < SYNCS
-        ):  # (an incident in the last syncs has no time left to heal; the unit tests pin that)
+        # (an incident in the last syncs has no time left to heal; the unit tests pin that)
+        if split[-1] < SYNCS:
             assert any(repaired(r[sync]) for r in rounds for sync in split), incident
     for sync in range(1, SYNCS + 1):
         a, b = rounds[0][sync], rounds[1][sync]

@@ -187,9 +187,8 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
             assert torch.allclose(model_after[region], mixed, atol=1e-6, rtol=0)
         outside = torch.ones(numel, dtype=torch.bool)
         outside[region] = False
-        if (
-            k and records[0][k - 1]["step"] == record["step"]
-        ):  # the sync that landed just before it, same step
+        # the sync that landed just before it, same step
+        if k and records[0][k - 1]["step"] == record["step"]:
             previous = (k - 1) % fragments
             outside[previous * length : (previous + 1) * length] = False
         assert torch.equal(model_after[outside], model_before[outside]), "a landing touched another fragment"
