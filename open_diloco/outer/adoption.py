@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.digests import fingerprint_bytes
 from open_diloco.outer.protocols import Averager, Membership
-from open_diloco.outer.state import fingerprint_bytes
 
 RETRY_SECONDS = 0.5
 """Pause between two tries of a download (a source still applying the round, a record not yet propagated)."""

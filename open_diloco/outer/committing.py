@@ -17,11 +17,11 @@ import torch
 
 from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.codecs import all_finite
+from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome
 from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
 from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
-from open_diloco.outer.state import combine_hashes
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig

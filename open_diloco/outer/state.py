@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from open_diloco.outer.codecs import PseudoGradCompressor
-from open_diloco.outer.digests import combine_hashes as combine_hashes  # re-exported: outer/committing.py
 from open_diloco.outer.digests import fingerprint_bytes, square_sum, sum_of_squares
 from open_diloco.outer.optimizer import outer_sgd_step_, round_hparams
 from open_diloco.outer.sparse import Selection
