@@ -149,6 +149,9 @@ class CatchingUp:
         ):
             self.state.adopt_round(got.metadata, got.tensors)
             self.state.land()
+            self.warn(
+                f"outer step {round_no}: took the round as cluster {got.source} committed it (our Δ is in it)"
+            )
             outcome = "adopted"
         elif got is not None:
             self.state.adopt(got.metadata, got.tensors)
