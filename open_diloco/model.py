@@ -9,13 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from open_diloco.errors import ConfigError
-
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
+from open_diloco.materialize import materialize
 
 
 def load_model_config(path_model: Path) -> PretrainedConfig:
@@ -67,26 +61,23 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return xxhash.xxh3_64(layout.encode()).hexdigest()
 
 
-def has_weights(path_model: Path) -> bool:
-    """Whether the directory holds trained weights (else the model is initialised fresh)."""
-    return any((Path(path_model) / name).is_file() for name in _WEIGHT_FILES)
+def build_meta_model(path_model: Path) -> PreTrainedModel:
+    """The model's structure on the ``meta`` device: fp32 parameters with shapes but no storage (nothing is
+    allocated, nothing initialised). ``parallelize`` shards it, ``materialize`` gives each rank its shards."""
+    model_config = load_model_config(path_model)
+    model_config.use_cache = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
 def build_model(path_model: Path, seed: int) -> PreTrainedModel:
-    """The model in fp32 on CPU: local weights when present, else fresh weights from ``seed``.
+    """The whole model in fp32 on the CPU, unsharded: local weights when present, else fresh weights from
+    ``seed`` — the same θ as the sharded build gives every rank count (``materialize.init_fresh``).
 
-    Fresh init is seeded so every rank of every cluster starts from the same θ — DiLoCo's outer step
-    assumes all clusters share θ_outer at round 0.
+    For single-process benches and tests; the trainer never holds the whole model
+    (``trainer.build_sharded_model``).
     """
-    model_config = load_model_config(path_model)
-    model_config.use_cache = False
-    if has_weights(path_model):
-        model = AutoModelForCausalLM.from_pretrained(path_model, local_files_only=True, dtype=torch.float32)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    return model
+    return materialize(build_meta_model(path_model), path_model, seed, torch.device("cpu"))
 
 
 def transformer_blocks(model: PreTrainedModel) -> list[torch.nn.Module]:

@@ -40,7 +40,8 @@ def parallelize(
     compile_blocks: bool,
 ) -> torch.nn.Module:
     """Shard ``model`` over the default process group; parameters stay fp32 (the optimizer's master copy),
-    compute runs in the policy's dtype, gradients are reduced in fp32."""
+    compute runs in the policy's dtype, gradients are reduced in fp32. A model on the ``meta`` device stays
+    there (``materialize`` allocates each rank's shards on ``device``); any other moves to ``device``."""
     mp_policy = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPE[precision], reduce_dtype=torch.float32)
     blocks = transformer_blocks(model)
     layers = model.model.layers
@@ -53,5 +54,6 @@ def parallelize(
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=index < len(blocks) - 1)
         layers[index] = block
     fully_shard(model, mp_policy=mp_policy)
-    model.to(device)
+    if not any(param.is_meta for param in model.parameters()):
+        model.to(device)
     return model

@@ -18,8 +18,9 @@ from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.errors import ConfigError, Stop
 from open_diloco.logs import log_from_every_rank
+from open_diloco.materialize import materialize
 from open_diloco.metrics import build_metrics
-from open_diloco.model import build_model, load_model_config, model_fingerprint, shape_fields
+from open_diloco.model import build_meta_model, load_model_config, model_fingerprint, shape_fields
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.diloco import DiLoCo
@@ -127,9 +128,12 @@ def train(config: Config) -> None:
 
 
 def build_sharded_model(config: Config, world: World, precision: str) -> torch.nn.Module:
-    """The model of ``--path-model``, initialised from ``--seed`` and sharded over the cluster's ranks."""
-    model = build_model(config.path_model, config.seed)
-    return parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+    """The model of ``--path-model`` sharded over the cluster's ranks before any weight exists (built on the
+    meta device), then each rank's shards allocated and filled: from the model's files, or fresh from
+    ``--seed`` (the same θ whatever the rank count)."""
+    model = build_meta_model(config.path_model)
+    model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+    return materialize(model, config.path_model, config.seed, world.device)
 
 
 def resume_from(
