@@ -51,7 +51,7 @@ FLAG_PANELS: dict[str, tuple[str, ...]] = {
         "eval_interval",
         "eval_steps",
     ),
-    "Performance": ("precision", "torch_compile", "activation_checkpointing", "device", "backend"),
+    "Performance": ("precision", "torch_compile", "activation_checkpointing", "device", "backend", "dry_run"),
     "Logging": ("metric_logger_type", "metrics_path", "project", "run_name", "log_interval"),
     "Galaxy (--hv.*; any of them turns DiLoCo on)": ("hv",),
     "Checkpoints (--ckpt.*)": ("ckpt",),

@@ -9,6 +9,12 @@ def train(*, config: Config | None = None) -> None:
     """Train one cluster (run under torchrun for several ranks)."""
     # `config` is keyword-only so that its fields are flags only: as positionals, a stray word (`open-diloco
     # foo --fake-data`) would silently become --path-model.
+    config = config if config is not None else Config()
+    if config.dry_run:
+        from open_diloco.dry_run import dry_run
+
+        dry_run(config)
+        return
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
-    run_training(config if config is not None else Config())
+    run_training(config)

@@ -127,6 +127,10 @@ class Config(BaseModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; `auto`: nccl on CUDA, gloo on CPU."""
 
+    dry_run: bool = False
+    """Build, shard and materialise the model, take one inner step on random tokens, print peak memory and the
+    seconds to that step, and exit: no galaxy, no data (run it before a long job, with the same flags)."""
+
     # logging
     metric_logger_type: Literal["dummy", "jsonl", "wandb"] = "dummy"
     """Where metrics go (rank 0 of each cluster only). wandb respects WANDB_MODE and never asks to log in."""
@@ -160,7 +164,7 @@ class Config(BaseModel):
             )
         if self.fake_data and self.dataset_path:
             raise ConfigError("--fake-data and --dataset-path both given: choose one")
-        if not self.fake_data and not self.dataset_path:
+        if not self.fake_data and not self.dataset_path and not self.dry_run:
             raise ConfigError("no data: pass --fake-data or --dataset-path PATH")
         if (
             self.hv is not None

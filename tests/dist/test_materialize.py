@@ -81,3 +81,40 @@ def test_two_rank_meta_build_never_holds_the_whole_model(tmp_path):
         assert grown < rank["full_bytes"] * 0.75, (grown / MIB, rank["full_bytes"] / MIB)
     for rank in full:
         assert rank["rss_peak"] - rank["rss_before"] >= rank["full_bytes"] * 0.9
+
+
+def test_dry_run_reports_memory_and_seconds_and_exits(tmp_path):
+    """``--dry-run`` on the 25M config, no data flags and a galaxy flag it ignores: one line for a person and
+    one JSON line, exit 0, nothing written."""
+    cmd = [
+        TORCHRUN[0],
+        str(REPO / "open_diloco" / "train_fsdp.py"),
+        "--dry-run",
+        "--path-model",
+        str(REPO / "configs" / "models" / "llama-25m-fresh"),
+        "--no-torch-compile",
+        "--seq-length",
+        "64",
+        "--per-device-train-batch-size",
+        "2",
+        "--total-batch-size",
+        "4",
+        "--hv.galaxy-size",
+        "2",
+        "--metric-logger-type",
+        "jsonl",
+        "--metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, env=trainer_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2].startswith("dry run: 1 rank(s) on cpu, 32-true, 26.2M params"), lines
+    report = json.loads(lines[-1])["dry_run"]
+    assert report["params"] == report["shard_params"] == 26_223_104
+    assert 0 < report["host_peak_at_start_gib"] <= report["host_peak_gib"] < 4
+    assert (
+        report["device_peak_gib"] == 0 and 0 < report["first_step_seconds"] < report["seconds_to_first_step"]
+    )
+    assert 0 < report["loss"] < 20
+    assert list(tmp_path.iterdir()) == []
