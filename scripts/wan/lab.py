@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, text in (
         ("up", "build a lab, self-check it, hold it until Ctrl+C/SIGTERM"),
-        ("check", "build a lab, self-check it, remove it (exit 1 if off by more than 10 %)"),
+        ("check", "build a lab, self-check it, remove it (exit 1 if off by more than 10 %%)"),
     ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--clusters", type=int, default=2)

@@ -3,9 +3,13 @@ how a case names its codec."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from scripts.bench.wan import codec_flags, steady_rounds
+from tests.conftest import REPO
 
 
 def _records(rounds: dict[int, tuple[int, str]], local_steps: int = 5) -> dict[int, dict]:
@@ -51,3 +55,12 @@ def test_a_codec_case_passes_its_sparse_options_as_flags():
     ]
     with pytest.raises(SystemExit, match="options are rule=... and density="):
         codec_flags("sparse,ruel=random")
+
+
+@pytest.mark.parametrize("module", ["scripts.wan.lab", "scripts.wan.control"])
+def test_the_wan_lab_commands_print_their_help(module):
+    # an argparse help text with a bare "%" crashed `python -m scripts.wan.lab --help` (2026-11-27)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-2000:]
