@@ -95,7 +95,8 @@ def train(config: Config) -> None:
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps)
             add_sync_metrics(record, syncs, metrics)
             if any(sync.diverged for sync in syncs):
-                optimizer.state.clear()  # diverged: the weights came back from the galaxy, AdamW's moments start afresh
+                # diverged: the weights came back from the galaxy, AdamW's moments start afresh
+                optimizer.state.clear()
             galaxy_step = outer.inner_step_of_galaxy()
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
@@ -205,7 +206,8 @@ def build_outer_loop(
     hv: HvConfig | None, model: torch.nn.Module, world: World, model_config: dict[str, Any]
 ) -> OuterLoop:
     """DiLoCo over hivemind when a galaxy is configured, else the no-op loop. Each local rank averages its own
-    FSDP shard with the same shard of every other cluster (``galaxy/build.py`` starts its part of the galaxy)."""
+    FSDP shard with the same shard of every other cluster (``galaxy/build.py`` starts its part of the
+    galaxy)."""
     if hv is None:
         return NullOuterLoop()
     from open_diloco.galaxy.build import ClusterShard, join_galaxy  # hivemind, loaded only when needed
@@ -225,7 +227,8 @@ def build_outer_loop(
             model, galaxy.averager, hv, cluster=cluster, warn=outer_log.warning, status=galaxy.status
         )
     except BaseException:
-        galaxy.averager.shutdown()  # the trainer's `finally` only knows the outer loop, which does not exist yet
+        # the trainer's `finally` only knows the outer loop, which does not exist yet
+        galaxy.averager.shutdown()
         raise
 
 
