@@ -14,7 +14,8 @@ from scripts.wan.lab import Lab
 from tests.conftest import REPO
 from tests.wan.test_wan import needs_root
 
-pytestmark = pytest.mark.wan
+# one lab at a time: the links' delays and rates are what these tests measure
+pytestmark = [pytest.mark.wan, pytest.mark.xdist_group("wan")]
 PORT = 7788
 ECHOES = 100
 CLIENT = """

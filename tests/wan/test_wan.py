@@ -20,7 +20,8 @@ from scripts.wan import lab as wanlab
 from scripts.wan.lab import Lab, lab_namespaces
 from tests.conftest import REPO, read_metrics
 
-pytestmark = pytest.mark.wan
+# one lab at a time: the links' delays and rates are what these tests measure
+pytestmark = [pytest.mark.wan, pytest.mark.xdist_group("wan")]
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not all(map(__import__("shutil").which, ("ip", "tc"))),
     reason="the WAN lab needs root and iproute2",
