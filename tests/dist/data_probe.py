@@ -1,6 +1,7 @@
 """Run under torchrun by tests/dist/test_data_dist.py: build this rank's train loader exactly as the trainer
-does (plan_data + build_train_loader, background worker) for every cluster of a galaxy, and dump the sample ids
-and a hash of the tokens of each batch, plus the batches a loader restored from a mid-way state_dict yields."""
+does (plan_data + build_train_loader, background worker) for every cluster of a galaxy, and dump the sample
+ids and a hash of the tokens of each batch, plus the batches a loader restored from a mid-way state_dict
+yields."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ PER_DEVICE, SEQ_LENGTH, MODEL_VOCAB = 2, 64, 2048
 
 def probe(dataset_path: str, cache_dir: str, seed: int, galaxy_size: int, batches: int) -> dict[str, dict]:
     world = describe_world("cpu", "gloo")
-    config = Config(dataset_path=dataset_path, data_cache_dir=Path(cache_dir), seq_length=SEQ_LENGTH, seed=seed,
-                    per_device_train_batch_size=PER_DEVICE, total_batch_size=PER_DEVICE * world.world_size)
+    config = Config(
+        dataset_path=dataset_path,
+        data_cache_dir=Path(cache_dir),
+        seq_length=SEQ_LENGTH,
+        seed=seed,
+        per_device_train_batch_size=PER_DEVICE,
+        total_batch_size=PER_DEVICE * world.world_size,
+    )
     result: dict[str, dict] = {}
     for galaxy_rank in range(galaxy_size):
         plan = plan_data(config, MODEL_VOCAB, world.world_size, galaxy_rank, galaxy_size)

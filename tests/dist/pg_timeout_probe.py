@@ -1,8 +1,8 @@
 """Run under torchrun (2 ranks, gloo) by tests/dist/test_pg_timeout.py: a round longer than the process-group
-timeout's floor. The group is formed as the trainer forms it, with the timeout derived from a galaxy config whose
-averaging timeout exceeds a short floor (``FLOOR`` stands in for 600 s). Rank 0 then waits ``WAIT`` seconds
-outside any collective (what a round on a slow link does) while rank 1 waits in one: on the derived group, and
-on a group whose timeout is the floor alone, to show that the floor would have killed the cluster.
+timeout's floor. The group is formed as the trainer forms it, with the timeout derived from a galaxy config
+whose averaging timeout exceeds a short floor (``FLOOR`` stands in for 600 s). Rank 0 then waits ``WAIT``
+seconds outside any collective (what a round on a slow link does) while rank 1 waits in one: on the derived
+group, and on a group whose timeout is the floor alone, to show that the floor would have killed the cluster.
 ``python pg_timeout_probe.py OUT_DIR``: each rank writes ``rank<r>.json``."""
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def main(out: Path) -> None:
     dist.barrier()
     result: dict = {"timeout": timeout}
     if world.rank == 0:
-        time.sleep(WAIT)  # never enters the floor-only group's collective: rank 1 waits there past its timeout
+        time.sleep(
+            WAIT
+        )  # never enters the floor-only group's collective: rank 1 waits there past its timeout
         result["derived"] = collective(None)
     else:
         result["floor_only"] = collective(floor_only)

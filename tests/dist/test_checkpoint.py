@@ -14,13 +14,40 @@ import pytest
 import torch
 
 from open_diloco.checkpoint import read_metadata
-from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, kill_tree, read_metrics, trainer_env, with_overrides
+from tests.conftest import (
+    REPO,
+    TINY_MODEL,
+    TORCHRUN,
+    TRAIN_SCRIPT,
+    kill_tree,
+    read_metrics,
+    trainer_env,
+    with_overrides,
+)
 
-pytestmark = pytest.mark.dist
+# one worker runs this module: its tests compare with one uninterrupted run (the module's `straight`)
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("dist_checkpoint")]
 
-ARGS = ["--path-model", str(TINY_MODEL), "--fake-data", "--no-torch-compile", "--seq-length", "64", "--lr", "1e-2",
-        "--per-device-train-batch-size", "4", "--total-batch-size", "8", "--total-steps", "40", "--num-workers", "1",
-        "--metric-logger-type", "jsonl"]
+ARGS = [
+    "--path-model",
+    str(TINY_MODEL),
+    "--fake-data",
+    "--no-torch-compile",
+    "--seq-length",
+    "64",
+    "--lr",
+    "1e-2",
+    "--per-device-train-batch-size",
+    "4",
+    "--total-batch-size",
+    "8",
+    "--total-steps",
+    "40",
+    "--num-workers",
+    "1",
+    "--metric-logger-type",
+    "jsonl",
+]
 
 
 def command(nproc: int, metrics: Path, *extra: str) -> list[str]:
@@ -30,8 +57,14 @@ def command(nproc: int, metrics: Path, *extra: str) -> list[str]:
 
 
 def run(nproc: int, metrics: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(nproc, metrics, *extra), cwd=REPO, env=trainer_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        command(nproc, metrics, *extra),
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if expect_ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -39,8 +72,13 @@ def run(nproc: int, metrics: Path, *extra: str, expect_ok: bool = True) -> subpr
 
 def start_and_kill_when(nproc: int, metrics: Path, ready, *extra: str, timeout: float = 240) -> None:
     """Start a cluster, SIGKILL its whole process group once ``ready()`` holds; assert it is gone."""
-    proc = subprocess.Popen(command(nproc, metrics, *extra), cwd=REPO, env=trainer_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command(nproc, metrics, *extra),
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
@@ -96,8 +134,13 @@ def test_kill_during_save_leaves_previous_checkpoint_usable(tmp_path):
     for attempt in range(4):
         metrics = tmp_path / f"kill{attempt}.jsonl"
         shutil.rmtree(ckpt, ignore_errors=True)
-        saving = lambda: last_step(metrics) >= 6 and any(p.name.endswith(".tmp") for p in ckpt.glob("*"))  # noqa: E731
-        start_and_kill_when(2, metrics, saving, "--ckpt.interval", "1", "--ckpt.keep", "2", "--ckpt.path", str(ckpt))
+
+        def saving(metrics: Path = metrics) -> bool:
+            return last_step(metrics) >= 6 and any(p.name.endswith(".tmp") for p in ckpt.glob("*"))
+
+        start_and_kill_when(
+            2, metrics, saving, "--ckpt.interval", "1", "--ckpt.keep", "2", "--ckpt.path", str(ckpt)
+        )
         if any(p.name.endswith(".tmp") for p in ckpt.iterdir()):
             break
     else:
@@ -119,11 +162,20 @@ def test_a_stop_signal_during_a_background_save_leaves_only_complete_checkpoints
     # no loader worker: a SIGTERMed worker can turn the rank's Stop into the DataLoader's RuntimeError (a
     # shutdown race of its own, not this test's subject)
     flags = ["--ckpt.interval", "1", "--ckpt.keep", "3", "--ckpt.path", str(ckpt), "--num-workers", "0"]
-    proc = subprocess.Popen(command(2, metrics, *flags), cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command(2, metrics, *flags),
+        cwd=REPO,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (last_step(metrics) >= 6 and any(p.name.endswith(".tmp") for p in ckpt.glob("*"))):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before a save was caught"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the run ended before a save was caught"
+            )
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks
         output = proc.communicate(timeout=60)[0]
@@ -157,8 +209,12 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path):
     # another model
     other_model = tmp_path / "other-model"
     other_model.mkdir()
-    (other_model / "config.json").write_text((TINY_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64'))
-    assert "made for another model (hidden_size 128 vs 64)" in refused(good, "--path-model", str(other_model), nproc=1)
+    (other_model / "config.json").write_text(
+        (TINY_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64')
+    )
+    assert "made for another model (hidden_size 128 vs 64)" in refused(
+        good, "--path-model", str(other_model), nproc=1
+    )
     # partial: no metadata
     partial = tmp_path / "partial"
     shutil.copytree(good, partial)
@@ -181,8 +237,14 @@ def test_export_round_trip(tmp_path):
     run(2, tmp_path / "m.jsonl", "--ckpt.interval", "6", "--ckpt.path", str(ckpt), "--max-steps", "6")
     source = ckpt / "step_00000006"
     out = tmp_path / "exported"
-    proc = subprocess.run([str(Path(TORCHRUN[0]).parent / "open-diloco"), "export", str(source), str(out)],
-                          cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(Path(TORCHRUN[0]).parent / "open-diloco"), "export", str(source), str(out)],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
@@ -192,7 +254,9 @@ def test_export_round_trip(tmp_path):
     full = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
     reference.load_state_dict(full)
-    tokens = torch.randint(0, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
     fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()

@@ -20,8 +20,14 @@ def test_two_launches_form_one_cluster_with_per_node_logs(tmp_path):
     env, torchrun_marker = launcher_env(tmp_path, MASTER_WAIT="60")
     started = time.monotonic()
     procs = [
-        subprocess.Popen([str(SCRIPT), str(config), "2", str(rank), "127.0.0.1", port, "--run-name", f"ops-test-{rank}"],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [str(SCRIPT), str(config), "2", str(rank), "127.0.0.1", port, "--run-name", f"ops-test-{rank}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     deadline, outputs = started + 170, []
@@ -34,7 +40,9 @@ def test_two_launches_form_one_cluster_with_per_node_logs(tmp_path):
         left = kill_tagged(env["OPEN_DILOCO_TEST_TAG"])
     if len(outputs) < len(procs):  # timed out: show what each node said before it was killed
         outputs += [proc.communicate(timeout=30)[0] for proc in procs[len(outputs) :]]
-        pytest.fail("cluster_train.sh did not finish in 170 s:\n" + "\n----\n".join(o[-3000:] for o in outputs))
+        pytest.fail(
+            "cluster_train.sh did not finish in 170 s:\n" + "\n----\n".join(o[-3000:] for o in outputs)
+        )
     elapsed = time.monotonic() - started
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert not left, f"processes left behind: {left}"
@@ -44,7 +52,9 @@ def test_two_launches_form_one_cluster_with_per_node_logs(tmp_path):
     logs = {}
     for rank in (0, 1):
         latest = log_dir / f"cluster_train_latest_node{rank}.log"
-        assert latest.is_symlink() and re.fullmatch(rf"cluster_train_\d{{8}}_\d{{6}}_node{rank}\.log", latest.readlink().name)
+        assert latest.is_symlink() and re.fullmatch(
+            rf"cluster_train_\d{{8}}_\d{{6}}_node{rank}\.log", latest.readlink().name
+        )
         logs[rank] = latest.read_text()
         assert logs[rank] in outputs[rank]  # the console shows what the log holds
         assert "preflight: all 7 checks passed" in logs[rank]

@@ -46,8 +46,14 @@ def test_ranks_and_clusters_disjoint_runs_repeat_and_resume(tmp_path: Path) -> N
         for r in range(2):
             assert first[r][cluster]["resumed_ids"] == ranks[r][BATCHES // 2 :]
         # The cluster's two ranks see, block by block, what one process with accumulation sees.
-        config = Config(dataset_path=str(corpus), data_cache_dir=tmp_path / "cache1", seq_length=64, seed=SEED,
-                        per_device_train_batch_size=4, total_batch_size=4)
+        config = Config(
+            dataset_path=str(corpus),
+            data_cache_dir=tmp_path / "cache1",
+            seq_length=64,
+            seed=SEED,
+            per_device_train_batch_size=4,
+            total_batch_size=4,
+        )
         plan = plan_data(config, 2048, world_size=1, galaxy_rank=int(cluster), galaxy_size=GALAXY)
         single = build_train_loader(plan, per_device_batch=4, rank=0, world_size=1, num_workers=0)
         for step, batch in enumerate(islice(iter(single), BATCHES)):
@@ -61,11 +67,37 @@ def test_ranks_and_clusters_disjoint_runs_repeat_and_resume(tmp_path: Path) -> N
 def test_training_on_real_text_loss_falls_and_val_loss_is_logged(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     done = _torchrun(
-        str(TRAIN_SCRIPT), "--path-model", str(TINY_MODEL), "--no-torch-compile", "--dataset-path",
-        str(text_dir(tmp_path, 40)), "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "128",
-        "--per-device-train-batch-size", "4", "--total-batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2",
-        "--max-steps", "12", "--eval-interval", "6", "--eval-steps", "2", "--num-workers", "1",
-        "--metric-logger-type", "jsonl", "--metrics-path", str(metrics), timeout=180,
+        str(TRAIN_SCRIPT),
+        "--path-model",
+        str(TINY_MODEL),
+        "--no-torch-compile",
+        "--dataset-path",
+        str(text_dir(tmp_path, 40)),
+        "--data-cache-dir",
+        str(tmp_path / "cache"),
+        "--seq-length",
+        "128",
+        "--per-device-train-batch-size",
+        "4",
+        "--total-batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "2",
+        "--max-steps",
+        "12",
+        "--eval-interval",
+        "6",
+        "--eval-steps",
+        "2",
+        "--num-workers",
+        "1",
+        "--metric-logger-type",
+        "jsonl",
+        "--metrics-path",
+        str(metrics),
+        timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
@@ -81,8 +113,21 @@ def test_bad_data_stops_every_rank_with_the_same_line(tmp_path: Path) -> None:
     data = tmp_path / "late.jsonl"
     data.write_text(json.dumps({"text": "fine " * 50}) + "\n" + json.dumps({"body": "no text"}) + "\n")
     started = time.monotonic()
-    done = _torchrun(str(TRAIN_SCRIPT), "--path-model", str(TINY_MODEL), "--no-torch-compile", "--dataset-path",
-                     str(data), "--data-cache-dir", str(tmp_path / "cache"), "--seq-length", "16", timeout=90)
+    done = _torchrun(
+        str(TRAIN_SCRIPT),
+        "--path-model",
+        str(TINY_MODEL),
+        "--no-torch-compile",
+        "--dataset-path",
+        str(data),
+        "--data-cache-dir",
+        str(tmp_path / "cache"),
+        "--seq-length",
+        "16",
+        timeout=90,
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("open-diloco: error:")]
     assert done.returncode != 0 and time.monotonic() - started < 60
-    assert len(errors) == 2 and errors[0] == errors[1] and "a record has no text field 'text'" in errors[0], done.stderr
+    assert len(errors) == 2 and errors[0] == errors[1] and "a record has no text field 'text'" in errors[0], (
+        done.stderr
+    )

@@ -11,14 +11,34 @@ from tests.conftest import REPO, TINY_MODEL, TORCHRUN, TRAIN_SCRIPT, free_port, 
 
 pytestmark = pytest.mark.dist
 
-COMMON = ["--path-model", str(TINY_MODEL), "--fake-data", "--no-torch-compile", "--lr", "1e-2", "--seq-length", "64",
-          "--num-workers", "0", "--metric-logger-type", "jsonl"]
+COMMON = [
+    "--path-model",
+    str(TINY_MODEL),
+    "--fake-data",
+    "--no-torch-compile",
+    "--lr",
+    "1e-2",
+    "--seq-length",
+    "64",
+    "--num-workers",
+    "0",
+    "--metric-logger-type",
+    "jsonl",
+]
 
 
 def run_cluster(tmp_path, name: str, nproc: int, *args: str, timeout: float = 240) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_SCRIPT), *COMMON,
-           "--metrics-path", str(metrics), *args]
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(TRAIN_SCRIPT),
+        *COMMON,
+        "--metrics-path",
+        str(metrics),
+        *args,
+    ]
     if nproc == 1:
         cmd = [TORCHRUN[0], str(TRAIN_SCRIPT), *COMMON, "--metrics-path", str(metrics), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout)
@@ -29,8 +49,12 @@ def run_cluster(tmp_path, name: str, nproc: int, *args: str, timeout: float = 24
 def test_two_rank_fsdp_matches_single_process_and_grad_accumulation(tmp_path):
     steps = ["--max-steps", "6", "--total-batch-size", "16"]
     fsdp = run_cluster(tmp_path, "fsdp2", 2, "--per-device-train-batch-size", "4", *steps)  # accumulation 2
-    single = run_cluster(tmp_path, "single", 1, "--per-device-train-batch-size", "4", *steps)  # accumulation 4
-    fewer_micro = run_cluster(tmp_path, "single8", 1, "--per-device-train-batch-size", "8", *steps)  # accumulation 2
+    single = run_cluster(
+        tmp_path, "single", 1, "--per-device-train-batch-size", "4", *steps
+    )  # accumulation 4
+    fewer_micro = run_cluster(
+        tmp_path, "single8", 1, "--per-device-train-batch-size", "8", *steps
+    )  # accumulation 2
     losses = [[r["loss"] for r in run] for run in (fsdp, single, fewer_micro)]
     # Same global batch every step; only the summation order of the reductions differs (fp32).
     # Tolerance: 1e-4 relative over 6 AdamW steps at lr 1e-2 (measured gap ~1e-6).
@@ -40,16 +64,36 @@ def test_two_rank_fsdp_matches_single_process_and_grad_accumulation(tmp_path):
 
 
 def test_loss_falls_30_percent_in_50_steps(tmp_path):
-    records = run_cluster(tmp_path, "fifty", 2, "--per-device-train-batch-size", "4", "--total-batch-size", "16",
-                          "--max-steps", "50")
+    records = run_cluster(
+        tmp_path,
+        "fifty",
+        2,
+        "--per-device-train-batch-size",
+        "4",
+        "--total-batch-size",
+        "16",
+        "--max-steps",
+        "50",
+    )
     assert [r["step"] for r in records] == list(range(1, 51))
     assert records[-1]["loss"] <= 0.7 * records[0]["loss"], (records[0]["loss"], records[-1]["loss"])
     assert all(r["tokens_per_second"] > 0 and r["lr"] > 0 for r in records)
 
 
 def test_bf16_mixed_precision_on_cpu(tmp_path):
-    records = run_cluster(tmp_path, "bf16", 2, "--per-device-train-batch-size", "4", "--total-batch-size", "8",
-                          "--max-steps", "8", "--precision", "bf16-mixed")
+    records = run_cluster(
+        tmp_path,
+        "bf16",
+        2,
+        "--per-device-train-batch-size",
+        "4",
+        "--total-batch-size",
+        "8",
+        "--max-steps",
+        "8",
+        "--precision",
+        "bf16-mixed",
+    )
     assert records[-1]["loss"] < records[0]["loss"]
 
 
@@ -57,12 +101,30 @@ def test_two_node_launch_over_loopback(tmp_path):
     port = free_port()
     metrics = tmp_path / "two_node.jsonl"
     procs = []
-    for node in range(2):
-        cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonode", str(TRAIN_SCRIPT), *COMMON,
-               "--metrics-path", str(metrics), "--per-device-train-batch-size", "4", "--total-batch-size", "8",
-               "--max-steps", "4"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for _node in range(2):
+        cmd = [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=twonode",
+            str(TRAIN_SCRIPT),
+            *COMMON,
+            "--metrics-path",
+            str(metrics),
+            "--per-device-train-batch-size",
+            "4",
+            "--total-batch-size",
+            "8",
+            "--max-steps",
+            "4",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     try:
         outputs = [p.communicate(timeout=180)[0] for p in procs]
     finally:
@@ -79,15 +141,31 @@ def test_two_node_launch_over_loopback(tmp_path):
 @pytest.mark.parametrize(
     "nproc, args, message",
     [
-        (2, ["--total-batch-size", "12", "--per-device-train-batch-size", "4"], "not divisible by --per-device-train-batch-size 4 x 2 ranks"),
-        (2, ["--total-batch-size", "8", "--per-device-train-batch-size", "8"], "not divisible by --per-device-train-batch-size 8 x 2 ranks"),
+        (
+            2,
+            ["--total-batch-size", "12", "--per-device-train-batch-size", "4"],
+            "not divisible by --per-device-train-batch-size 4 x 2 ranks",
+        ),
+        (
+            2,
+            ["--total-batch-size", "8", "--per-device-train-batch-size", "8"],
+            "not divisible by --per-device-train-batch-size 8 x 2 ranks",
+        ),
         (2, ["--precision", "fp16-mixed"], "fp16-mixed needs a CUDA GPU"),
         (1, ["--bogus-flag", "1"], "Unknown option: --bogus-flag"),
-        (1, ["--total-batch-size", "10", "--per-device-train-batch-size", "4"], "is not a multiple of --per-device-train-batch-size"),
+        (
+            1,
+            ["--total-batch-size", "10", "--per-device-train-batch-size", "4"],
+            "is not a multiple of --per-device-train-batch-size",
+        ),
         (1, ["--path-model", "/nonexistent/model"], "--path-model /nonexistent/model is not a directory"),
         (1, ["--path-model", str(REPO / "tests")], "has no config.json"),
         (1, ["--precision", "fp8"], "--precision: Input should be"),
-        (1, ["--hv.galaxy-size", "2", "--hv.world-rank", "2"], "--hv.world-rank 2 is not below --hv.galaxy-size 2"),
+        (
+            1,
+            ["--hv.galaxy-size", "2", "--hv.world-rank", "2"],
+            "--hv.world-rank 2 is not below --hv.galaxy-size 2",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_fast(nproc, args, message):
@@ -107,6 +185,8 @@ def test_bad_input_is_one_line_and_fast(nproc, args, message):
     # Each rank checks on its own before any rendezvous, so none waits for another; torchrun may stop the
     # slower rank before it prints, hence "at least one line".
     # no traceback from our code (torchrun adds its own summary of the failed workers)
-    our_frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File") and "open_diloco" in line]
+    our_frames = [
+        line for line in proc.stderr.splitlines() if line.strip().startswith("File") and "open_diloco" in line
+    ]
     assert not our_frames, proc.stderr[-2000:]
     assert elapsed < 30

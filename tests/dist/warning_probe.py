@@ -1,5 +1,5 @@
-"""The trainer under torchrun, with one Python warning raised on local rank 1 only, during step 2: what a library
-might say on any rank. ``python warning_probe.py TRAINER_FLAGS`` (run by test_logs.py)."""
+"""The trainer under torchrun, with one Python warning raised on local rank 1 only, during step 2: what a
+library might say on any rank. ``python warning_probe.py TRAINER_FLAGS`` (run by test_logs.py)."""
 
 import os
 import sys
