@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from open_diloco.data import DataPlan
+    from open_diloco.galaxy.build import GalaxyPart
     from open_diloco.metrics import Metrics
     from open_diloco.outer.round import RoundResult
 
@@ -72,8 +73,7 @@ def train(config: Config) -> None:
     )
     ending = "stopped"  # how the run ended, for the status board
     try:
-        model = build_sharded_model(config, world, precision)
-        outer = build_outer_loop(config.hv, model, world, model_config)
+        model, outer = build_model_and_outer_loop(config, world, precision, model_config)
         optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
         scheduler = build_scheduler(
             optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
@@ -132,9 +132,34 @@ def build_sharded_model(config: Config, world: World, precision: str) -> torch.n
     """The model of ``--path-model`` sharded over the cluster's ranks before any weight exists (built on the
     meta device), then each rank's shards allocated and filled: from the model's files, or fresh from
     ``--seed`` (the same θ whatever the rank count)."""
-    model = build_meta_model(config.path_model)
-    model = parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+    model = build_meta_sharded_model(config, world, precision)
     return materialize(model, config.path_model, config.seed, world.device)
+
+
+def build_meta_sharded_model(config: Config, world: World, precision: str) -> torch.nn.Module:
+    """The model of ``--path-model`` on the meta device, sharded over the cluster's ranks: shapes, names and
+    each rank's shard sizes, no storage yet."""
+    model = build_meta_model(config.path_model)
+    return parallelize(model, world.device, precision, config.activation_checkpointing, config.torch_compile)
+
+
+def build_model_and_outer_loop(
+    config: Config, world: World, precision: str, model_config: dict[str, Any]
+) -> tuple[torch.nn.Module, OuterLoop]:
+    """The sharded, materialised model and its outer loop. This rank's part of the galaxy starts in between,
+    while the model is still on the meta device: hivemind's DHT and averager are processes *forked* from
+    this one, and forked after the weights exist each would hold a copy-on-write image of them that every
+    inner step turns into a private copy (in a CPU run, one more fp32 shard per fork:
+    docs/results/outer-memory.md)."""
+    model = build_meta_sharded_model(config, world, precision)
+    galaxy = start_galaxy(config.hv, model, world, model_config)
+    try:
+        materialize(model, config.path_model, config.seed, world.device)
+        return model, build_outer_loop(config.hv, model, galaxy)
+    except BaseException:
+        if galaxy is not None:
+            galaxy[0].averager.shutdown()  # the trainer's `finally` only knows the outer loop, not yet made
+        raise
 
 
 def resume_from(
@@ -202,14 +227,14 @@ def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iter
     return iter(loader)
 
 
-def build_outer_loop(
+def start_galaxy(
     hv: HvConfig | None, model: torch.nn.Module, world: World, model_config: dict[str, Any]
-) -> OuterLoop:
-    """DiLoCo over hivemind when a galaxy is configured, else the no-op loop. Each local rank averages its own
-    FSDP shard with the same shard of every other cluster (``galaxy/build.py`` starts its part of the
-    galaxy)."""
+) -> tuple[GalaxyPart, ClusterComm] | None:
+    """This rank's part of the galaxy when one is configured (``galaxy/build.py``): each local rank averages
+    its own FSDP shard with the same shard of every other cluster. ``model`` may still be on the meta device:
+    only its names and shard sizes are read."""
     if hv is None:
-        return NullOuterLoop()
+        return None
     from open_diloco.galaxy.build import ClusterShard, join_galaxy  # hivemind, loaded only when needed
 
     shard = ClusterShard(
@@ -220,16 +245,19 @@ def build_outer_loop(
         model_config=shape_fields(model_config),
     )
     cluster = ClusterComm(world.device)
-    galaxy = join_galaxy(hv, shard, cluster)
-    try:
-        outer_log = logging.getLogger("open_diloco.outer")
-        return DiLoCo(
-            model, galaxy.averager, hv, cluster=cluster, warn=outer_log.warning, status=galaxy.status
-        )
-    except BaseException:
-        # the trainer's `finally` only knows the outer loop, which does not exist yet
-        galaxy.averager.shutdown()
-        raise
+    return join_galaxy(hv, shard, cluster), cluster
+
+
+def build_outer_loop(
+    hv: HvConfig | None, model: torch.nn.Module, galaxy: tuple[GalaxyPart, ClusterComm] | None
+) -> OuterLoop:
+    """DiLoCo over ``galaxy`` (from :func:`start_galaxy`; the model materialised since), else the no-op
+    loop."""
+    if galaxy is None:
+        return NullOuterLoop()
+    part, cluster = galaxy
+    outer_log = logging.getLogger("open_diloco.outer")
+    return DiLoCo(model, part.averager, hv, cluster=cluster, warn=outer_log.warning, status=part.status)
 
 
 def inner_step(
