@@ -1,24 +1,35 @@
 """Outer-state memory: how much host memory a real 2-cluster round adds, in multiples of the fp32 shard.
 
-    python scripts/bench/outer_memory.py                      # 2 peers on 127.0.0.1, shards of 25M and 96M values
-    python scripts/bench/outer_memory.py --numel 96000000     # one size
+    python scripts/bench/outer_memory.py --trainer                        # the real trainer, 96M: every case
+    python scripts/bench/outer_memory.py --trainer --cases plain --path-model configs/models/llama-25m-fresh
+    python scripts/bench/outer_memory.py                  # the outer loop alone, shards of 25M and 96M values
+    python scripts/bench/outer_memory.py --numel 96000000 --cases momentum
 
-Each peer is a process with its DHT, averager and p2pd as children; memory is the PSS of that whole tree
-(shared memory, e.g. the averager's buffer, counted once), sampled every 20 ms. Per peer:
+Cases: ``plain`` (the default outer step, plain averaging: θ_outer and the wire buffer, 2x is the floor),
+``momentum`` (``--hv.outer-momentum 0.9``: + the momentum, 3x) and ``int8`` (a lossy codec: + its error
+feedback, 3x).
+
+``--trainer`` (``outer_memory_trainer.py``): a 1-rank cluster of the real trainer (CPU, fake data, 2 rounds
+of H = 4) alone, then two of them as a galaxy on 127.0.0.1 with a ``hivemind-dht``; each cluster's process
+tree (torchrun, the rank, hivemind's DHT and averager processes, p2pd) is read from
+``/proc/<pid>/smaps_rollup`` every 0.25 s. Extra = the galaxy member's peak anon + shmem PSS less the lone
+cluster's, over the fp32 shard. This is the issue's measure, and includes what does not grow with the
+model: p2pd, the DHT and averager processes' own heaps, hivemind's modules in the trainer.
+
+Without ``--trainer``: each peer is a process with its DHT, averager and p2pd as children, and a flat
+parameter as its model; memory is the PSS of that whole tree (shared memory, e.g. the averager's buffer,
+counted once), sampled every 20 ms. Per peer:
   model   = tree PSS with the model built, before the galaxy starts;
   fixed   = what starting a galaxy over a 1-value shard adds (interpreters, p2pd: independent of model size);
   peak    = highest tree PSS during the outer loop's rounds over the real shard.
-Outer state = (peak - model - fixed) / (4 * numel): θ_outer, momentum, Δ (the averager's wire buffer) and
-whatever hivemind allocates while it averages. Part of it does not grow with the shard (p2pd's stream
-buffers and the averager's runtime after a real round, which the 1-value probe does not see), so with two or
-more sizes the bench also fits outer state = slope x (4 * numel) + overhead: the slope is what a 70B model
-pays. Target: slope <= 3. Every process is ended by PID before exit.
+Outer state = (peak - model - fixed) / (4 * numel). With two or more sizes the bench also fits outer state =
+slope x (4 * numel) + overhead: the slope is what a 70B model pays. Every process is ended by PID before exit.
 
-Where the model lives matters because hivemind's DHT and averager are *forked* from the trainer. On a GPU the
-parameters are in device memory and the forks share nothing of them. A model in host memory (a CPU run) is
-inherited copy-on-write: each inner step writes its pages, so the forks keep the old ones, one more copy of
-the shard in all. ``--model-memory device`` (default) stands for the GPU case by putting the bench's
-parameter in a shared mapping, which forks share instead of copying; ``host`` measures a CPU run as it is.
+Where the model lives matters because hivemind's DHT and averager are *forked* from the trainer, which
+starts them before it materialises the model (``trainer.build_model_and_outer_loop``): a fork made after
+the weights exist holds a copy-on-write image of them, and each inner step's writes turn it into a private
+copy. This bench's peers build their model first, so ``--model-memory device`` (default) puts the parameter
+in a shared mapping, which forks share instead of copying; ``host`` shows the cost of forking late.
 """
 
 from __future__ import annotations
@@ -36,11 +47,16 @@ from outer_step import FlatModel
 from open_diloco.processes import alive, descendants, signal_pids, wait_gone
 
 CTX = mp.get_context("spawn")
+CASES = {"plain": {}, "momentum": {"outer_momentum": 0.9}, "int8": {"compression": "int8"}}
+"""Each case's ``--hv.*`` settings (as HvConfig fields)."""
+FLOORS = {"plain": 2, "momentum": 3, "int8": 3}
+"""fp32 copies of the shard each case needs: θ_outer, the wire buffer, + the momentum or error feedback."""
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def tree_pss_by_process(pid: int) -> dict[str, int]:
-    """PSS of each process of the tree, keyed by a readable name (``trainer``, ``averager/1234``, ``p2pd/…``)."""
+    """PSS of each process of the tree, keyed by a readable name (``trainer``, ``averager/1234``,
+    ``p2pd/…``)."""
     sizes = {}
     for member in [pid, *descendants(pid)]:
         try:
@@ -89,12 +105,12 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
     torch.set_num_threads(1)
     me = os.getpid()
 
-    hv = HvConfig(  # with momentum: the outer state at its largest
+    hv = HvConfig(
+        **CASES[args.case],
         local_steps=1,
         world_rank=rank,
         galaxy_size=2,
         on_partial_round="proceed",
-        outer_momentum=0.9,
         host_maddrs=LOOPBACK,
         matchmaking_time=1.0,
         averaging_timeout=60.0,
@@ -140,7 +156,8 @@ def _peer(rank: int, numel: int, args, queue, barrier, maddrs_queue) -> None:
 
 
 def measure(numel: int, args) -> float:
-    """Run the two peers over a shard of ``numel`` values, print their table, return the mean outer state (bytes)."""
+    """Run the two peers over a shard of ``numel`` values, print their table, return the mean outer state
+    (bytes)."""
     queue, maddrs, barrier = CTX.Queue(), CTX.Queue(), CTX.Barrier(2)
     procs = [CTX.Process(target=_peer, args=(rank, numel, args, queue, barrier, maddrs)) for rank in (0, 1)]
     seen: set[int] = set()
@@ -161,8 +178,8 @@ def measure(numel: int, args) -> float:
         assert not left, f"processes left behind: {left}"
     size = 4 * numel
     print(
-        f"\n2 peers on 127.0.0.1, shard of {numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} rounds, "
-        f"model memory: {args.model_memory}"
+        f"\n2 peers on 127.0.0.1, shard of {numel:,} values ({size / 2**20:.0f} MiB fp32), {args.rounds} "
+        f"rounds, case {args.case}, model memory: {args.model_memory}"
     )
     print("| peer | model | galaxy fixed | peak | outer state | x fp32 shard | peers per round |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -183,20 +200,51 @@ def measure(numel: int, args) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainer", action="store_true", help="the real trainer (outer_memory_trainer.py)")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["plain", "momentum", "int8"])
+    parser.add_argument("--path-model", default=None, help="--trainer: the model (default: the 96M config)")
     parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 96_000_000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--model-memory",
         choices=["device", "host"],
         default="device",
-        help="device: parameters outside the forks' copy-on-write, as on a GPU; host: a CPU run",
+        help="device: parameters outside the forks' copy-on-write, as on a GPU; host: forked late, copied",
     )
     args = parser.parse_args()
+    if args.trainer:
+        trainer_cases(args)
+        return
     sizes = [4 * numel for numel in args.numel]
-    outers = [measure(numel, args) for numel in args.numel]
-    if len(sizes) >= 2:
-        slope, overhead = statistics.linear_regression(sizes, outers)
-        print(f"\nouter state = {slope:.2f} x fp32 shard + {overhead / 2**20:.0f} MiB (target: slope <= 3)")
+    for case in args.cases:
+        args.case = case
+        outers = [measure(numel, args) for numel in args.numel]
+        if len(sizes) >= 2:
+            slope, overhead = statistics.linear_regression(sizes, outers)
+            print(
+                f"\n{case}: outer state = {slope:.2f} x fp32 shard + {overhead / 2**20:.0f} MiB "
+                f"(floor: {FLOORS[case]}x)"
+            )
+
+
+def trainer_cases(args) -> None:
+    """Every case with the real trainer (``outer_memory_trainer.py``), one after the other."""
+    from outer_memory_trainer import MODEL_100M, measure_trainer, report, shard_numel
+
+    path_model = args.path_model or str(MODEL_100M)
+    numel = shard_numel(path_model)
+    summary = []
+    for case in args.cases:
+        flags = [
+            arg for key, value in CASES[case].items() for arg in (f"--hv.{key.replace('_', '-')}", str(value))
+        ]
+        result = measure_trainer(case, flags, path_model, steps=8, local_steps=4, numel=numel)
+        report(result, numel)
+        summary.append((case, result["ratios"]))
+    print("\n| case | extra / fp32 shard (cluster 0, cluster 1) | floor |")
+    print("| --- | --- | --- |")
+    for case, ratios in summary:
+        print(f"| {case} | {', '.join(f'{r:.2f}x' for r in ratios)} | {FLOORS[case]}x |")
 
 
 if __name__ == "__main__":
