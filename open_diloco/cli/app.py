@@ -142,7 +142,11 @@ def parse(argv: Sequence[str]) -> tuple[Any, Any]:
     """Resolve argv to ``(command, bound arguments)``; ``--config FILE`` values sit under the flags."""
     config_path, rest = split_config_flag(list(argv))
     app.config = [config_file_provider(config_path)] if config_path is not None else []
-    command, bound, _ = app.parse_args(rest, exit_on_error=False, print_error=False)
+    # a console per call: cyclopts keeps the first one it makes, and with it the terminal width (COLUMNS) of
+    # that moment
+    from rich.console import Console
+
+    command, bound, _ = app.parse_args(rest, console=Console(), exit_on_error=False, print_error=False)
     if config_path is not None and not is_training(command):
         raise ConfigError(
             "--config belongs to training: check-config takes the file as its argument, "

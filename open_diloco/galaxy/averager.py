@@ -27,6 +27,7 @@ from open_diloco.galaxy.status import (
     lead_outer_step,
     lead_progress,
     past_round,
+    previous_lives,
     read_records,
     schema_conflict,
     shard_peer,
@@ -91,6 +92,8 @@ class HivemindAverager:
         self.initial_peers = list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
+        self._seen_training: set[int] = set()
+        """Galaxy ranks whose record this process read saying "training" (``status.previous_lives``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
@@ -139,6 +142,9 @@ class HivemindAverager:
         # a stranger's record (say, a mismatched schema) must not stop or stall us
         if self.allowlist is not None:
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
+        self._seen_training.update(r["galaxy_rank"] for r in records if r.get("state") == "training")
+        earlier_runs = previous_lives(records, self._seen_training)
+        records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)

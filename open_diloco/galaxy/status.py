@@ -280,6 +280,19 @@ def is_live(record: dict[str, Any], expiry: float) -> bool:
     return record.get("state") == "training" and record["last_seen_seconds"] <= expiry
 
 
+def previous_lives(records: list[dict[str, Any]], seen_training: set[int]) -> set[int]:
+    """Galaxy ranks whose record says their run ended but that this process never saw training: the record a
+    cluster left at the end of an earlier run (a galaxy stopped and resumed, a run id used again). Counted as
+    gone, it let the first cluster back train its rounds alone while the others were still starting (seen in
+    a resume test under load); until that cluster writes again it counts as having no record: alive, not yet
+    heard from, serving nothing."""
+    return {
+        record["galaxy_rank"]
+        for record in records
+        if record.get("state") != "training" and record["galaxy_rank"] not in seen_training
+    }
+
+
 def finished_and_serving(record: dict[str, Any], expiry: float) -> bool:
     """The record's cluster finished its run within ``expiry`` seconds: it still serves its final state (its
     averager drains until the others are past its last round), so a cluster whose last average never came can

@@ -111,3 +111,14 @@ def test_version_from_a_source_checkout_reads_pyproject(monkeypatch):
     assert open_diloco.own_version() == pyproject["project"]["version"]
     monkeypatch.setattr(open_diloco, "__version__", open_diloco.own_version())
     assert open_diloco.version_line().startswith(f"open-diloco {pyproject['project']['version']} (torch ")
+
+
+def test_help_follows_the_terminal_width_of_each_call(capsys, monkeypatch):
+    # cyclopts kept the console of its first call, and that call's COLUMNS: under pytest-xdist a test that set
+    # 80 made a later one's help wrap at 80 (2026-11-27)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert run(["--help"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= 80
+    monkeypatch.setenv("COLUMNS", "300")
+    assert run(["--help"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) > 200

@@ -17,6 +17,7 @@ from open_diloco.galaxy.status import (
     lead_outer_step,
     lead_progress,
     past_round,
+    previous_lives,
     schema_conflict,
     shard_peer,
     silent,
@@ -99,6 +100,19 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     assert [finished_and_serving(record, expiry=15) for record in records] == [False, False, True]
     assert not finished_and_serving({**records[2], "last_seen_seconds": 20.0}, expiry=15)
     assert not finished_and_serving({**records[2], "state": "stopped (SIGINT)"}, expiry=15)
+
+
+def test_a_record_left_by_an_earlier_run_is_no_record_until_that_cluster_writes_again():
+    # a galaxy stopped and resumed: cluster 1's record still says its last run finished. Counted as gone, the
+    # first cluster back trained its rounds alone; never seen training by this process, it is an earlier run's
+    records = [
+        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 1.0, "outer_step": 2},
+        {"galaxy_rank": 1, "state": "finished", "last_seen_seconds": 1.0, "outer_step": 2},
+        {"galaxy_rank": 2, "state": "stopped (SIGINT)", "last_seen_seconds": 1.0, "outer_step": 2},
+    ]
+    assert previous_lives(records, seen_training={0}) == {1, 2}
+    # a cluster seen training that says it ended is gone, as before (it finished or stopped while we ran)
+    assert previous_lives(records, seen_training={0, 1, 2}) == set()
 
 
 def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
