@@ -142,12 +142,13 @@ class HivemindAverager:
         # a stranger's record (say, a mismatched schema) must not stop or stall us
         if self.allowlist is not None:
             records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
-        self._seen_training.update(r["galaxy_rank"] for r in records if r.get("state") == "training")
-        earlier_runs = previous_lives(records, self._seen_training)
-        records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
+        # every record, ended ones too: a cluster that stopped on the mismatch must not hide it from this one
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)
+        self._seen_training.update(r["galaxy_rank"] for r in records if r.get("state") == "training")
+        earlier_runs = previous_lives(records, self._seen_training)
+        records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
         gone = frozenset(departed(records, self.member_expiry))
         quiet = frozenset(silent(records, self.member_expiry))
         if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
