@@ -10,6 +10,7 @@ import pytest
 # The helpers benchmarks share live in the package (open_diloco/local_galaxy.py); tests import them from here.
 from open_diloco.local_galaxy import (  # noqa: F401
     REPO,
+    SHALLOW_MODEL,
     TINY_MODEL,
     TORCHRUN,
     TRAIN_SCRIPT,

@@ -16,7 +16,7 @@ import torch
 from open_diloco.checkpoint import read_metadata
 from tests.conftest import (
     REPO,
-    TINY_MODEL,
+    SHALLOW_MODEL,
     TORCHRUN,
     TRAIN_SCRIPT,
     kill_tree,
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("dist_checkpoint")]
 
 ARGS = [
     "--path-model",
-    str(TINY_MODEL),
+    str(SHALLOW_MODEL),
     "--fake-data",
     "--no-torch-compile",
     "--seq-length",
@@ -210,7 +210,7 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path):
     other_model = tmp_path / "other-model"
     other_model.mkdir()
     (other_model / "config.json").write_text(
-        (TINY_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64')
+        (SHALLOW_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64')
     )
     assert "made for another model (hidden_size 128 vs 64)" in refused(
         good, "--path-model", str(other_model), nproc=1
@@ -252,13 +252,13 @@ def test_export_round_trip(tmp_path):
     # reference: the trained weights read by DCP's own converter, into a fresh model
     dcp_to_torch_save(source, tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
-    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SHALLOW_MODEL)).eval()
     reference.load_state_dict(full)
     tokens = torch.randint(
         0, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
     )
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
-    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)).eval()
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SHALLOW_MODEL)).eval()
     with torch.no_grad():
         assert not torch.allclose(fresh(tokens).logits, reference(tokens).logits)

@@ -12,7 +12,7 @@ import pytest
 
 from open_diloco.local_galaxy import outer_records, repaired
 from open_diloco.model import build_model, model_fingerprint
-from tests.conftest import REPO, TINY_MODEL, kill_tree, read_metrics, trainer_env
+from tests.conftest import REPO, SHALLOW_MODEL, kill_tree, read_metrics, trainer_env
 from tests.support.stranger import REFUSED
 
 pytestmark = pytest.mark.e2e
@@ -115,7 +115,7 @@ def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
     before."""
     # the stranger: a real averager for the members' shard (same size and model fingerprint, so matchmaking
     # and the schema check would let it in), with hivemind's debug log on to show what the members answered it
-    model = build_model(TINY_MODEL, seed=0)
+    model = build_model(SHALLOW_MODEL, seed=0)
     stranger_log = tmp_path / "stranger.log"
     stranger = subprocess.Popen(
         [
