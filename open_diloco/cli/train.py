@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from open_diloco.config import Config
+import os
+
+from open_diloco.config import Config, check_against_world
 
 
 def train(*, config: Config | None = None) -> None:
@@ -15,6 +17,9 @@ def train(*, config: Config | None = None) -> None:
 
         dry_run(config)
         return
+    # before the trainer's imports (seconds of CPU on every rank): a batch that the ranks torchrun started
+    # cannot split fails at once; the trainer checks again against the process group it joins
+    check_against_world(config, int(os.environ.get("WORLD_SIZE", "1")))
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
     run_training(config)
