@@ -32,3 +32,16 @@ def listen_address(maddr: str) -> tuple[socket.AddressFamily, str, int]:
         )
     family = socket.AF_INET6 if match[1] == "ip6" else socket.AF_INET
     return family, match[2], int(match[3])
+
+
+def announce_address(maddr: str) -> tuple[str, int]:
+    """Host and TCP port of a ``--hv.announce-maddrs`` entry: an address other clusters dial
+    (``/ip4/203.0.113.7/tcp/31337``), so neither a wildcard host nor port 0, which only a listener may use."""
+    match = _MULTIADDR.fullmatch(maddr.strip())
+    if match is None or match[4] or match[2] in ("0.0.0.0", "::") or int(match[3]) == 0:
+        raise ConfigError(
+            f"--hv.announce-maddrs {maddr!r} is not an address others can dial; give this cluster's "
+            "public /ip4|ip6|dns/HOST/tcp/PORT, e.g. /ip4/203.0.113.7/tcp/31337 (the port --hv.host-maddrs "
+            "listens on)"
+        )
+    return match[2], int(match[3])

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from cyclopts import Parameter
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from open_diloco.addresses import listen_address, peer_address
+from open_diloco.addresses import announce_address, listen_address, peer_address
 from open_diloco.config.fields import STRICT, show_ranges_in_help
 from open_diloco.errors import ConfigError
 
@@ -157,10 +157,14 @@ class HvConfig(BaseModel):
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 
-    @field_validator("initial_peers", "host_maddrs")
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
     def _valid_maddrs(cls, maddrs: list[str], info: ValidationInfo) -> list[str]:
-        check = peer_address if info.field_name == "initial_peers" else listen_address
+        check = {
+            "initial_peers": peer_address,
+            "host_maddrs": listen_address,
+            "announce_maddrs": announce_address,
+        }[info.field_name]
         for maddr in maddrs:
             check(maddr)
         return maddrs

@@ -57,6 +57,13 @@ def test_hv_flags_turn_the_galaxy_on():
     assert (config.hv.outer_lr, config.hv.outer_momentum) == (1.0, 0.0)
 
 
+def test_announce_maddrs_take_dialable_addresses():
+    # parsed only: nothing is dialled (203.0.113.0/24 is the documentation range)
+    announced = ["/ip4/203.0.113.7/tcp/31337", "/dns/cluster.example.org/tcp/31337", "/ip6/2001:db8::1/tcp/1"]
+    config = config_of("--hv.galaxy-size", "2", "--hv.announce-maddrs", *announced)
+    assert config.hv.announce_maddrs == announced
+
+
 def test_config_file_with_flag_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
@@ -87,6 +94,19 @@ def test_config_file_with_flag_override(tmp_path):
             "--ckpt.interval 15 is not a multiple of --hv.local-steps 10",
         ),
         (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+        (
+            ["--hv.announce-maddrs", "not-a-multiaddr"],
+            "--hv.announce-maddrs 'not-a-multiaddr' is not an address others can dial",
+        ),
+        (
+            ["--hv.announce-maddrs", "/ip4/0.0.0.0/tcp/31337"],
+            "--hv.announce-maddrs '/ip4/0.0.0.0/tcp/31337' is not an address others can dial",
+        ),
+        (["--hv.host-maddrs", "/ip4/1.2.3.4"], "--hv.host-maddrs '/ip4/1.2.3.4' is not a valid listen"),
+        (
+            ["--hv.initial-peers", "/ip4/1.2.3.4/tcp/1"],
+            "--hv.initial-peers '/ip4/1.2.3.4/tcp/1' is not a full",
+        ),
         (["--lr", "inf"], "--lr: Input should be a finite number"),
         (["--max-grad-norm", "nan"], "--max-grad-norm: Input should be a finite number"),
         (["--adam-betas", "1.5", "0.9"], "--adam-betas: Input should be less than 1"),
