@@ -82,7 +82,9 @@ def test_a_cluster_killed_with_a_fragment_in_flight_does_not_stop_the_other(gala
         "--hv.averaging-timeout",
         "8",
     ]
-    survivor, victim = galaxy.start_cluster(0, 2, *common), galaxy.start_cluster(1, 2, *common)
+    # one rank a cluster: the survivor's fragments are the subject (test_galaxy.py kills 2-rank clusters)
+    survivor = galaxy.start_cluster(0, 2, *common, nproc=1)
+    victim = galaxy.start_cluster(1, 2, *common, nproc=1)
     galaxy.wait_for_step(victim, 11, 240)  # sync 2 (fragment 1) started at step 10, lands after step 15
     galaxy.track()
     kill_tree(galaxy.procs["cluster1"].pid, signal.SIGKILL)
