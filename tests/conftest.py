@@ -31,3 +31,17 @@ def free_port() -> int:
 @pytest.fixture
 def tiny_model() -> Path:
     return TINY_MODEL
+
+
+RUN_FIRST = ("wan", "e2e", "dist", "ops", "unit")
+"""The order the levels are handed to the workers: the longest tests (and the WAN lab's group, which one
+worker runs end to end) first, the unit tests' seconds last, where they fill whatever a worker has left while
+the other finishes its last long test. Within a level, collection order."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def level(item: pytest.Item) -> int:
+        parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
+        return RUN_FIRST.index(parts[0]) if parts[0] in RUN_FIRST else len(RUN_FIRST)
+
+    items.sort(key=level)
