@@ -128,7 +128,9 @@ def test_status_of_an_unknown_run_or_an_unreachable_dht_is_one_line(galaxy):
     peer_id = galaxy.maddr.rsplit("/", 1)[1]
     started = time.monotonic()
     gone = run_status("--initial-peers", f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id}", "--timeout", "3")
-    assert gone.returncode == 2 and time.monotonic() - started < 20
+    # --timeout bounds the wait for the DHT (3 s); the command's own start (torch and hivemind imports, a
+    # p2pd daemon: ~4 CPU-s) took 21 s once with both cores busy with a galaxy test (run_status stops at 60)
+    assert gone.returncode == 2 and time.monotonic() - started < 30
     assert gone.stderr.strip().startswith("open-diloco: error: no DHT peer answered at --initial-peers")
     assert len(gone.stderr.strip().splitlines()) == 1, gone.stderr
 
