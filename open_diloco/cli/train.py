@@ -18,8 +18,10 @@ def train(*, config: Config | None = None) -> None:
         dry_run(config)
         return
     # before the trainer's imports (seconds of CPU on every rank): a batch that the ranks torchrun started
-    # cannot split fails at once; the trainer checks again against the process group it joins
-    check_against_world(config, int(os.environ.get("WORLD_SIZE", "1")))
+    # cannot split fails at once. torchrun's world only (world.launcher_env's first case, without importing
+    # torch); under srun or mpiexec alone this passes and the trainer checks against the world it detects.
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_against_world(config, int(os.environ["WORLD_SIZE"]) if torchrun else 1)
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
     run_training(config)

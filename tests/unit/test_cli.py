@@ -122,3 +122,33 @@ def test_help_follows_the_terminal_width_of_each_call(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     assert run(["--help"]) == 0
     assert max(map(len, capsys.readouterr().out.splitlines())) > 200
+
+
+@pytest.mark.parametrize(
+    "env, refused", [({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"WORLD_SIZE": "2"}, False)]
+)
+def test_the_batch_is_checked_against_torchruns_world_before_the_trainer_loads(monkeypatch, env, refused):
+    # under torchrun (RANK and WORLD_SIZE) a batch the ranks cannot split fails before the heavy imports; a
+    # WORLD_SIZE left in a shell without RANK is not torchrun's, and the trainer's own world check decides
+    from open_diloco.cli.train import train
+    from open_diloco.errors import ConfigError
+
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = Config(
+        path_model=Path("tests/models/llama-1m-fresh"),
+        fake_data=True,
+        total_batch_size=4,
+        per_device_train_batch_size=4,
+    )
+    loaded = []
+    monkeypatch.setattr("open_diloco.trainer.train", loaded.append)
+    if refused:
+        with pytest.raises(ConfigError, match="not divisible by --per-device-train-batch-size 4 x 2 ranks"):
+            train(config=config)
+        assert not loaded
+    else:
+        train(config=config)
+        assert loaded == [config]
