@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from open_diloco.config import Config, check_against_world
 
 
@@ -17,11 +15,11 @@ def train(*, config: Config | None = None) -> None:
 
         dry_run(config)
         return
-    # before the trainer's imports (seconds of CPU on every rank): a batch that the ranks torchrun started
-    # cannot split fails at once. torchrun's world only (world.launcher_env's first case, without importing
-    # torch); under srun or mpiexec alone this passes and the trainer checks against the world it detects.
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    check_against_world(config, int(os.environ["WORLD_SIZE"]) if torchrun else 1)
+    # before the trainer's imports (seconds of CPU on every rank): a batch the launched ranks cannot split
+    # fails at once, against the same world the trainer will see
+    from open_diloco.world import launcher_env
+
+    check_against_world(config, int(launcher_env()["world_size"]))
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
     run_training(config)

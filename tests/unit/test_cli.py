@@ -129,11 +129,11 @@ def test_help_follows_the_terminal_width_of_each_call(capsys, monkeypatch):
 )
 def test_the_batch_is_checked_against_torchruns_world_before_the_trainer_loads(monkeypatch, env, refused):
     # under torchrun (RANK and WORLD_SIZE) a batch the ranks cannot split fails before the heavy imports; a
-    # WORLD_SIZE left in a shell without RANK is not torchrun's, and the trainer's own world check decides
+    # WORLD_SIZE left in a shell without RANK is not torchrun's (world.launcher_env): one process, no refusal
     from open_diloco.cli.train import train
     from open_diloco.errors import ConfigError
 
-    for key in ("RANK", "WORLD_SIZE"):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "PBS_JOBID"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
