@@ -181,11 +181,11 @@ class Committing:
                 break
             self._say_why_again(round_no, view, clusters, flight)
             flight = self.start_round(flight.attempts + 1)
-            if flight.sits_out and (flight.diverged or flight.out_of_bound):
-                return self.sit_out(flight)
-            # otherwise it sits out because the galaxy is ahead: it committed this round after our check above
-            # (its record a read behind). Take it, as a commit when our Δ is in it, rather than re-sync
             if flight.sits_out:
+                if flight.diverged or flight.out_of_bound:
+                    return self.sit_out(flight)
+                # it sits out because the galaxy is ahead: it committed this round after our check above (its
+                # record a read behind). Take it, as a commit when our Δ is in it, rather than re-sync
                 return self._take_round(flight, view, report, network_wait)
 
         if decision is Decision.STOP:
