@@ -41,7 +41,7 @@ the other finishes its last long test. Within a level, collection order."""
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def level(item: pytest.Item) -> int:
-        parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
+        parts = item.path.relative_to(Path(__file__).parent).parts
         return RUN_FIRST.index(parts[0]) if parts[0] in RUN_FIRST else len(RUN_FIRST)
 
     items.sort(key=level)
