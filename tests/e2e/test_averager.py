@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -306,3 +307,23 @@ def test_bad_network_config_is_a_one_line_config_error(galaxy, case):
         busy.close()
     assert kind == "ConfigError" and "\n" not in message and "--hv." in message, message
     assert time.monotonic() - start < 4.0 + 10.0  # join_timeout, plus spawning a Python with torch
+
+
+def test_a_shard_waiting_alone_for_a_group_costs_its_host_little_cpu(galaxy):
+    # hivemind's matchmaking re-reads the group key from the DHT as soon as a read found nobody to join: ~40
+    # reads a second, through the averager, the DHT process and p2pd (~0.3 of a core per waiting rank). Ours
+    # reads it every GROUP_POLL_SECONDS (galaxy/canonical_averager.py: PacedGroupKeyManager).
+    barrier = CTX.Barrier(2)
+    galaxy.start(0, 2, barrier, initial_peers=[], galaxy_size=2, averaging_timeout=6.0)
+    galaxy.wait_for("ready", 1)
+    tree = [psutil.Process(pid) for pid in descendants_named(galaxy.workers[0].pid)]  # DHT, averager, p2pd
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in tree)
+
+    barrier.wait(60)
+    start, cpu_before = time.monotonic(), cpu_seconds()
+    ((_, _, _, report, _),) = galaxy.wait_for("round", 1, timeout=20)
+    waited, cpu = time.monotonic() - start, cpu_seconds() - cpu_before
+    assert report["group_size"] == 1 and waited > 4.0, (report, waited)  # it did wait for its partner
+    assert cpu / waited < 0.15, f"{cpu:.2f} CPU-s in {waited:.1f} s of waiting"

@@ -18,8 +18,9 @@ hivemind = pytest.importorskip("hivemind")
 # Importing hivemind switches torch's tensor sharing strategy process-wide; leave the other tests torch's own.
 torch.multiprocessing.set_sharing_strategy(_sharing_strategy)
 
-from hivemind.averaging import DecentralizedAverager  # noqa: E402
+from hivemind.averaging import DecentralizedAverager, matchmaking  # noqa: E402
 from hivemind.averaging.allreduce import AllReduceRunner  # noqa: E402
+from hivemind.averaging.key_manager import GroupKeyManager  # noqa: E402
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.p2p.servicer import ServicerBase, StubBase  # noqa: E402
@@ -41,6 +42,8 @@ SIGNATURES = [
     # the round and the attempt ride in the group bits (galaxy/round_wait.py: round_key_bits)
     (DecentralizedAverager, "set_group_bits", ["self", "group_bits", "wait"]),
     (DecentralizedAverager, "run", ["self"]),
+    # PacedGroupKeyManager (galaxy/canonical_averager.py) paces matchmaking's reads of the group key
+    (GroupKeyManager, "get_averagers", ["self", "group_key", "only_active"]),
     (hivemind.DHT, "run", ["self"]),
     (AllReduceRunner, "_accumulate_parts_streaming", ["self", "stream", "sender_index"]),
     (AllReduceRunner, "_communicate_with_peer", ["self", "peer_id"]),
@@ -163,6 +166,15 @@ def test_parent_pid_is_the_creating_process():
         assert "self._parent_pid = os.getpid()" in inspect.getsource(cls.__init__), changed(
             f"{cls.__name__}._parent_pid"
         )
+
+
+def test_matchmaking_builds_its_key_manager_by_the_module_name_we_replace():
+    # CanonicalAverager.run sets matchmaking.GroupKeyManager to PacedGroupKeyManager in the averager's process
+    source = inspect.getsource(matchmaking.Matchmaking.__init__)
+    assert "self.group_key_manager = GroupKeyManager(" in source, changed("Matchmaking's GroupKeyManager")
+    assert "await key_manager.get_averagers(" in inspect.getsource(
+        matchmaking.PotentialLeaders._update_queue_periodically
+    ), changed("PotentialLeaders._update_queue_periodically")
 
 
 def test_return_deltas_is_a_container_option():
