@@ -98,10 +98,23 @@ def last_step(metrics: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict[int, float]:
-    metrics = tmp_path_factory.mktemp("straight") / "m.jsonl"
-    run(2, metrics)
-    return losses(metrics)
+def straight_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """One uninterrupted 2-rank run of 40 steps, checkpointed every 20: its losses, the reference of every
+    resume, and its step-20 checkpoint, which tests resume from (into their own directories) or spoil copies
+    of."""
+    root = tmp_path_factory.mktemp("straight")
+    run(2, root / "m.jsonl", "--ckpt.interval", "20", "--ckpt.path", str(root / "ckpt"))
+    return losses(root / "m.jsonl"), root / "ckpt" / "step_00000020"
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run) -> dict[int, float]:
+    return straight_run[0]
+
+
+@pytest.fixture(scope="module")
+def step_20(straight_run) -> Path:
+    return straight_run[1]
 
 
 def test_kill_and_resume_is_bit_exact(tmp_path, straight):
@@ -118,10 +131,9 @@ def test_kill_and_resume_is_bit_exact(tmp_path, straight):
     assert [resumed[s] for s in range(21, 41)] == [straight[s] for s in range(21, 41)]
 
 
-def test_resume_with_fewer_ranks_reshards(tmp_path, straight):
-    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    run(2, first, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--max-steps", "20")
-    run(1, second, "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
+def test_resume_with_fewer_ranks_reshards(tmp_path, straight, step_20):
+    second = tmp_path / "second.jsonl"
+    run(1, second, "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.resume", str(step_20))  # saved by 2 ranks
     resumed = losses(second)
     assert sorted(resumed) == list(range(21, 41))
     # one rank sees the same global batches; only the reduction order differs
@@ -193,10 +205,8 @@ def test_a_stop_signal_during_a_background_save_leaves_only_complete_checkpoints
     assert sorted(losses(resumed)) == [saved_step + 1]
 
 
-def test_bad_checkpoints_are_refused_with_one_line(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run(2, tmp_path / "m.jsonl", "--ckpt.interval", "2", "--ckpt.path", str(ckpt), "--max-steps", "2")
-    good = ckpt / "step_00000002"
+def test_bad_checkpoints_are_refused_with_one_line(tmp_path, step_20):
+    good = step_20
 
     def refused(path: Path, *extra: str, nproc: int = 2) -> str:
         started = time.monotonic()
