@@ -267,17 +267,15 @@ class CatchingUp:
         other cluster that ends at the same outer step, as their records show them: wait (``seconds`` at most)
         until every cluster still training is at least this far, then name the ones whose hash differs in one
         warning. The hash check of a round compares where rounds *start*, so without this a last round that
-        came out differently in two clusters would go unnoticed. Returns the clusters compared equal
-        (``None``: none)."""
+        came out differently in two clusters would go unnoticed; and a run that ends with nobody to compare
+        with while a cluster went silent (crashed, or cut off and training on alone: a partition that outlasts
+        the run) says so too. Returns the clusters compared equal (``None``: none)."""
         if self.hv.galaxy_size == 1:
             return None
         deadline = time.monotonic() + seconds
         while True:
-            reported = {
-                rank: seen
-                for rank, seen in self.averager.membership().reported.items()
-                if rank != self.galaxy_rank
-            }
+            membership = self.averager.membership()
+            reported = {rank: seen for rank, seen in membership.reported.items() if rank != self.galaxy_rank}
             waiting = [rank for rank, (step, _, live) in reported.items() if live and step < self.outer_step]
             if not waiting or time.monotonic() >= deadline:
                 break
@@ -297,5 +295,11 @@ class CatchingUp:
                 f"the run ends at outer step {self.outer_step} with a θ_outer unlike that of cluster(s) "
                 f"{differ} ({param_hash} here): the galaxy's last rounds split; resume every cluster from "
                 "the checkpoint of the cluster you trust, or compare their exports"
+            )
+        elif not same and (silent := sorted(membership.silent - {self.galaxy_rank})):
+            self.warn(
+                f"the run ends at outer step {self.outer_step} with no other cluster confirming its θ_outer "
+                f"({param_hash} here): cluster(s) {silent} went silent (crashed, or cut off and training on "
+                "alone); compare their final param_hash with this one before trusting either"
             )
         return same or None

@@ -254,3 +254,7 @@ def test_a_lost_cluster_does_not_stop_the_other(galaxy, sig):
     assert sorted(rounds) == list(range(1, 5))
     assert rounds[4]["galaxy_peers"] == 1 and rounds[1]["galaxy_peers"] == 2
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(survivor))
+    # the survivor's final θ_outer has nobody to confirm it: a killed cluster went silent (it may have been
+    # cut off and trained on), a stopped one said it stopped
+    unconfirmed = "cluster(s) [1] went silent" in galaxy.log("cluster0")
+    assert unconfirmed == (sig == signal.SIGKILL), galaxy.log("cluster0")[-3000:]

@@ -261,6 +261,26 @@ def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_st
     assert len(warnings) == 1 and "unlike that of cluster(s) [2]" in warnings[0]
 
 
+def test_a_final_round_nobody_confirms_names_the_clusters_that_went_silent():
+    # a partition that outlasts the run: the cut-off cluster trained on alone and ends with nobody at its step
+    class CutOff(ShardPeer):
+        def membership(self):
+            return Membership(reported={1: (5, "older", True), 2: (7, None, False)}, silent=frozenset({1}))
+
+    warnings: list[str] = []
+    outer = DiLoCo(_model([1.0]), CutOff(1, [], {}), _hv(galaxy_size=3), warn=warnings.append)
+    outer.state.outer_step = 7
+    assert outer.verify_final("mine", seconds=0.0) is None
+    assert (
+        len(warnings) == 1
+        and "no other cluster confirming" in warnings[0]
+        and "[1] went silent" in warnings[0]
+    )
+    warnings.clear()  # confirmed by one cluster: the silent one is not this run's concern
+    outer.averager.membership = lambda: Membership(reported={2: (7, "mine", False)}, silent=frozenset({1}))
+    assert outer.verify_final("mine", seconds=0.0) == [2] and warnings == []
+
+
 def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rather_than_its_own():
     # the soak's split last round: a late cluster's attempts all came out alone while the other two committed
     # the round, their records not yet read; it applied its own Δ alone and ended the run on another θ_outer.
