@@ -33,19 +33,15 @@ def tiny_model() -> Path:
     return TINY_MODEL
 
 
-RUN_FIRST = ("wan", "e2e", "dist", "e2e/test_averager.py", "ops", "unit")
-"""The order tests are handed to the workers (paths under tests/, the longest prefix decides): the longest
-tests (and the WAN lab's group, which one worker runs end to end) first, the unit tests' seconds last, where
-they fill whatever a worker has left while the other finishes its last long test. The averager tests mostly
-wait on the network, as the WAN lab's do: they come after the dist tests, so that they run beside tests that
-keep the CPUs busy, not beside the WAN lab (measured: both cores ~70 % idle for the first 20 s of averager
-tests when they ran together). Within a level, collection order."""
+RUN_FIRST = ("wan", "e2e", "dist", "ops", "unit")
+"""The order the levels are handed to the workers: the longest tests (and the WAN lab's group, which one
+worker runs end to end) first, the unit tests' seconds last, where they fill whatever a worker has left while
+the other finishes its last long test. Within a level, collection order."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def level(item: pytest.Item) -> int:
-        path = item.path.relative_to(Path(__file__).parent).as_posix()
-        matches = [prefix for prefix in RUN_FIRST if path == prefix or path.startswith(prefix + "/")]
-        return RUN_FIRST.index(max(matches, key=len)) if matches else len(RUN_FIRST)
+        parts = item.path.relative_to(Path(__file__).parent).parts
+        return RUN_FIRST.index(parts[0]) if parts[0] in RUN_FIRST else len(RUN_FIRST)
 
     items.sort(key=level)
