@@ -133,7 +133,7 @@ def test_kill_and_resume_is_bit_exact(tmp_path, straight):
 
 def test_resume_with_fewer_ranks_reshards(tmp_path, straight, step_20):
     second = tmp_path / "second.jsonl"
-    run(1, second, "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.resume", str(step_20))  # saved by 2 ranks
+    run(1, second, "--ckpt.resume", str(step_20))  # saved by 2 ranks
     resumed = losses(second)
     assert sorted(resumed) == list(range(21, 41))
     # one rank sees the same global batches; only the reduction order differs

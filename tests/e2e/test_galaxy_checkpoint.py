@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from open_diloco.local_galaxy import Galaxy, round_was_clean
@@ -48,15 +50,13 @@ def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
             if clean(straight):
                 break
         assert clean(straight), "the straight run had partial rounds twice in a row"
-        checkpoints = [tmp_path / ckpt.format(rank=rank) / "step_00000010" for rank in (0, 1)]
+        checkpoints = [Path(ckpt.format(rank=rank)) / "step_00000010" for rank in (0, 1)]
         assert all(path.is_dir() for path in checkpoints), checkpoints
         resumed = run_galaxy(
             galaxy,
             "resumed",
             "--max-steps",
             "20",
-            "--ckpt.path",
-            str(tmp_path / "resumed-ckpt{rank}"),
             "--ckpt.resume",
             f"{ckpt}/step_00000010",
             *codec,
