@@ -53,7 +53,8 @@ class PacedGroupKeyManager(GroupKeyManager):
     that waits for a group (for a slower cluster, or alone until its deadline) reads the DHT back to back:
     ~40 reads a second on loopback, each a round trip through the DHT's process, its daemon and the DHT
     peers: up to a core per waiting rank (alone: 6.0 CPU-s in 6 s). Paced, a waiting cluster costs its host
-    next to nothing, and a leader that appears is still seen within a fraction of ``--hv.matchmaking-time``."""
+    next to nothing, and a leader that appears is still seen within a fraction of
+    ``--hv.matchmaking-time``."""
 
     _last_read = float("-inf")
 
