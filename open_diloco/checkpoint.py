@@ -129,8 +129,9 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 # Where the outer loop's state dict goes besides DCP: its counters are fields of metadata.json under their own
 # names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
 # them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
-# own name.
-_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1}
+# own name. ``pace`` (--hv.round-steps by-speed: the stride's plan and the step counts, the same on every
+# rank) is a field too, absent with equal steps.
+_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1, "pace": None}
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
@@ -153,6 +154,8 @@ def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         "streaming": [key for key in ("outer_params", "sync_start") if key in outer_state],
         "fragments": int(outer_state.get("fragments", _OUTER_COUNTERS["fragments"])),
     }
+    if outer_state.get("pace") is not None:
+        fields["pace"] = dict(outer_state["pace"])
     entries = {key: outer_state[key] for key in _outer_pieces(fields)}
     per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}
     unplaced = set(outer_state) - set(_OUTER_COUNTERS) - set(entries) - set(per_rank)

@@ -81,18 +81,27 @@ def train(config: Config) -> None:
         loader, eval_loader = build_loaders(config, data, world)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
-        batches = position_at(start_step, loader, scheduler, grad_accum)
+        batches = position_at(start_step, outer.data_position(start_step), loader, scheduler, grad_accum)
         _say(world, format_start_line(run_name, world, precision, grad_accum, start_step, config.max_steps))
 
         step = start_step
+        latest: dict[str, Any] = {}  # the record of this cluster's latest inner step
         while step < config.max_steps:
             step += 1
-            started = time.perf_counter()
-            loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
-            scheduler.step()
-            seconds = time.perf_counter() - started
-            record = step_record(step, loss, grad_norm, scheduler, seconds, config, world)
-            syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps)
+            trains = outer.trains_at(step)  # a slower cluster's share of a stride may be done (by-speed)
+            if trains:
+                started = time.perf_counter()
+                loss, grad_norm = inner_step(
+                    model, optimizer, batches, grad_accum, config.max_grad_norm, world
+                )
+            scheduler.step()  # the lr follows the galaxy's step, trained or not
+            if trains:
+                seconds = time.perf_counter() - started
+                record = latest = step_record(step, loss, grad_norm, scheduler, seconds, config, world)
+            else:
+                record = idle_record(step, latest, scheduler)
+            syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps, trained=trains)
+            record["inner_steps"] = outer.data_position(step)
             add_sync_metrics(record, syncs, metrics)
             if any(sync.diverged for sync in syncs):
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
@@ -101,13 +110,14 @@ def train(config: Config) -> None:
             if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
                 step = galaxy_step
-                batches = position_at(step, loader, scheduler, grad_accum)
+                batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
-            metrics.log(record)
-            outer.report(record)
-            if step % config.log_interval == 0 or step == config.max_steps:
-                _say(world, format_step_line(record, config.max_steps))
+            if trains or syncs or "val_loss" in record:  # an idle step says something only then
+                metrics.log(record)
+                outer.report(record)
+                if step % config.log_interval == 0 or step == config.max_steps:
+                    _say(world, format_step_line(record, config.max_steps))
             if config.ckpt.interval and step % config.ckpt.interval == 0:
                 saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
         saver.wait()  # the run's last checkpoint is complete before the run counts as finished
@@ -152,7 +162,7 @@ def build_model_and_outer_loop(
     inner step turns into a private copy (in a CPU run, one more fp32 shard per fork:
     docs/results/outer-memory.md)."""
     model = build_meta_sharded_model(config, world, precision)
-    galaxy = start_galaxy(config.hv, model, world, model_config)
+    galaxy = start_galaxy(config.hv, model, world, model_config, config.total_batch_size * config.seq_length)
     try:
         materialize(model, config.path_model, config.seed, world.device)
         return model, build_outer_loop(config.hv, model, galaxy)
@@ -199,6 +209,25 @@ def step_record(
         "tokens_per_second": config.total_batch_size * config.seq_length / seconds,
         "step_seconds": seconds,
         "memory_gib": _memory_gib(world.device),
+        "trained": True,
+    }
+
+
+def idle_record(step: int, latest: dict[str, Any], scheduler: Any) -> dict[str, Any]:
+    """The record of galaxy step ``step`` at which this cluster took no inner step (``--hv.round-steps
+    by-speed``: a slower cluster takes part of a stride's steps), logged only when a sync ends or an
+    evaluation runs there: its loss, grad_norm and throughput are the latest inner step's (``latest``), its lr
+    the galaxy step's; no ``step_seconds`` (no step was timed)."""
+    carried = {key: value for key, value in latest.items() if key not in ("step_seconds", "val_loss")}
+    return {
+        "loss": float("nan"),
+        "grad_norm": float("nan"),
+        "tokens_per_second": 0.0,
+        "memory_gib": 0.0,
+        **carried,
+        "step": step,
+        "lr": scheduler.get_last_lr()[0],
+        "trained": False,
     }
 
 
@@ -219,16 +248,23 @@ def log_failure(err: Exception) -> str:
     return first_line
 
 
-def position_at(step: int, loader: Any, scheduler: Any, grad_accum: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Batches and learning rate for continuing after inner step ``step``. Both are pure functions of the
-    step, which is what makes resume, late join and catching up with the galaxy the same operation."""
-    loader.sampler.next_block = step * grad_accum
+def position_at(
+    step: int, data_step: int, loader: Any, scheduler: Any, grad_accum: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches and learning rate for continuing after galaxy step ``step``, this cluster having taken
+    ``data_step`` inner steps (the same number unless ``--hv.round-steps by-speed``). Both are pure functions
+    of the two, which is what makes resume, late join and catching up with the galaxy the same operation."""
+    loader.sampler.next_block = data_step * grad_accum
     move_scheduler_to(scheduler, step)
     return iter(loader)
 
 
 def start_galaxy(
-    hv: HvConfig | None, model: torch.nn.Module, world: World, model_config: dict[str, Any]
+    hv: HvConfig | None,
+    model: torch.nn.Module,
+    world: World,
+    model_config: dict[str, Any],
+    tokens_per_step: int = 0,
 ) -> tuple[GalaxyPart, ClusterComm] | None:
     """This rank's part of the galaxy when one is configured (``galaxy/build.py``): each local rank averages
     its own FSDP shard with the same shard of every other cluster. ``model`` may still be on the meta device:
@@ -243,6 +279,7 @@ def start_galaxy(
         numel=fragment_length(sum(shard.numel() for shard in local_shards(model)), hv.fragments),
         model_fingerprint=model_fingerprint(model),
         model_config=shape_fields(model_config),
+        tokens_per_step=tokens_per_step,
     )
     cluster = ClusterComm(world.device)
     return join_galaxy(hv, shard, cluster), cluster

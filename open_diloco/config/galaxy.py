@@ -33,6 +33,20 @@ class HvConfig(BaseModel):
     local_steps: Annotated[int, Field(ge=1)] = 500
     """H: inner steps between two outer steps."""
 
+    round_steps: Literal["equal", "by-speed"] = "equal"
+    """Inner steps each cluster takes per round. `equal`: every cluster takes H, so a round waits for the
+    slowest. `by-speed`: the fastest cluster takes H and each slower one the share its speed allows in the
+    same time (from the inner-step times the clusters publish, or --hv.cluster-speed), so no cluster idles;
+    each pseudo-gradient is averaged weighted by the inner steps (tokens) behind it, and the lr, the syncs and
+    --max-steps follow the galaxy's steps, not the cluster's own. Every cluster must use the same, and with
+    `by-speed` the same tokens per inner step (--total-batch-size × --seq-length). See
+    docs/unequal-clusters.md."""
+
+    cluster_speed: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """With --hv.round-steps by-speed: this cluster's speed as a share of the fastest cluster's, fixed (it
+    takes that share of each round's steps, rounded, at least one) instead of measured. 0: measure. For an
+    operator who knows the ratio, and for runs that must repeat exactly."""
+
     fragments: Annotated[int, Field(ge=1)] = 1
     """P: streaming DiLoCo. Each shard's θ_outer is cut into P equal slices that sync in turn, one every H/P
     inner steps (fragment f at steps f·H/P + H, 2H, ...), so each all-reduce carries 1/P of the model. 1: the
@@ -198,6 +212,11 @@ class HvConfig(BaseModel):
                 "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a "
                 "sparse round keeps what it does not send in the model, as a fragment schedule does; use one "
                 "or the other"
+            )
+        if self.cluster_speed and self.round_steps != "by-speed":
+            raise ConfigError(
+                f"--hv.cluster-speed {self.cluster_speed} only applies with --hv.round-steps by-speed: add "
+                "that, or drop --hv.cluster-speed"
             )
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(

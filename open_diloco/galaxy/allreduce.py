@@ -23,10 +23,10 @@ peer, the reducer too, decodes those bytes and copies them. Part sizes are power
 block, so no block straddles parts.
 
 A reducer judges every sender (``open_diloco.outer.guard``): one whose claimed ‖Δ‖ is missing or out of bound
-is left out of its span before its first part; one whose part is not finite, whose weight is not 1, or whose
-parts add up to more than it claimed is left out from there on, like a sender that failed. Either way it is
-named in the round's report (``rejected``). With ``--hv.robust-mean`` every sender's parts are scaled to the
-round's median claim.
+is left out of its span before its first part; one whose part is not finite, whose weight is not the one it
+gathered (in (0, 1]), or whose parts add up to more than it claimed is left out from there on, like a sender
+that failed. Either way it is named in the round's report (``rejected``). With ``--hv.robust-mean`` every
+sender's parts are scaled to the round's median claim.
 
 A span's stream ends only once its sender has read every average (``galaxy/span_streams.py`` says why and
 how).
@@ -55,7 +55,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from open_diloco.galaxy.span_streams import CountingStub, until_sender_read_all
 from open_diloco.outer.codecs import WireCodecs, all_finite
-from open_diloco.outer.guard import ClaimCheck
+from open_diloco.outer.guard import ClaimCheck, valid_weight
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,9 @@ class CanonicalAllReduce(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 # garbage (diverged, broken or hostile sender): averaged without it from here on. Every peer
-                # of ours sends weight 1; another weight would give one sender the say of many.
-                honest = all_finite(tensor_part) and weight == 1.0
+                # of ours sends the weight it gathered, 1 at most; more would give one sender the say of many
+                gathered = claims.weight(sender) if claims is not None else 1.0
+                honest = all_finite(tensor_part) and weight == gathered and valid_weight(weight) is not None
                 if not honest or (claims is not None and not claims.within_claim(sender, tensor_part)):
                     self.rejected_senders.add(sender)
                     yield _REFUSED

@@ -129,7 +129,11 @@ class HivemindAverager:
             return HivemindRound(self, None, metadata, start)
         self.averager.set_group_bits(round_key_bits(round_id, attempt))
         control = self.averager.step(
-            gather=metadata, timeout=self.averaging_timeout, allow_retries=False, wait=False
+            gather=metadata,
+            weight=float(fingerprint.get("weight", 1.0)),  # --hv.round-steps by-speed: steps behind the Δ
+            timeout=self.averaging_timeout,
+            allow_retries=False,
+            wait=False,
         )
         return HivemindRound(self, control, metadata, start)
 
@@ -182,6 +186,13 @@ class HivemindAverager:
                 record["galaxy_rank"]: (int(attempt[0]), int(attempt[1]))
                 for record in live
                 if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2
+            },
+            step_seconds={
+                record["galaxy_rank"]: float(seconds)
+                for record in live
+                if isinstance(seconds := record.get("inner_step_seconds"), (int, float))
+                and not isinstance(seconds, bool)
+                and seconds > 0
             },
             reported={
                 record["galaxy_rank"]: (

@@ -50,6 +50,9 @@ class ClusterShard:
     """A hash of the model's parameter names and shapes (``model.model_fingerprint``)."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """The model config's fields that decide those shapes (``model.shape_fields``): a mismatch names them."""
+    tokens_per_step: int = 0
+    """Tokens of one inner step of the cluster (--total-batch-size × --seq-length): with --hv.round-steps
+    by-speed a Δ's weight counts steps, so every cluster's steps must hold as many tokens."""
 
     @classmethod
     def flat(cls, numel: int) -> ClusterShard:
@@ -67,6 +70,11 @@ class ClusterShard:
             "ranks": self.ranks,
             "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule),
             "fragments": hv.fragments,
+            "round_steps": (
+                f"by-speed, {self.tokens_per_step} tokens per inner step"
+                if hv.round_steps == "by-speed"
+                else hv.round_steps
+            ),
             "model_config": dict(self.model_config),
         }
 

@@ -27,7 +27,7 @@ from hivemind.utils.mpfuture import MPFuture
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.lifecycle import become_galaxy_child
-from open_diloco.outer.guard import ClaimCheck, valid_claim
+from open_diloco.outer.guard import ClaimCheck, valid_claim, valid_weight
 from open_diloco.outer.policy import out_of_cohort
 
 # Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
@@ -119,11 +119,13 @@ class CanonicalAverager(DecentralizedAverager):
     def _claims(self, group_info) -> ClaimCheck:
         """Every peer's claimed ‖Δ‖ (``delta_norm`` in the metadata gathered in matchmaking, the same table on
         every peer of the group)."""
-        claims, own_theta, metadata = {}, None, {}
+        claims, own_theta, metadata, weights = {}, None, {}, {}
         for peer, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             try:
                 metadata[peer] = self.serializer.loads(self.serializer.loads(blob)[2])
-                claims[peer] = valid_claim(metadata[peer].get("delta_norm"))
+                weight = valid_weight(metadata[peer].get("weight"))
+                claims[peer] = valid_claim(metadata[peer].get("delta_norm")) if weight else None
+                weights[peer] = weight or 1.0
                 if peer == self.peer_id:
                     own_theta = valid_claim(metadata[peer].get("theta_norm"))
             except (
@@ -131,7 +133,9 @@ class CanonicalAverager(DecentralizedAverager):
             ):  # a peer that sent no metadata of ours: it makes no claim, so it is not averaged
                 claims[peer] = None
         stale = frozenset(out_of_cohort(metadata))
-        return ClaimCheck(claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta, stale)
+        return ClaimCheck(
+            claims, self.peer_id, self.delta_norm_bound, self.robust_mean, own_theta, stale, weights
+        )
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)

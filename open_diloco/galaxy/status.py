@@ -59,6 +59,10 @@ _FROM_METRICS = (
     "bytes_sent",
     "bytes_received",
     "round_attempt",
+    "inner_steps",
+    "round_inner_steps",
+    "round_weight",
+    "inner_step_seconds",
 )
 """A record's fields taken from the trainer's records. ``round_attempt`` (``[round, attempt]``, from the outer
 loop at each attempt's start) lets a cluster join the galaxy's current attempt of a round instead of one
@@ -154,7 +158,7 @@ class StatusPublisher:
             log.debug("status record not stored (no DHT peer took it)")
 
 
-SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments")
+SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments", "round_steps")
 """What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
 tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs
 (codec)."""
@@ -172,7 +176,7 @@ def cluster_identity(
     return {
         "galaxy_rank": galaxy_rank,
         "host": socket.gethostname(),
-        **{key: schema[key] for key in SCHEMA_KEYS},
+        **{key: schema[key] for key in SCHEMA_KEYS if key in schema},
         "model_config": schema.get("model_config", {}),
         "local_steps": local_steps,
         "version": version,
@@ -209,7 +213,8 @@ def schema_conflict(
                 who = f"cluster {record['galaxy_rank']} (host {record.get('host', '?')})"
                 return (
                     f"{who} cannot average with this one: {what}; every cluster of a galaxy must train the "
-                    "same model with the same number of ranks, --hv.compression and --hv.fragments"
+                    "same model with the same number of ranks, --hv.compression, --hv.fragments and "
+                    "--hv.round-steps (with `by-speed`, the same tokens per inner step)"
                 )
     return None
 

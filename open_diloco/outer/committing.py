@@ -18,7 +18,7 @@ import torch
 from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
 from open_diloco.outer.codecs import all_finite
 from open_diloco.outer.digests import combine_hashes
-from open_diloco.outer.guard import wire_norm
+from open_diloco.outer.guard import valid_claim, valid_weight, wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome
 from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
 from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
@@ -46,6 +46,8 @@ class Committing:
     warn: Any
     bad_rounds: int
     _alive_before: int
+    _round_weight: float
+    _fastest_seconds: float | None
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
@@ -76,7 +78,7 @@ class Committing:
                 None, own_hash, local_sq, alive, attempts, diverged=True, lead=lead, silent=silent
             )
         theta_norm = math.sqrt(self.state.sq_norm())
-        bound = self.norm_history.bound(theta_norm)
+        bound = self.norm_history.bound(theta_norm, self._round_weight)
         if not self.cluster.all_true(bound is None or claim <= bound):  # finite, but blown up: not sent
             return RoundInFlight(
                 None,
@@ -95,6 +97,7 @@ class Committing:
             "delta_norm": claim,
             "theta_norm": theta_norm,
             "committed_by": len(self.state.committed_group),
+            "weight": self._round_weight,
         }
         try:
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
@@ -130,6 +133,7 @@ class Committing:
         starts together waits for all of it). Lead: the highest outer step any rank saw in a live cluster's
         record. Silent: the most gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
         view = self.averager.membership()
+        self._fastest_seconds = min(view.step_seconds.values(), default=None)
         ours = range(self.hv.galaxy_size)
         gone = {rank for rank in view.departed if rank != self.galaxy_rank and rank in ours}
         silent = {rank for rank in view.silent if rank != self.galaxy_rank and rank in ours}
@@ -257,9 +261,11 @@ class Committing:
         self._say_who_was_left_out(round_no, view)
         if galaxy_average:
             self.norm_history.record(
-                meta.get("delta_norm")
+                claim / (valid_weight(meta.get("weight")) or 1.0)
                 for rank, meta in report.peers.items()
-                if rank not in view.rejected and rank not in view.stale
+                if rank not in view.rejected
+                and rank not in view.stale
+                and (claim := valid_claim(meta.get("delta_norm"))) is not None
             )
         self._note_alive(round_no, flight.alive)
         if clusters < flight.alive and galaxy_average:

@@ -22,6 +22,7 @@ from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.committing import Committing
 from open_diloco.outer.guard import NormHistory
+from open_diloco.outer.pacing import Pace
 from open_diloco.outer.policy import RoundPolicy
 from open_diloco.outer.protocols import (
     Averager,
@@ -66,6 +67,14 @@ class DiLoCo(Committing, CatchingUp):
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
         self.schedule = SyncSchedule(hv.local_steps, hv.fragments, hv.sync_delay)
+        self.pace = Pace(hv.local_steps, hv.fragments, hv.round_steps == "by-speed", hv.cluster_speed)
+        """Which galaxy steps this cluster trains at, and the weight of each sync (``--hv.round-steps``)."""
+        self._fastest_seconds: float | None = None
+        """The least seconds per inner step a live cluster published, as the last round's start read it."""
+        self._round_weight = 1.0
+        """The weight of the sync being started (retries of it send the same)."""
+        self._sync_pace: dict[int, tuple[int, float]] = {}
+        """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: RoundInFlight | None = None
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
         self._window_start: float | None = None
@@ -109,7 +118,10 @@ class DiLoCo(Committing, CatchingUp):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this shard's outer state (:meth:`OuterLoop.state_dict`), θ_outer itself
         where the schedule lets the model differ from it at a save (fragments, a sync delay)."""
-        return self.state.checkpoint_state(streaming=self.schedule.streaming)
+        state = self.state.checkpoint_state(streaming=self.schedule.streaming)
+        if (pace := self.pace.state_dict()) is not None:
+            state["pace"] = pace
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a checkpoint's outer state (:meth:`OuterLoop.load_state_dict`). A round it holds in flight is
@@ -127,6 +139,7 @@ class DiLoCo(Committing, CatchingUp):
                 "next round picks its blocks at random, as a first round does"
             )
         self.state.load_checkpoint_state(state_dict)
+        self.pace.load_state_dict(state_dict.get("pace"))
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
@@ -135,12 +148,24 @@ class DiLoCo(Committing, CatchingUp):
         results = self.syncs_after_inner_step(inner_step, last)
         return results[-1].metrics() if results else {}
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
+    def trains_at(self, inner_step: int) -> bool:
+        """See :class:`OuterLoop` (``outer/pacing.py``)."""
+        return self.pace.trains_at(inner_step)
+
+    def data_position(self, inner_step: int) -> int:
+        """See :class:`OuterLoop`."""
+        return self.pace.data_position(inner_step)
+
+    def syncs_after_inner_step(
+        self, inner_step: int, last: bool = False, trained: bool = True
+    ) -> list[RoundResult]:
         """Land the round in flight when its delay is over, start a sync when ``inner_step`` is on the
-        schedule (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight. Returns
-        every round that landed (or was sat out), oldest first: two when τ = H/P lands one sync at the step
-        the next starts and that one ends at once too (sat out, or at the run's end)."""
+        schedule (see :class:`OuterLoop`); ``last``: the run ends here, so nothing stays in flight;
+        ``trained``: the cluster took an inner step at this galaxy step (``--hv.round-steps by-speed``).
+        Returns every round that landed (or was sat out), oldest first: two when τ = H/P lands one sync at
+        the step the next starts and that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
+        self.pace.count(trained)
         if self._window_start is None:
             self._window_start = began
         results: list[RoundResult] = []
@@ -164,6 +189,9 @@ class DiLoCo(Committing, CatchingUp):
             utilization = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
             for result in results:
                 result.compute_utilization = utilization
+                if self.pace.by_speed and (pace := self._sync_pace.get(result.outer_step)):
+                    result.round_inner_steps, result.round_weight = pace
+            self._sync_pace = {rnd: pace for rnd, pace in self._sync_pace.items() if rnd > self.outer_step}
             self._final_hash = results[-1].param_hash
             self._window_start, self._held = time.perf_counter(), 0.0
         return results
@@ -171,8 +199,14 @@ class DiLoCo(Committing, CatchingUp):
     def _start_sync(self, inner_step: int, last: bool) -> RoundResult | None:
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""
         delay = 0 if last else self.schedule.sync_delay
-        self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=delay > 0)
+        fragment = self.schedule.fragment_of(self.outer_step)
+        self._round_weight = self.pace.weight_of(fragment)
+        self._sync_pace[self.outer_step + 1] = (self.pace.since_sync[fragment], self._round_weight)
+        self.pace.synced(fragment)
+        self.state.begin_round(fragment, keep_local=delay > 0)
         flight = self.start_round()
+        if self.pace.by_speed:  # the next stride's steps, from the speeds this round's start read
+            self.pace.agree(self.cluster.min_int(self.pace.plan(self._step_seconds, self._fastest_seconds)))
         if delay == 0 and not flight.sits_out:
             return self.finish_round(flight)
         return self._hold(flight, inner_step + delay)
@@ -196,6 +230,8 @@ class DiLoCo(Committing, CatchingUp):
             self._step_seconds = (
                 seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
             )
+        if self.pace.by_speed and self._step_seconds is not None:
+            record = {**record, "inner_step_seconds": self._step_seconds}  # the others plan by it
         self.status.update(record)
         self._finished = record.get("state") == "finished"
 

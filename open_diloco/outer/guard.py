@@ -50,6 +50,18 @@ def wire_norm(flat: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(flat))
 
 
+def valid_weight(value: object) -> float | None:
+    """A sender's averaging weight as a number in (0, 1], ``None`` when it is anything else: a weight above
+    1 would give one cluster the say of several (``--hv.round-steps by-speed`` weighs a Δ by its share of a
+    round's steps, 1 at most; with equal steps every weight is 1). Missing (a version before weights): 1."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if 0 < value <= 1 else None
+
+
 def valid_claim(value: object) -> float | None:
     """A claim as a number, or ``None`` when it is missing or no finite, non-negative number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -65,18 +77,20 @@ class NormHistory:
         self.factor = factor
         self._medians: deque[float] = deque(maxlen=rounds)
 
-    def bound(self, theta_norm: float | None = None) -> float | None:
-        """The largest ‖Δ‖ this cluster may send, given the norm of the θ_outer its Δ was taken from; ``None``
-        when the check is off, or there is neither a history nor a θ norm."""
+    def bound(self, theta_norm: float | None = None, weight: float = 1.0) -> float | None:
+        """The largest ‖Δ‖ this cluster may send, given the norm of the θ_outer its Δ was taken from and its
+        weight (its share of a round's steps: a Δ of half the steps is held to half the history's norm);
+        ``None`` when the check is off, or there is neither a history nor a θ norm."""
         if self.factor <= 0:
             return None
-        bounds = [self.factor * statistics.median(self._medians)] if self._medians else []
+        bounds = [self.factor * weight * statistics.median(self._medians)] if self._medians else []
         if theta_norm:
             bounds.append(THETA_FACTOR * theta_norm)
         return min(bounds, default=None)
 
     def record(self, claims: Iterable[object]) -> None:
-        """Add one round: the claims of the clusters whose Δ entered the average. A claim of exactly 0 says
+        """Add one round: the claims of the clusters whose Δ entered the average, each over its weight (a
+        norm per round's worth of steps; the claims themselves with equal steps). A claim of exactly 0 says
         nothing of the galaxy's scale (a cluster that sends a fragment it has just taken from the galaxy, with
         no inner step since): counted, a few of them made the median, and so the bound, 0, and every healthy Δ
         after it "out of bound" until the cluster stopped as diverging."""
@@ -101,25 +115,30 @@ class ClaimCheck:
     """This reducer's ‖θ_outer‖ (``None``: unknown, no θ bound)."""
     stale: frozenset = frozenset()
     """Peers outside the round's cohort (``policy.out_of_cohort``): never averaged, this reducer included."""
+    weights: dict[Hashable, float] = field(default_factory=dict)
+    """Every peer's averaging weight as gathered (``--hv.round-steps by-speed``; absent: 1). Claims compare
+    per unit of weight: a cluster that took twice the steps has a larger Δ, legitimately."""
     _energy: dict[Hashable, float] = field(default_factory=dict)
 
-    @property
-    def bound(self) -> float | None:
-        if self.factor <= 0:
-            return None
-        reference = self.claims.get(self.own)  # none of our own, or an all-zero Δ: nothing to compare to
-        bounds = [self.factor * reference] if reference else []
-        if self.own_theta:
-            bounds.append(THETA_FACTOR * self.own_theta)
-        return min(bounds, default=None)
+    def weight(self, peer: Hashable) -> float:
+        """The weight ``peer`` gathered (1 when none)."""
+        return self.weights.get(peer, 1.0)
 
     def admits(self, sender: Hashable) -> bool:
-        """Whether ``sender`` may enter this reducer's span at all (decided before its first part)."""
+        """Whether ``sender`` may enter this reducer's span at all (decided before its first part): a valid
+        claim, within :data:`THETA_FACTOR` × our ‖θ_outer‖ and, per unit of weight, within
+        ``--hv.delta-norm-bound`` × our own."""
         claim = self.claims.get(sender)
         if claim is None or sender in self.stale:
             return False
-        bound = self.bound
-        return bound is None or claim <= bound
+        if self.factor <= 0:
+            return True
+        if self.own_theta and claim > THETA_FACTOR * self.own_theta:
+            return False
+        reference = self.claims.get(self.own)  # none of our own, or an all-zero Δ: nothing to compare to
+        if not reference:
+            return True
+        return claim / self.weight(sender) <= self.factor * reference / self.weight(self.own)
 
     def scale(self, sender: Hashable) -> float:
         """What ``sender``'s parts are multiplied by: 1, or with the robust mean, median claim ÷ its claim

@@ -77,6 +77,10 @@ class Membership:
     """``(round, attempt)`` each live cluster last started, by galaxy rank: a cluster starting a round joins
     the galaxy's current attempt of it, and one looking for a group in an attempt the others left moves on."""
 
+    step_seconds: dict[int, float] = field(default_factory=dict)
+    """Seconds per inner step each live cluster published (``--hv.round-steps by-speed``), by galaxy rank:
+    the fastest sets how many steps the slower ones take per stride (``outer/pacing.py``)."""
+
     reported: dict[int, tuple[int, str | None, bool]] = field(default_factory=dict)
     """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
     rank: what a cluster at the end of its run compares its final θ_outer with."""
@@ -162,11 +166,24 @@ class OuterLoop(Protocol):
         """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
         ...
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
+    def trains_at(self, inner_step: int) -> bool:
+        """Whether this cluster takes an inner step at galaxy step ``inner_step`` (1-based): always, unless
+        ``--hv.round-steps by-speed`` plans fewer steps for a slower cluster (``outer/pacing.py``)."""
+        ...
+
+    def data_position(self, inner_step: int) -> int:
+        """The inner steps this cluster took up to galaxy step ``inner_step``: where its data goes on (the
+        galaxy step itself unless ``--hv.round-steps by-speed``)."""
+        ...
+
+    def syncs_after_inner_step(
+        self, inner_step: int, last: bool = False, trained: bool = True
+    ) -> list[RoundResult]:
         """Land the sync in flight when its delay is over (or, with ``last``, at once), start a sync if
-        ``inner_step`` (1-based) is on the schedule; return the metrics of every round that ended, oldest
-        first (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands a sync at the
-        step the next starts and that one ends at once as well)."""
+        ``inner_step`` (1-based, a galaxy step) is on the schedule; return the metrics of every round that
+        ended, oldest first (most steps none, a sync's landing one; two when ``--hv.sync-delay`` = H/P lands
+        a sync at the step the next starts and that one ends at once as well). ``trained``: this cluster took
+        an inner step at it (:meth:`trains_at`)."""
         ...
 
     def inner_step_of_galaxy(self) -> int:
@@ -235,7 +252,15 @@ class NullOuterLoop:
     def inner_step_of_galaxy(self) -> int:
         return 0
 
-    def syncs_after_inner_step(self, inner_step: int, last: bool = False) -> list[RoundResult]:
+    def trains_at(self, inner_step: int) -> bool:
+        return True
+
+    def data_position(self, inner_step: int) -> int:
+        return inner_step
+
+    def syncs_after_inner_step(
+        self, inner_step: int, last: bool = False, trained: bool = True
+    ) -> list[RoundResult]:
         return []
 
     def state_dict(self) -> dict[str, Any]:

@@ -152,6 +152,12 @@ class RoundResult:
     average_finite: bool | None = None
     rejected_peers: list[int] = field(default_factory=list)
     compute_utilization: float | None = None
+    round_inner_steps: int | None = None
+    """``--hv.round-steps by-speed``: the inner steps this cluster took since the synced fragment's last
+    sync (what its Δ holds)."""
+    round_weight: float | None = None
+    """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
+    ÷ H)."""
 
     @property
     def diverged(self) -> bool:
@@ -171,7 +177,13 @@ class RoundResult:
         record["retries"] = self.attempt
         record["resynced"] = self.outcome == "resynced"
         record["committed"] = self.committed
-        for optional in ("fragment_hash", "average_finite", "compute_utilization"):
+        for optional in (
+            "fragment_hash",
+            "average_finite",
+            "compute_utilization",
+            "round_inner_steps",
+            "round_weight",
+        ):
             if record[optional] is None:
                 del record[optional]
         return record

@@ -97,7 +97,12 @@ class InProcessRound:
             stale=frozenset(stale),
         )
         cohort = [r for r in present if r not in stale]
-        average = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort]).mean(0)
+        weights = [float(galaxy.meta[r].get("weight", 1.0)) for r in cohort]
+        scaled = torch.stack([galaxy.buffers[r] * claims.scale(r) for r in cohort])
+        if all(weight == 1.0 for weight in weights):
+            average = scaled.mean(0)
+        else:  # --hv.round-steps by-speed: weighted by the steps behind each Δ, as the reducers do
+            average = (scaled * torch.tensor(weights).unsqueeze(1)).sum(0) / sum(weights)
         sent = av.values.numel() * 4
         if galaxy.codecs is not None:
             sent = 0

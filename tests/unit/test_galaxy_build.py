@@ -45,6 +45,11 @@ def test_the_schema_is_what_every_cluster_must_share():
         "ranks": 2,
         "codec": "sparse magnitude 0.05",
         "fragments": 1,
+        "round_steps": "equal",
         "model_config": {"hidden_size": 8},
     }
+    # with steps by speed, a Δ's weight counts steps: every cluster's step must hold as many tokens
+    by_speed = ClusterShard(index=0, ranks=1, numel=10, model_fingerprint="abc", tokens_per_step=4096)
+    schema = by_speed.schema(HvConfig(round_steps="by-speed"))
+    assert schema["round_steps"] == "by-speed, 4096 tokens per inner step"
     assert ClusterShard.flat(7).schema(HvConfig())["model_fingerprint"] == "numel 7"

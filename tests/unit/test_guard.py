@@ -9,7 +9,7 @@ import torch
 from open_diloco.config import HvConfig
 from open_diloco.errors import GalaxyError
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.guard import ClaimCheck, NormHistory, valid_claim, wire_norm
+from open_diloco.outer.guard import ClaimCheck, NormHistory, valid_claim, valid_weight, wire_norm
 from open_diloco.outer.testing import InProcessGalaxy
 
 
@@ -23,6 +23,7 @@ def test_the_sender_bound_is_the_factor_times_the_median_of_recent_rounds():
     for median in (5.0, 6.0, 7.0):  # only the last 3 rounds
         history.record([median])
     assert history.bound() == pytest.approx(60.0)
+    assert history.bound(weight=0.5) == pytest.approx(30.0)  # a Δ of half a round's steps: half the norm
     assert NormHistory(0.0).bound() is None  # off
 
 
@@ -33,13 +34,34 @@ def test_an_invalid_claim_is_no_claim(claim):
 
 def test_a_reducer_admits_comparable_senders_and_leaves_out_a_thousandfold_one():
     claims = {"me": 2.0, "peer": 15.0, "huge": 2000.0, "silent": None}
-    check = ClaimCheck(claims, "me", factor=10.0)
-    assert check.bound == 20.0
+    check = ClaimCheck({**claims, "edge": 20.0, "past": 20.1}, "me", factor=10.0)
+    assert check.admits("edge") and not check.admits("past")  # the bound: 10 x our own 2.0
     assert check.admits("me") and check.admits("peer")
     assert not check.admits("huge")  # finite, but 1000x ours
     assert not check.admits("silent") and not check.admits("stranger")  # no claim, no place in the average
     unbounded = ClaimCheck(claims, "me", factor=0.0)
     assert unbounded.admits("huge") and not unbounded.admits("silent")
+
+
+def test_claims_compare_per_unit_of_weight_when_clusters_take_unequal_steps():
+    """--hv.round-steps by-speed: a cluster that took all of a round's steps (weight 1) has a larger Δ than one
+    that took a quarter (weight 0.25), legitimately: the bound scales with the sender's weight over ours."""
+    claims = {"slow": 1.0, "fast": 30.0, "lying": 30.0}
+    slow_reducer = ClaimCheck(claims, "slow", factor=10.0, weights={"slow": 0.25, "fast": 1.0, "lying": 0.25})
+    assert slow_reducer.admits("fast")  # 30 per unit of weight vs our 4: within 10x
+    assert not slow_reducer.admits("lying")  # the same Δ from a quarter of the steps: 30x ours per step
+    fast_reducer = ClaimCheck({"fast": 1.0, "slow": 2.0}, "fast", factor=10.0, weights={"slow": 0.1})
+    assert not fast_reducer.admits("slow")  # 20 per unit of weight vs our 1
+    assert [valid_weight(w) for w in (None, 0.5, 1, 0, 1.5, float("nan"), True, "1")] == [
+        1.0,
+        0.5,
+        1.0,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
 
 
 def test_a_sender_whose_parts_exceed_its_claim_is_caught():
@@ -127,6 +149,6 @@ def test_a_delta_a_hundred_times_the_weights_is_out_of_bound_from_the_first_roun
 
 def test_a_reducer_bounds_every_claim_by_its_own_weights_too():
     claims = {"me": 5.0, "peer": 40.0}
-    assert ClaimCheck(claims, "me", factor=10.0, own_theta=0.3).bound == pytest.approx(30.0)
+    assert ClaimCheck({**claims, "edge": 30.0}, "me", factor=10.0, own_theta=0.3).admits("edge")  # 100 x 0.3
     assert not ClaimCheck(claims, "me", factor=10.0, own_theta=0.3).admits("peer")
     assert ClaimCheck(claims, "me", factor=10.0, own_theta=None).admits("peer")
