@@ -94,6 +94,30 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
     assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
 
 
+def test_deltas_are_averaged_by_their_weights_and_a_weight_above_one_is_left_out(galaxy):
+    # --hv.round-steps by-speed: each peer sends its Δ with the share of a round's steps behind it. Peers 0
+    # and 1 (weights 1 and 0.25) end with the weighted mean of their buffers, to fp32 rounding, identical
+    # bytes; peer 2 claims weight 4 (the say of four clusters) and is left out by every reducer but its own
+    n, barrier = 3, CTX.Barrier(4)
+    weights = [1.0, 0.25, 4.0]
+    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL, peer_weights=weights)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    for rank in (1, 2):
+        galaxy.start(
+            rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, peer_weights=weights
+        )
+    galaxy.wait_for("ready", n)
+    barrier.wait(60)
+    results = {m[1]: m for m in galaxy.wait_for("round", n)}
+    honest = [results[0], results[1]]
+    for _, _, _, report, result in honest:
+        assert report["rejected"] == [2] and report["complete"], report
+        # the weighted mean of peers 0 and 1 on the spans of the two honest reducers (an unweighted mean
+        # would be off by far more than the 1e-6 this allows)
+        assert result["honest_share"] > 0.5, result
+    assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
+
+
 # sparse magnitude: int2 values plus a second tensor of block scores, one byte per 128 values (1/512 of fp32)
 MIN_RATIO = {
     "bf16": 1.99,

@@ -128,6 +128,7 @@ def _peer(
     signal.signal(signal.SIGTERM, on_sigterm)
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
+    weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
     try:
         hv = HvConfig(**kwargs)
         av = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
@@ -152,11 +153,14 @@ def _peer(
             mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
             start = time.monotonic()
             try:
-                report = av.all_reduce(mine, round_id, {"fingerprint": f"rank{rank}"})
+                fingerprint = {"fingerprint": f"rank{rank}"}
+                if weights:
+                    fingerprint["weight"] = weights[rank]
+                report = av.all_reduce(mine, round_id, fingerprint)
             except Exception as e:
                 queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
                 continue
-            result = _round_result(mine, inputs, rank, report, numel, started=start)
+            result = _round_result(mine, inputs, rank, report, numel, started=start, weights=weights)
             queue.put(("round", rank, round_id, asdict(report), result))
         if not rounds and not serve and not download:
             time.sleep(300)  # idle: waits to be killed
@@ -167,13 +171,22 @@ def _peer(
         queue.put(("done", rank))
 
 
-def _round_result(mine: torch.Tensor, inputs: list, rank: int, report, numel: int, started: float) -> dict:
+def _round_result(
+    mine: torch.Tensor, inputs: list, rank: int, report, numel: int, started: float, weights=None
+) -> dict:
     """What the test checks of one peer's round: its result ``mine`` against the mean of the inputs of the
-    peers the round ``report`` names (and of those it did not reject)."""
+    peers the round ``report`` names (and of those it did not reject), weighted by ``weights`` if given."""
+
+    def mean_of(ranks: list[int]) -> torch.Tensor:
+        stacked = torch.stack([inputs[r] for r in ranks]).double()
+        if not weights:
+            return stacked.mean(0)
+        w = torch.tensor([weights[r] for r in ranks], dtype=torch.float64).unsqueeze(1)
+        return (stacked * w).sum(0) / w.sum()
+
     present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
-    mean = present.mean(0)
-    honest_mean = torch.stack([inputs[r] for r in sorted(report.peers) if r not in report.rejected]).double()
-    honest_mean = honest_mean.mean(0)
+    mean = mean_of(sorted(report.peers))
+    honest_mean = mean_of([r for r in sorted(report.peers) if r not in report.rejected])
     error = (mine.double() - mean).abs()
     # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
     fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7

@@ -44,8 +44,9 @@ def test_a_reducer_admits_comparable_senders_and_leaves_out_a_thousandfold_one()
 
 
 def test_claims_compare_per_unit_of_weight_when_clusters_take_unequal_steps():
-    """--hv.round-steps by-speed: a cluster that took all of a round's steps (weight 1) has a larger Δ than one
-    that took a quarter (weight 0.25), legitimately: the bound scales with the sender's weight over ours."""
+    """--hv.round-steps by-speed: a cluster that took all of a round's steps (weight 1) has a larger Δ than
+    one that took a quarter (weight 0.25), legitimately: the bound scales with the sender's weight over
+    ours."""
     claims = {"slow": 1.0, "fast": 30.0, "lying": 30.0}
     slow_reducer = ClaimCheck(claims, "slow", factor=10.0, weights={"slow": 0.25, "fast": 1.0, "lying": 0.25})
     assert slow_reducer.admits("fast")  # 30 per unit of weight vs our 4: within 10x

@@ -1,0 +1,125 @@
+"""``--hv.round-steps by-speed``: which galaxy steps a slower cluster trains at, what its Δ weighs, and the
+weighted average the outer step applies (in-process galaxy; tests/e2e/test_unequal_clusters.py runs it over
+hivemind)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.pacing import Pace
+from open_diloco.outer.testing import InProcessGalaxy
+from tests.support.tiny_outer import linear_model, outer_hv
+
+
+def trained_steps(pace: Pace, steps: range) -> list[int]:
+    return [step for step in steps if pace.trains_at(step)]
+
+
+def test_a_slower_cluster_spreads_its_share_over_the_stride_and_always_trains_at_the_sync():
+    pace = Pace(local_steps=10, fragments=1, by_speed=True, fixed_speed=0.5)
+    assert trained_steps(pace, range(1, 21)) == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    pace.agree(3)
+    assert trained_steps(pace, range(1, 11)) == [4, 7, 10]  # the sync's step (10) is always trained
+    pace.agree(10)
+    assert trained_steps(pace, range(1, 11)) == list(range(1, 11))
+    equal = Pace(local_steps=10, fragments=1, by_speed=False, fixed_speed=0.0)
+    equal.agree(3)  # equal steps train at every galaxy step, whatever is planned
+    assert trained_steps(equal, range(1, 11)) == list(range(1, 11))
+
+
+def test_the_plan_follows_the_fastest_cluster_and_ignores_jitter():
+    pace = Pace(local_steps=20, fragments=2, by_speed=True)  # stride 10
+    assert pace.plan(own_seconds=None, fastest_seconds=1.0) == 10  # nothing measured yet: every step
+    assert pace.plan(own_seconds=2.0, fastest_seconds=1.0) == 5  # half speed: half the steps
+    assert pace.plan(own_seconds=3.0, fastest_seconds=1.0) == 3
+    assert pace.plan(own_seconds=1.05, fastest_seconds=1.0) == 10  # within the tolerance: noise, not speed
+    assert pace.plan(own_seconds=100.0, fastest_seconds=1.0) == 1  # at least one step
+    assert pace.plan(own_seconds=1.0, fastest_seconds=1.0) == 10  # the fastest itself
+    fixed = Pace(local_steps=20, fragments=2, by_speed=True, fixed_speed=0.3)
+    assert fixed.planned == 3 and fixed.plan(own_seconds=1.0, fastest_seconds=1.0) == 3
+
+
+def test_each_sync_weighs_the_steps_behind_its_fragment():
+    pace = Pace(local_steps=4, fragments=2, by_speed=True, fixed_speed=0.5)  # stride 2, one step each
+    for step in range(1, 5):
+        pace.count(pace.trains_at(step))
+        if step % 2 == 0:  # a sync starts: fragment (step/2 - 1) % 2
+            fragment = (step // 2 - 1) % 2
+            weight = pace.weight_of(fragment)
+            assert weight == (0.25 if step == 2 else 0.5), step  # fragment 0's first sync: one step so far
+            pace.synced(fragment)
+    assert pace.taken == 2 and pace.data_position(4) == 2
+    assert Pace(4, 1, by_speed=False).weight_of(0) == 1.0
+
+
+def test_the_pace_survives_a_checkpoint_and_one_saved_with_equal_steps_took_every_step():
+    pace = Pace(local_steps=8, fragments=2, by_speed=True)
+    pace.agree(2)
+    for step in range(1, 7):
+        pace.count(pace.trains_at(step))
+    saved = pace.state_dict()
+    again = Pace(local_steps=8, fragments=2, by_speed=True)
+    again.load_state_dict(saved)
+    assert again.state_dict() == saved and trained_steps(again, range(7, 9)) == trained_steps(
+        pace, range(7, 9)
+    )
+    from_equal = Pace(local_steps=8, fragments=2, by_speed=True)
+    from_equal.load_state_dict(None)  # a checkpoint of a run with equal steps
+    assert from_equal.data_position(40) == 40
+    assert Pace(8, 2, by_speed=False).state_dict() is None
+
+
+def test_cluster_speed_needs_steps_by_speed():
+    with pytest.raises(
+        ValueError, match="--hv.cluster-speed 0.5 only applies with --hv.round-steps by-speed"
+    ):
+        outer_hv(cluster_speed=0.5)
+
+
+def test_a_galaxy_of_unequal_clusters_applies_the_step_weighted_average():
+    """Cluster 0 takes every step of a round of H = 4, cluster 1 (half speed) two: θ_outer moves by the
+    average of their Δs weighted 1 : 0.5, on both, to the bit."""
+    galaxy = InProcessGalaxy(2)
+    start = torch.tensor([1.0, -2.0, 0.5])
+    moves = {0: torch.tensor([0.1, 0.2, -0.3]), 1: torch.tensor([-0.4, 0.1, 0.7])}  # per inner step
+    results = {}
+
+    def cluster(rank: int, speed: float):
+        model = linear_model(start.tolist())
+        hv = outer_hv(
+            world_rank=rank,
+            galaxy_size=2,
+            local_steps=4,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            round_steps="by-speed",
+            cluster_speed=speed,
+        )
+        outer = DiLoCo(model, galaxy.averager(rank, 3), hv, warn=lambda *_: None)
+        trained, records = 0, []
+        for step in range(1, 5):
+            if trains := outer.trains_at(step):
+                trained += 1
+                with torch.no_grad():
+                    model.weight.sub_(moves[rank])
+            records += [r.metrics() for r in outer.syncs_after_inner_step(step, trained=trains)]
+        results[rank] = (model.weight.detach().clone(), trained, records)
+
+    threads = [threading.Thread(target=cluster, args=args) for args in ((0, 1.0), (1, 0.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [results[rank][1] for rank in (0, 1)] == [4, 2]
+    deltas = {0: 4 * moves[0], 1: 2 * moves[1]}
+    weighted = (1.0 * deltas[0] + 0.5 * deltas[1]) / 1.5
+    assert not torch.allclose(weighted, (deltas[0] + deltas[1]) / 2)  # the weights change the result
+    for rank in (0, 1):
+        weight, _, (record,) = results[rank]
+        torch.testing.assert_close(weight[0], start - weighted, rtol=0, atol=1e-6)
+        assert (record["round_inner_steps"], record["round_weight"]) == ((4, 1.0), (2, 0.5))[rank]
+    assert torch.equal(results[0][0], results[1][0])
