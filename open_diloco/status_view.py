@@ -91,6 +91,11 @@ JSON_KEYS = (
     "behind_by",
     "flags",
     "shard_peer_ids",
+    "round_steps",
+    "inner_steps",
+    "round_inner_steps",
+    "round_weight",
+    "inner_step_seconds",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""
@@ -106,6 +111,8 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
 
     clusters = f"{len(rows)} cluster(s)" + (f" of {expected_size}" if expected_size else "")
     table = Table(title=f"galaxy {run_id}: {clusters}", title_justify="left")
+    # --hv.round-steps by-speed: how many of a round's steps each cluster takes, and what its Δ weighs
+    by_speed = any(row.get("round_weight") is not None for row in rows)
     for name, justify in (
         ("rank", "right"),
         ("host", "left"),
@@ -117,6 +124,7 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
         ("tok/s", "right"),
         ("round s", "right"),
         ("MB sent", "right"),
+        *((("steps/round", "right"), ("weight", "right")) if by_speed else ()),
         ("codec", "left"),
         ("hash", "left"),
         ("seen", "right"),
@@ -124,6 +132,14 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
     ):
         table.add_column(name, justify=justify)
     for row in rows:
+        pace = (
+            (
+                f"{row.get('round_inner_steps', '?')}/{row.get('local_steps', '?')}",
+                _number(row.get("round_weight"), "{:.2f}"),
+            )
+            if by_speed
+            else ()
+        )
         table.add_row(
             str(row["galaxy_rank"]),
             str(row.get("host", "?")),
@@ -135,6 +151,7 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
             _number(row.get("tokens_per_second"), "{:,.0f}"),
             _number(row.get("allreduce_seconds"), "{:.2f}"),
             _number(row.get("bytes_sent"), "{:.1f}", scale=1e-6),
+            *pace,
             str(row.get("codec", "?")),
             str(row.get("param_hash") or "-"),
             f"{row['last_seen_seconds']:.0f}s ago",

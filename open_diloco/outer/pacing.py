@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 SPEED_TOLERANCE = 0.1
 """A cluster within this share of the fastest one's speed takes every step: step times jitter (two equal
 clusters measured each other 20 % apart on a loaded 2-core machine), and a cluster that took the other's

@@ -74,3 +74,22 @@ def test_json_rows_keep_the_contract_keys_and_the_table_renders_every_cluster():
     console.print(build_table(rows, "demo", expected_size=3))
     text = console.export_text()
     assert "galaxy demo: 2 cluster(s) of 3" in text and "site-a" in text and "stopped (SIGTERM)" in text
+    assert "weight" not in text  # equal steps: no pace columns
+
+
+def test_the_table_shows_each_clusters_steps_per_round_and_weight_when_steps_go_by_speed():
+    pace = dict(local_steps=8, round_steps="by-speed, 256 tokens per inner step")
+    rows = judge(
+        [
+            record(0, 4, "aa", round_inner_steps=8, round_weight=1.0, **pace),
+            record(1, 4, "aa", round_inner_steps=3, round_weight=0.375, **pace),
+        ]
+    )
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(build_table(rows, "demo"))
+    text = console.export_text()
+    assert "steps/round" in text and "weight" in text
+    assert "8/8" in text and "3/8" in text and "0.38" in text
+    assert as_json_rows(rows)[1]["round_weight"] == 0.375
