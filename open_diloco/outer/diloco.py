@@ -142,10 +142,10 @@ class DiLoCo(Committing, CatchingUp):
         self.pace.load_state_dict(state_dict.get("pace"))
 
     # -- the outer step -------------------------------------------------------------------------------------
-    def after_inner_step(self, inner_step: int, last: bool = False) -> dict[str, Any]:
+    def after_inner_step(self, inner_step: int, last: bool = False, trained: bool = True) -> dict[str, Any]:
         """The metrics of the latest sync :meth:`syncs_after_inner_step` ended, else ``{}`` (tests,
         benches)."""
-        results = self.syncs_after_inner_step(inner_step, last)
+        results = self.syncs_after_inner_step(inner_step, last, trained)
         return results[-1].metrics() if results else {}
 
     def trains_at(self, inner_step: int) -> bool:

@@ -25,6 +25,13 @@ Arms (``--arms``, space-separated; ``key=value`` after a colon overrides the run
             P (--hv.fragments) tau (--hv.sync-delay) alpha (--hv.sync-alpha): streaming arms; their outer
             loop runs after every inner step (a fragment lands τ steps after its sync starts), checked for
             identical θ_outer, not against the whole-model reference
+            slow: the last cluster at this share of the others' speed (--hv.round-steps by-speed, its
+            --hv.cluster-speed): it takes that share of each round's steps, its Δ weighted so; the arm runs
+            as many more galaxy steps as keep its total tokens those of M clusters at full speed; its outer
+            loop runs after every step, like a streaming arm's
+    any kind:
+            steps: the arm's inner steps instead of the run's (e.g. a cluster alone for an unequal galaxy's
+            wall time: half:M=2,steps=...)
 
     python scripts/bench/convergence.py --quick               # 2M model, 4 seeds: ~14 min on 2 cores
     python scripts/bench/convergence.py --quick --seeds 0,1   # half of it: ~7 min, a coarser verdict
@@ -121,6 +128,8 @@ KEY_TYPES: dict = {
     "P": int,
     "tau": int,
     "alpha": float,
+    "slow": float,
+    "steps": int,
 }
 
 

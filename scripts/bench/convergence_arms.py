@@ -27,7 +27,12 @@ from open_diloco.outer.testing import InProcessGalaxy
 from open_diloco.trainer import evaluate, inner_step, position_at
 
 
-def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> Config:
+def make_config(
+    args: argparse.Namespace, batch: int, lr: float, wd: float, steps: int | None = None
+) -> Config:
+    """The trainer's config of one cluster of an arm of ``steps`` inner (galaxy) steps (default: the
+    run's)."""
+    steps = steps or args.steps
     return Config(
         path_model=Path(args.path_model),
         seq_length=args.seq_length,
@@ -35,10 +40,10 @@ def make_config(args: argparse.Namespace, batch: int, lr: float, wd: float) -> C
         total_batch_size=batch,
         lr=lr,
         warmup_steps=args.warmup_steps,
-        total_steps=args.steps,
+        total_steps=steps,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=wd,
-        max_steps=args.steps,
+        max_steps=steps,
         seed=args.seed,
         dataset_path=args.dataset_path,
         data_cache_dir=Path(args.data_cache_dir),
@@ -59,7 +64,7 @@ class Cluster:
     up."""
 
     def __init__(self, args, spec, rank: int, size: int, batch: int):
-        config = make_config(args, batch, spec["lr"], spec["wd"])
+        config = make_config(args, batch, spec["lr"], spec["wd"], arm_steps(args, spec))
         vocab = load_model_config(config.path_model).vocab_size
         self.plan = plan_data(config, vocab, 1, rank, size)
         self.model = build_model(config.path_model, config.seed).to(WORLD.device)
@@ -70,7 +75,7 @@ class Cluster:
             self.optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
         )
         loader = build_train_loader(self.plan, per_device_batch=batch, rank=0, world_size=1, num_workers=0)
-        self.batches = self._recording(position_at(0, loader, self.scheduler, 1))
+        self.batches = self._recording(position_at(0, 0, loader, self.scheduler, 1))
         self.seen: list[int] = []
         self.max_grad_norm = config.max_grad_norm
 
@@ -83,6 +88,21 @@ class Cluster:
         loss, _ = inner_step(self.model, self.optimizer, self.batches, 1, self.max_grad_norm, WORLD)
         self.scheduler.step()
         return loss
+
+    def pass_step(self) -> None:
+        """A galaxy step this (slower) cluster takes no inner step at: its lr follows the galaxy's step."""
+        self.scheduler.step()
+
+
+def arm_steps(args, spec: dict) -> int:
+    """The arm's inner (galaxy) steps: ``steps`` if it gives them; with a slower cluster (``slow``: the last
+    cluster's speed, ``--hv.round-steps by-speed``) as many more as keep the arm's total tokens those of M
+    clusters at full speed; else the run's."""
+    if spec.get("steps"):
+        return spec["steps"]
+    if spec.get("slow"):
+        return round(args.steps * spec["M"] / (spec["M"] - 1 + spec["slow"]))
+    return args.steps
 
 
 class ReferenceOuter:
@@ -148,6 +168,9 @@ def hv_of(spec: dict, rank: int) -> HvConfig:
         )
         if spec.get(key) is not None
     }
+    if spec.get("slow"):  # the last cluster at that share of the others' speed, fixed
+        overrides["round_steps"] = "by-speed"
+        overrides["cluster_speed"] = spec["slow"] if rank == spec["M"] - 1 else 1.0
     return HvConfig(
         galaxy_size=spec["M"],
         world_rank=rank,
@@ -173,14 +196,20 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
     if galaxy:
         outers, reference, streaming = start_galaxy(spec, clusters, record)
     started = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        losses = [c.step() for c in clusters]
+    steps = arm_steps(args, spec)
+    record["steps"] = steps
+    for step in range(1, steps + 1):
+        trains = [not galaxy or outer.trains_at(step) for outer in (outers if galaxy else [None])]
+        losses = [c.step() for c, trained in zip(clusters, trains, strict=True) if trained]
+        for c, trained in zip(clusters, trains, strict=True):
+            if not trained:
+                c.pass_step()
         record["loss"].append(sum(losses) / len(losses))
         if galaxy and streaming:
-            streaming_step(outers, step, step == args.steps, record)
+            streaming_step(outers, step, step == steps, record, trains)
         elif galaxy and step % local_steps == 0:
             checked_round(clusters, outers, reference, spec, step, record)
-        if step % args.eval_interval == 0 or step == args.steps:
+        if step % args.eval_interval == 0 or step == steps:
             record["val"][step] = evaluate(clusters[0].model, eval_loader, WORLD)
             print(
                 f"  {name:<34} step {step:>4} loss {record['loss'][-1]:.4f} val {record['val'][step]:.4f} "
@@ -220,7 +249,10 @@ def start_galaxy(
         "outer_nesterov": hvs[0].outer_nesterov,
         "outer_warmup_rounds": hvs[0].outer_warmup_rounds,
     }
-    streaming = SyncSchedule(local_steps, hvs[0].fragments, hvs[0].sync_delay).streaming
+    # an arm with a slower cluster runs its outer loops after every step too: they count the steps taken
+    streaming = SyncSchedule(local_steps, hvs[0].fragments, hvs[0].sync_delay).streaming or bool(
+        spec.get("slow")
+    )
     outers = [
         DiLoCo(
             c.model,
@@ -274,12 +306,16 @@ def checked_round(
     )
 
 
-def outer_steps_in_threads(outers: list[DiLoCo], step: int, last: bool = False) -> list[dict]:
-    """Every cluster's outer loop after inner step ``step``, in threads, so that a round's clusters meet."""
+def outer_steps_in_threads(
+    outers: list[DiLoCo], step: int, last: bool = False, trained: list[bool] | None = None
+) -> list[dict]:
+    """Every cluster's outer loop after inner step ``step`` (``trained``: which clusters took one), in
+    threads, so that a round's clusters meet."""
     results: list = [None] * len(outers)
+    trained = trained or [True] * len(outers)
 
     def outer_step(m: int) -> None:
-        results[m] = outers[m].after_inner_step(step, last)
+        results[m] = outers[m].after_inner_step(step, last, trained[m])
 
     threads = [threading.Thread(target=outer_step, args=(m,)) for m in range(len(outers))]
     for thread in threads:
@@ -289,10 +325,12 @@ def outer_steps_in_threads(outers: list[DiLoCo], step: int, last: bool = False) 
     return results
 
 
-def streaming_step(outers: list[DiLoCo], step: int, last: bool, record: dict) -> None:
+def streaming_step(
+    outers: list[DiLoCo], step: int, last: bool, record: dict, trained: list[bool] | None = None
+) -> None:
     """The outer loops of a streaming arm after inner step ``step``; a landed sync must leave every cluster
     with the same θ_outer."""
-    results = outer_steps_in_threads(outers, step, last)
+    results = outer_steps_in_threads(outers, step, last, trained)
     if results[0]:
         assert len({r["param_hash"] for r in results}) == 1, "clusters' θ_outer differ"
         record["rounds"].append(

@@ -82,9 +82,9 @@ class Placement:
         prefix = self.lab.exec_prefix(endpoint) if self.lab else []
         if endpoint == "cluster0":
             return [*prefix, "taskset", "-c", "0"]
-        if endpoint == "cluster1":
-            enter = f'echo $$ > {self.cgroup}/cgroup.procs && exec taskset -c 1 "$@"'
-            return [*prefix, "sh", "-c", enter, "sh"]
+        if endpoint == "cluster1":  # into the cgroup first: `ip netns exec` mounts a /sys of its own
+            enter = f'echo $$ > {self.cgroup}/cgroup.procs && exec "$@"'
+            return ["sh", "-c", enter, "sh", *prefix, "taskset", "-c", "1"]
         return prefix
 
 

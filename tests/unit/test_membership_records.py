@@ -220,3 +220,14 @@ def test_a_step_hivemind_ended_cancelled_is_a_failed_round_not_a_crash(monkeypat
     pending.control = _EndedCancelled()
     with pytest.raises(RoundFailed, match="round 3 failed: CancelledError"):
         pending.wait()
+
+
+def test_clusters_that_disagree_on_the_round_steps_refuse_in_one_line():
+    here = {**SCHEMA, "round_steps": "by-speed, 1024 tokens per inner step"}
+    for there in ("equal", "by-speed, 2048 tokens per inner step"):
+        other = {"galaxy_rank": 1, **SCHEMA, "round_steps": there, "last_seen_seconds": 1.0}
+        line = schema_conflict([other], 0, here, expiry=15.0)
+        assert f"its round_steps is '{there}', here 'by-speed, 1024 tokens per inner step'" in line, line
+        assert "--hv.round-steps" in line and "\n" not in line
+    older = {"galaxy_rank": 1, **SCHEMA, "last_seen_seconds": 1.0}  # a version before round steps: no key
+    assert schema_conflict([older], 0, {**SCHEMA, "round_steps": "equal"}, expiry=15.0) is None
