@@ -94,11 +94,11 @@ def train(config: Config) -> None:
                 loss, grad_norm = inner_step(
                     model, optimizer, batches, grad_accum, config.max_grad_norm, world
                 )
-            scheduler.step()  # the lr follows the galaxy's step, trained or not
-            if trains:
+                scheduler.step()
                 seconds = time.perf_counter() - started
                 record = latest = step_record(step, loss, grad_norm, scheduler, seconds, config, world)
-            else:
+            else:  # the lr follows the galaxy's step (set, not stepped: torch warns of a step before AdamW's)
+                move_scheduler_to(scheduler, step)
                 record = idle_record(step, latest, scheduler)
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps, trained=trains)
             record["inner_steps"] = outer.data_position(step)

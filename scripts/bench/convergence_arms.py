@@ -18,7 +18,7 @@ import torch
 from open_diloco.config import Config, HvConfig
 from open_diloco.data import build_train_loader, plan_data
 from open_diloco.model import build_model, load_model_config
-from open_diloco.optim import build_inner_optimizer, build_scheduler
+from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.outer.digests import fingerprint_bytes
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.state import local_shards
@@ -89,9 +89,10 @@ class Cluster:
         self.scheduler.step()
         return loss
 
-    def pass_step(self) -> None:
-        """A galaxy step this (slower) cluster takes no inner step at: its lr follows the galaxy's step."""
-        self.scheduler.step()
+    def pass_step(self, step: int) -> None:
+        """Galaxy step ``step``, at which this (slower) cluster takes no inner step: its lr follows the
+        galaxy's step."""
+        move_scheduler_to(self.scheduler, step)
 
 
 def arm_steps(args, spec: dict) -> int:
@@ -203,7 +204,7 @@ def run_arm(args, name: str, spec: dict, eval_loader) -> dict:
         losses = [c.step() for c, trained in zip(clusters, trains, strict=True) if trained]
         for c, trained in zip(clusters, trains, strict=True):
             if not trained:
-                c.pass_step()
+                c.pass_step(step)
         record["loss"].append(sum(losses) / len(losses))
         if galaxy and streaming:
             streaming_step(outers, step, step == steps, record, trains)
