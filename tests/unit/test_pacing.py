@@ -123,3 +123,49 @@ def test_a_galaxy_of_unequal_clusters_applies_the_step_weighted_average():
         torch.testing.assert_close(weight[0], start - weighted, rtol=0, atol=1e-6)
         assert (record["round_inner_steps"], record["round_weight"]) == ((4, 1.0), (2, 0.5))[rank]
     assert torch.equal(results[0][0], results[1][0])
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_unequal_clusters_stay_identical_with_fragments_a_delay_and_a_codec(compression):
+    """Streaming (P = 2, τ = 1) with steps by speed: every landed sync leaves both clusters with the same
+    θ_outer, and after the first period each sync weighs 1 (every step) against 0.5 (half of them)."""
+    galaxy = InProcessGalaxy(2, compression=compression)
+    numel = 64
+    results: dict[int, list[dict]] = {}
+
+    def cluster(rank: int, speed: float):
+        generator = torch.Generator().manual_seed(rank)
+        model = linear_model(torch.zeros(numel).tolist())
+        hv = outer_hv(
+            world_rank=rank,
+            galaxy_size=2,
+            local_steps=4,
+            fragments=2,
+            sync_delay=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            compression=compression,
+            round_steps="by-speed",
+            cluster_speed=speed,
+        )
+        outer = DiLoCo(model, galaxy.averager(rank, numel // 2), hv, warn=lambda *_: None)
+        records = []
+        for step in range(1, 17):
+            if trains := outer.trains_at(step):
+                with torch.no_grad():
+                    model.weight.add_(0.01 * torch.randn(1, numel, generator=generator))
+            records += [r.metrics() for r in outer.syncs_after_inner_step(step, step == 16, trains)]
+        results[rank] = records
+
+    threads = [threading.Thread(target=cluster, args=args) for args in ((0, 1.0), (1, 0.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    fast, slow = results[0], results[1]
+    assert [r["outer_step"] for r in fast] == [r["outer_step"] for r in slow] == list(range(1, 9))
+    assert [r["param_hash"] for r in fast] == [r["param_hash"] for r in slow]
+    assert len({r["param_hash"] for r in fast}) == 8  # every sync moved θ_outer
+    # a fragment syncs every H = 4 steps: its first sync holds the steps since the start (2 or 4 of them)
+    assert [r["round_weight"] for r in fast[2:]] == [1.0] * 6
+    assert [r["round_weight"] for r in slow[2:]] == [0.5] * 6
