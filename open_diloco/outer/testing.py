@@ -46,6 +46,8 @@ class InProcessGalaxy:
         self.silent = silent or set()
         self.lead = -1
         """The highest outer step the membership records show (-1: unknown)."""
+        self.step_seconds: dict[int, float] = {}
+        """Seconds per inner step each cluster's record shows (``Membership.step_seconds``)."""
         self.lead_progress = (-1, 0.0)
         """(inner step, seconds since) the lead cluster's record shows (``Membership.lead_inner_step``)."""
         self.serve_state = serve_state
@@ -158,6 +160,7 @@ class InProcessAverager:
             steps=steps,
             sources={rank: str(rank) for rank in serving},
             reported={rank: (-1, None, rank not in galaxy.departed) for rank in galaxy.averagers},
+            step_seconds=dict(galaxy.step_seconds),
         )
 
     def serve_state(self, get_state) -> None:

@@ -169,3 +169,32 @@ def test_unequal_clusters_stay_identical_with_fragments_a_delay_and_a_codec(comp
     # a fragment syncs every H = 4 steps: its first sync holds the steps since the start (2 or 4 of them)
     assert [r["round_weight"] for r in fast[2:]] == [1.0] * 6
     assert [r["round_weight"] for r in slow[2:]] == [0.5] * 6
+
+
+def test_a_cluster_plans_its_steps_from_the_speeds_the_galaxy_publishes():
+    """Speeds measured, not given: cluster 1's inner steps take 2.5 x cluster 0's (its own records, and both
+    clusters' membership records). The first stride knows no speeds and trains every step; from the first
+    sync on, cluster 1 takes round(4 / 2.5) = 2 of every 4 steps and cluster 0 all of them."""
+    galaxy = InProcessGalaxy(2)
+    galaxy.step_seconds = {0: 0.1, 1: 0.25}
+    trained: dict[int, list[int]] = {}
+
+    def cluster(rank: int):
+        model = linear_model([0.0, 0.0])
+        hv = outer_hv(world_rank=rank, galaxy_size=2, local_steps=4, round_steps="by-speed")
+        outer = DiLoCo(model, galaxy.averager(rank, 2), hv, warn=lambda *_: None)
+        steps = []
+        for step in range(1, 13):
+            if trains := outer.trains_at(step):
+                steps.append(step)
+                outer.report({"step": step, "step_seconds": galaxy.step_seconds[rank]})
+            outer.syncs_after_inner_step(step, trained=trains)
+        trained[rank] = steps
+
+    threads = [threading.Thread(target=cluster, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert trained[0] == list(range(1, 13))
+    assert trained[1] == [1, 2, 3, 4, 6, 8, 10, 12]
