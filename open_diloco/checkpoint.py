@@ -129,15 +129,13 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 # Where the outer loop's state dict goes besides DCP: its counters are fields of metadata.json under their own
 # names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
 # them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
-# own name. ``pace`` (--hv.round-steps by-speed: the stride's plan and the step counts, the same on every
-# rank) is a field too, absent with equal steps.
+# own name. ``pace`` (--hv.round-steps by-speed's step counts, one per cluster) is null with equal steps.
 _OUTER_COUNTERS = {"outer_step": 0, "fragments": 1, "pace": None}
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
 def _outer_pieces(metadata: dict[str, Any]) -> list[str]:
-    """The outer pieces a checkpoint's DCP part holds, as its metadata lists them: what a load asks DCP
-    for."""
+    """The outer pieces a checkpoint's DCP part holds, as its metadata lists them: what a load asks for."""
     held = [key for key in ("outer_momentum", "error_feedback") if metadata.get(f"has_{key}")]
     return held + list(metadata.get("streaming", ()))
 
@@ -153,9 +151,8 @@ def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         "has_error_feedback": "error_feedback" in outer_state,
         "streaming": [key for key in ("outer_params", "sync_start") if key in outer_state],
         "fragments": int(outer_state.get("fragments", _OUTER_COUNTERS["fragments"])),
+        "pace": outer_state.get("pace"),
     }
-    if outer_state.get("pace") is not None:
-        fields["pace"] = dict(outer_state["pace"])
     entries = {key: outer_state[key] for key in _outer_pieces(fields)}
     per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}
     unplaced = set(outer_state) - set(_OUTER_COUNTERS) - set(entries) - set(per_rank)

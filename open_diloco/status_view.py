@@ -96,6 +96,7 @@ JSON_KEYS = (
     "round_inner_steps",
     "round_weight",
     "inner_step_seconds",
+    "client_mode",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""

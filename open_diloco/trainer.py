@@ -90,16 +90,11 @@ def train(config: Config) -> None:
             step += 1
             trains = outer.trains_at(step)  # a slower cluster's share of a stride may be done (by-speed)
             if trains:
-                started = time.perf_counter()
-                loss, grad_norm = inner_step(
-                    model, optimizer, batches, grad_accum, config.max_grad_norm, world
+                record = latest = train_step(
+                    step, model, optimizer, batches, scheduler, grad_accum, config, world
                 )
-                scheduler.step()
-                seconds = time.perf_counter() - started
-                record = latest = step_record(step, loss, grad_norm, scheduler, seconds, config, world)
-            else:  # the lr follows the galaxy's step (set, not stepped: torch warns of a step before AdamW's)
-                move_scheduler_to(scheduler, step)
-                record = idle_record(step, latest, scheduler)
+            else:
+                record = pass_step(step, latest, scheduler)
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps, trained=trains)
             record["inner_steps"] = outer.data_position(step)
             add_sync_metrics(record, syncs, metrics)
@@ -213,11 +208,31 @@ def step_record(
     }
 
 
-def idle_record(step: int, latest: dict[str, Any], scheduler: Any) -> dict[str, Any]:
-    """The record of galaxy step ``step`` at which this cluster took no inner step (``--hv.round-steps
-    by-speed``: a slower cluster takes part of a stride's steps), logged only when a sync ends or an
-    evaluation runs there: its loss, grad_norm and throughput are the latest inner step's (``latest``), its lr
-    the galaxy step's; no ``step_seconds`` (no step was timed)."""
+def train_step(
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[dict[str, torch.Tensor]],
+    scheduler: Any,
+    grad_accum: int,
+    config: Config,
+    world: World,
+) -> dict[str, Any]:
+    """Inner step ``step`` (:func:`inner_step`) and the lr after it; its record (:func:`step_record`)."""
+    started = time.perf_counter()
+    loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
+    scheduler.step()
+    seconds = time.perf_counter() - started
+    return step_record(step, loss, grad_norm, scheduler, seconds, config, world)
+
+
+def pass_step(step: int, latest: dict[str, Any], scheduler: Any) -> dict[str, Any]:
+    """Galaxy step ``step``, at which this cluster takes no inner step (``--hv.round-steps by-speed``: a
+    slower cluster takes part of a stride's steps): the lr goes to the galaxy step's (set, not stepped: torch
+    warns of a scheduler step before an optimizer step). Its record is logged only when a sync ends or an
+    evaluation runs there: loss, grad_norm and throughput are the latest inner step's (``latest``), and there
+    is no ``step_seconds`` (no step was timed)."""
+    move_scheduler_to(scheduler, step)
     carried = {key: value for key, value in latest.items() if key not in ("step_seconds", "val_loss")}
     return {
         "loss": float("nan"),

@@ -168,6 +168,12 @@ class HvConfig(BaseModel):
     comments); every peer not on it is refused, both ways. Unset: anyone who reaches the DHT and knows the run
     id. See docs/security.md."""
 
+    client_mode: bool = False
+    """This cluster cannot be dialled (behind a NAT or a firewall that drops what comes in): it takes part in
+    every round as a client of the all-reduce. It sends its pseudo-gradient to the reducers and copies their
+    averages, reduces no span, and serves no state to other clusters. The galaxy needs at least one cluster
+    without it. See docs/networks.md."""
+
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 
@@ -212,6 +218,11 @@ class HvConfig(BaseModel):
                 "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a "
                 "sparse round keeps what it does not send in the model, as a fragment schedule does; use one "
                 "or the other"
+            )
+        if self.client_mode and not self.initial_peers:
+            raise ConfigError(
+                "--hv.client-mode needs --hv.initial-peers: a cluster nobody can dial cannot start the DHT; "
+                "join the DHT a reachable peer runs"
             )
         if self.cluster_speed and self.round_steps != "by-speed":
             raise ConfigError(

@@ -249,6 +249,14 @@ class CanonicalAllReduce(AllReduceRunner):
             except asyncio.TimeoutError:
                 pass
 
+    def should_delay_results(self, peer_id) -> bool:
+        """Never: hivemind holds a client peer's averages (``--hv.client-mode``) until that peer has sent all
+        its parts, on both ends, while our sender keeps its end open until it has read every average
+        (``galaxy/span_streams.py``): each waited for the other until the reducer timeout, every round (15 s a
+        round at the default timeout, measured). A client's stream runs over a connection it dialled out
+        itself, which carries both directions at once: there is nothing to hold back."""
+        return False
+
     def _get_peer_stub(self, peer):
         expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
         return CountingStub(super()._get_peer_stub(peer), self, expected)

@@ -26,6 +26,7 @@ from open_diloco.galaxy.status import (
     finished_and_serving,
     lead_outer_step,
     lead_progress,
+    no_reachable_cluster,
     past_round,
     previous_lives,
     read_records,
@@ -150,6 +151,12 @@ class HivemindAverager:
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
             raise GalaxyMismatch(conflict)
+        if no_reachable_cluster(records, self.galaxy_size, self.member_expiry):
+            raise GalaxyMismatch(
+                f"all {self.galaxy_size} clusters of the galaxy run with --hv.client-mode: a round needs one "
+                "that the others can dial (it reduces their spans); start one cluster without it, reachable "
+                "at its --hv.announce-maddrs"
+            )
         self._seen_training.update(r["galaxy_rank"] for r in records if r.get("state") == "training")
         earlier_runs = previous_lives(records, self._seen_training)
         records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
@@ -177,10 +184,10 @@ class HivemindAverager:
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,
             steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in serving},
-            sources={
+            sources={  # a client-mode cluster cannot be dialled: it serves no state
                 record["galaxy_rank"]: peer
                 for record in serving
-                if (peer := shard_peer(record, self.shard_index))
+                if (peer := shard_peer(record, self.shard_index)) and not record.get("client_mode")
             },
             attempts={
                 record["galaxy_rank"]: (int(attempt[0]), int(attempt[1]))
@@ -261,9 +268,10 @@ class HivemindAverager:
 
     def serve_state(self, get_state: Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]) -> None:
         """Answer late joiners' ``download_state`` with ``get_state()`` (called in this process, on
-        demand)."""
+        demand); a ``--hv.client-mode`` cluster serves nobody (nobody can dial it)."""
         self.averager.get_state = get_state
-        self.averager.allow_state_sharing = True
+        if not self.averager.client_mode:
+            self.averager.allow_state_sharing = True
 
     def download_state(
         self, timeout: float, source: str | None = None

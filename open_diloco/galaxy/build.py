@@ -134,6 +134,7 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
             identity = cluster_identity(
                 hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids
             )
+            identity["client_mode"] = hv.client_mode
             status = StatusPublisher(
                 averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry
             )
@@ -159,7 +160,12 @@ def start_shard_averager(
     _freeze_heap_before_forking()
     identity_path = _rank_identity(hv, shard.index, allowlist)
     dht = start_dht(
-        initial_peers, hv.host_maddrs, hv.announce_maddrs, hv.join_timeout, identity_path=identity_path
+        initial_peers,
+        hv.host_maddrs,
+        hv.announce_maddrs,
+        hv.join_timeout,
+        client_mode=hv.client_mode,
+        identity_path=identity_path,
     )
     numel, scores = shard.numel, score_values(shard.numel, hv.compression, hv.sparse_rule)
     # shared before the views are cut: one segment
@@ -169,7 +175,7 @@ def start_shard_averager(
         dht,
         start=False,
         prefix=f"{hv.run_id}/shard{shard.index}",
-        client_mode=False,
+        client_mode=hv.client_mode,  # reduces no span: nobody needs to dial it
         allow_state_sharing=False,
         shutdown_timeout=SHUTDOWN_SECONDS,
         **averaging_settings(hv),

@@ -298,6 +298,16 @@ def previous_lives(records: list[dict[str, Any]], seen_training: set[int]) -> se
     }
 
 
+def no_reachable_cluster(records: list[dict[str, Any]], galaxy_size: int, expiry: float) -> bool:
+    """Whether every cluster of the galaxy has a record (heard from within ``expiry``) and every one runs with
+    ``--hv.client-mode``: then nobody can reduce a span, and matchmaking would never form a group (hivemind's
+    client peers only join groups a reachable peer leads). Ended clusters count, as for
+    :func:`schema_conflict`: the first to see it stops, and its record must not hide it from the others."""
+    recent = [record for record in records if record["last_seen_seconds"] <= expiry]
+    ranks = {record["galaxy_rank"] for record in recent}
+    return len(ranks) >= galaxy_size and all(record.get("client_mode") for record in recent)
+
+
 def finished_and_serving(record: dict[str, Any], expiry: float) -> bool:
     """The record's cluster finished its run within ``expiry`` seconds: it still serves its final state (its
     averager drains until the others are past its last round), so a cluster whose last average never came can

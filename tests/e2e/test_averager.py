@@ -94,6 +94,27 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
     assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
 
 
+def test_a_client_mode_peer_averages_bitwise_without_reducing_and_without_waiting(galaxy):
+    # --hv.client-mode: peer 1 reduces no span (peer 0 reduces the whole buffer for both) and still ends each
+    # round with the same bytes, the exact mean. hivemind held a client's averages until it had sent all its
+    # parts while our sender held its stream open until it had read them: every round waited out the reducer
+    # timeout (3.75 s here), and the client's exchange ended in a broken pipe
+    n, rounds, barrier = 2, 2, CTX.Barrier(3)
+    galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n)
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, rounds, barrier, initial_peers=maddrs, galaxy_size=n, client_mode=True)
+    galaxy.wait_for("ready", n)
+    for round_id in range(rounds):
+        barrier.wait(60)
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1)) if m[2] == round_id]
+        assert len({m[4]["sha256"] for m in results}) == 1, "peers disagree on the averaged bytes"
+        for _, _, _, report, result in results:
+            assert report["group_size"] == n and report["complete"], report
+            assert result["rel_err"] < 1e-6 and result["wall"] < 2.0, result
+        client = next(m for m in results if m[1] == 1)
+        assert client[3]["bytes_sent"] >= 4 * NUMEL  # its whole buffer went to the reducer
+
+
 def test_deltas_are_averaged_by_their_weights_and_a_weight_above_one_is_left_out(galaxy):
     # --hv.round-steps by-speed: each peer sends its Δ with the share of a round's steps behind it. Peers 0
     # and 1 (weights 1 and 0.25) end with the weighted mean of their buffers, to fp32 rounding, identical

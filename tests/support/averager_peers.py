@@ -130,7 +130,7 @@ def _peer(
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
     try:
-        hv = HvConfig(**kwargs)
+        hv = HvConfig(**kwargs, initial_peers=list(initial_peers))
         av = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
     except Exception as e:
         queue.put(("error", rank, type(e).__name__, str(e)))

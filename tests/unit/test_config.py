@@ -227,3 +227,10 @@ def test_an_unknown_key_in_a_config_file_names_the_file_and_key(tmp_path, capsys
         f"open-diloco: error: config file {path}: unknown key 'hv.galaxy_sise': keys are the flag names "
         "without `--` (see --help), `hv` and `ckpt` as tables"
     ], err
+
+
+def test_client_mode_needs_initial_peers():
+    with pytest.raises(ValueError, match="--hv.client-mode needs --hv.initial-peers"):
+        HvConfig(client_mode=True)
+    peer = "/ip4/127.0.0.1/tcp/30001/p2p/QmagjJLRAPuA3dYGRvKJLdZahHz66hHyTkNKHgg3vXnhK3"
+    assert HvConfig(client_mode=True, initial_peers=[peer]).client_mode

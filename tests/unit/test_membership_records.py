@@ -231,3 +231,21 @@ def test_clusters_that_disagree_on_the_round_steps_refuse_in_one_line():
         assert "--hv.round-steps" in line and "\n" not in line
     older = {"galaxy_rank": 1, **SCHEMA, "last_seen_seconds": 1.0}  # a version before round steps: no key
     assert schema_conflict([older], 0, {**SCHEMA, "round_steps": "equal"}, expiry=15.0) is None
+
+
+def test_a_galaxy_needs_one_cluster_that_is_not_in_client_mode():
+    from open_diloco.galaxy.status import no_reachable_cluster
+
+    client = {"galaxy_rank": 0, "client_mode": True, "last_seen_seconds": 1.0}
+    other_client = {**client, "galaxy_rank": 1}
+    reachable = {"galaxy_rank": 1, "client_mode": False, "last_seen_seconds": 1.0}
+    old = {"galaxy_rank": 1, "last_seen_seconds": 1.0}  # a record of a version before client mode: reachable
+    assert no_reachable_cluster([client, other_client], 2, expiry=15.0)
+    assert no_reachable_cluster(
+        [client, {**other_client, "state": "failed"}], 2, expiry=15.0
+    )  # stopped on it
+    assert not no_reachable_cluster([client, reachable], 2, expiry=15.0)
+    assert not no_reachable_cluster([client, old], 2, expiry=15.0)
+    assert not no_reachable_cluster([client], 2, expiry=15.0)  # cluster 1 not in yet: it may be reachable
+    # an old run's record of cluster 1 does not count
+    assert not no_reachable_cluster([client, {**other_client, "last_seen_seconds": 60.0}], 2, expiry=15.0)
