@@ -1,5 +1,6 @@
 """``--hv.round-steps by-speed`` over real clusters: a cluster at half speed takes half of each round's steps,
-its Δ weighs half, and every round still ends bitwise identical; resume and a late join keep it so."""
+its Δ weighs half, and every round still ends bitwise identical; resume and a late join (of a cluster in
+--hv.client-mode: tests/e2e/test_client_mode.py) keep it so."""
 
 from __future__ import annotations
 
@@ -99,23 +100,34 @@ def test_a_galaxy_of_unequal_clusters_resumes_bit_exact(straight):
         assert again[0][step]["param_hash"] == again[1][step]["param_hash"] == reference[step]["param_hash"]
 
 
-def test_a_late_joiner_with_steps_by_speed_joins_in_sync(galaxy):
+def test_a_late_joiner_in_client_mode_with_steps_by_speed_joins_in_sync(galaxy):
     # cluster 0 trains alone for a while (partial rounds proceed); cluster 1 joins at half speed from the
-    # galaxy's state: it starts its own data at its first step and trains every other galaxy step from there
-    policy = ["--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "8"]
+    # galaxy's state, as a cluster nobody can dial (--hv.client-mode: it reduces nothing and serves nothing,
+    # so it must take its state from cluster 0). It starts its own data at its first step and trains every
+    # other galaxy step from there; the rounds it shares are bitwise identical
+    policy = ["--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "5"]
     early = galaxy.start_cluster(
         0, 2, *BY_SPEED, "--hv.cluster-speed", "1.0", "--max-steps", "48", *policy, nproc=1
     )
-    galaxy.wait_for_step(early, 8, 240)
+    galaxy.wait_for_step(early, 4, 240)  # its first round, alone
     late = galaxy.start_cluster(
-        1, 2, *BY_SPEED, "--hv.cluster-speed", "0.5", "--max-steps", "40", *policy, nproc=1
+        1,
+        2,
+        *BY_SPEED,
+        "--hv.cluster-speed",
+        "0.5",
+        "--max-steps",
+        "40",
+        *policy,
+        "--hv.client-mode",
+        nproc=1,
     )
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 400) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     assert "downloaded θ_outer" in galaxy.log("cluster1")
     late_records = read_metrics(late)
     first = late_records[0]
-    assert first["step"] > 8 and first["inner_steps"] == 1  # joined mid-run, its own data from the start
+    assert first["step"] > 4 and first["inner_steps"] == 1  # joined mid-run, its own data from the start
     early_rounds, late_rounds = outer_records(early), outer_records(late)
     together = [s for s in late_rounds if late_rounds[s]["galaxy_peers"] == 2 and late_rounds[s]["in_sync"]]
     assert together, {s: late_rounds[s] for s in late_rounds}

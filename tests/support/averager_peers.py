@@ -130,7 +130,10 @@ def _peer(
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
     try:
-        hv = HvConfig(**kwargs, initial_peers=list(initial_peers))
+        # (a client must name its DHT peers; the others are checked by start_shard_averager itself)
+        hv = HvConfig(
+            **kwargs, **({"initial_peers": list(initial_peers)} if kwargs.get("client_mode") else {})
+        )
         av = start_shard_averager(hv, ClusterShard.flat(numel), initial_peers=initial_peers)
     except Exception as e:
         queue.put(("error", rank, type(e).__name__, str(e)))
