@@ -130,9 +130,16 @@ class CanonicalAllReduce(AllReduceRunner):
         return self.codecs.decode(part) if self.codecs is not None else part
 
     def _as_sent(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
-        """Our own part as the reducer would see it had it come over the wire."""
+        """Our own part as the reducer would see it had it come over the wire: through our codec, or through
+        hivemind's (fp16). Without the fp16 round trip the reducer's own span skipped the rounding every other
+        sender's went through, so which peer reduced which span (drawn anew each round) moved the average's
+        last bits: still the same bytes in every cluster (one reducer per span), but a galaxy resumed from its
+        checkpoints did not retrace the straight run under fp16."""
         if self.codecs is None:
-            return part
+            compression = self.tensor_part_container.compression
+            if isinstance(compression, NoCompression):
+                return part
+            return deserialize_torch_tensor(compression.compress(part, CompressionInfo.from_tensor(part)))
         codec = self._codec_of_part(part_index)
         return codec.decode(codec.encode(part.reshape(-1), on_grid=True)).view_as(part)
 

@@ -20,8 +20,9 @@ FAULTS = Path(__file__).parent / "faults"
 
 # bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs here; sparse too,
 # since its default rule (magnitude) adds the block scores to the round's tensors and to the state the hash
-# proves
-@pytest.mark.parametrize("compression", ["none", "fp16", "int2", "sparse"])
+# proves. fp16 runs in test_unequal_clusters.py, whose 2 x 2 galaxy makes the same checks with steps by speed
+# and resumes bit-exact
+@pytest.mark.parametrize("compression", ["none", "int2", "sparse"])
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
     metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
