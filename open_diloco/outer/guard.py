@@ -56,10 +56,8 @@ def valid_weight(value: object) -> float | None:
     round's steps, 1 at most; with equal steps every weight is 1). Missing (a version before weights): 1."""
     if value is None:
         return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if 0 < value <= 1 else None
+    number = valid_claim(value)  # a finite, non-negative number, as a claim must be
+    return number if number is not None and 0 < number <= 1 else None
 
 
 def valid_claim(value: object) -> float | None:

@@ -77,21 +77,36 @@ def test_a_sender_of_garbage_is_left_out_of_the_average(galaxy, fault):
     # identical, finite bytes, the mean of the honest peers' buffers on the spans they reduced (the span peer
     # 2 reduces itself is its own to spoil: docs/security.md). CODEC_NUMEL: parts enough for every peer to
     # reduce a span.
+    honest = _a_round_that_leaves_out_peer_2(galaxy, of_peer_2={"fault": fault})
+    for _, _, _, _, result in honest:
+        assert result["finite"], result
+
+
+def _a_round_that_leaves_out_peer_2(
+    galaxy, shared: dict | None = None, of_peer_2: dict | None = None
+) -> list:
+    """One round of three peers (``shared`` settings, peer 2 with ``of_peer_2`` too; CODEC_NUMEL: parts
+    enough for every peer to reduce a span), checked: peers 0 and 1 left peer 2 out and named it, ended whole
+    with the same bytes, the mean of their own buffers (weighted, where ``shared`` gives weights) on more
+    than half of the buffer (the two honest reducers' spans: about 2/3; the span peer 2 reduces itself is its
+    own to spoil: docs/security.md). Their messages."""
     n, barrier = 3, CTX.Barrier(4)
-    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL)
+    settings = dict(galaxy_size=n, numel=CODEC_NUMEL, **(shared or {}))
+    galaxy.start(0, 1, barrier, initial_peers=[], **settings)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
     for rank in (1, 2):
-        extra = {"fault": fault} if rank == 2 else {}
-        galaxy.start(rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, **extra)
+        galaxy.start(
+            rank, 1, barrier, initial_peers=maddrs, **settings, **((of_peer_2 or {}) if rank == 2 else {})
+        )
     galaxy.wait_for("ready", n)
     barrier.wait(60)
     results = {m[1]: m for m in galaxy.wait_for("round", n)}
     honest = [results[0], results[1]]
     for _, _, _, report, result in honest:
         assert report["rejected"] == [2] and report["complete"], report
-        assert result["finite"], result
-        assert result["honest_share"] > 0.5, result  # the two honest reducers' spans: about 2/3 of the buffer
+        assert result["honest_share"] > 0.5, result
     assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
+    return honest
 
 
 def test_a_client_mode_peer_averages_bitwise_without_reducing_and_without_waiting(galaxy):
@@ -119,24 +134,8 @@ def test_deltas_are_averaged_by_their_weights_and_a_weight_above_one_is_left_out
     # --hv.round-steps by-speed: each peer sends its Δ with the share of a round's steps behind it. Peers 0
     # and 1 (weights 1 and 0.25) end with the weighted mean of their buffers, to fp32 rounding, identical
     # bytes; peer 2 claims weight 4 (the say of four clusters) and is left out by every reducer but its own
-    n, barrier = 3, CTX.Barrier(4)
-    weights = [1.0, 0.25, 4.0]
-    galaxy.start(0, 1, barrier, initial_peers=[], galaxy_size=n, numel=CODEC_NUMEL, peer_weights=weights)
-    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
-    for rank in (1, 2):
-        galaxy.start(
-            rank, 1, barrier, initial_peers=maddrs, galaxy_size=n, numel=CODEC_NUMEL, peer_weights=weights
-        )
-    galaxy.wait_for("ready", n)
-    barrier.wait(60)
-    results = {m[1]: m for m in galaxy.wait_for("round", n)}
-    honest = [results[0], results[1]]
-    for _, _, _, report, result in honest:
-        assert report["rejected"] == [2] and report["complete"], report
-        # the weighted mean of peers 0 and 1 on the spans of the two honest reducers (an unweighted mean
-        # would be off by far more than the 1e-6 this allows)
-        assert result["honest_share"] > 0.5, result
-    assert honest[0][4]["sha256"] == honest[1][4]["sha256"]
+    # (honest_share: the weighted mean to 1e-6; an unweighted mean would be off by far more)
+    _a_round_that_leaves_out_peer_2(galaxy, shared={"peer_weights": [1.0, 0.25, 4.0]})
 
 
 # sparse magnitude: int2 values plus a second tensor of block scores, one byte per 128 values (1/512 of fp32)

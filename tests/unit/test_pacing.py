@@ -9,10 +9,36 @@ import threading
 import pytest
 import torch
 
+from open_diloco.config import HvConfig
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.pacing import Pace
 from open_diloco.outer.testing import InProcessGalaxy
 from tests.support.tiny_outer import linear_model, outer_hv
+
+
+def by_speed_hv(rank: int, **settings) -> HvConfig:
+    """Cluster ``rank`` of a galaxy of two with steps by speed, H = 4 and plain averaging (the outer step
+    applies the weighted mean itself), and ``settings``."""
+    return outer_hv(
+        **{
+            "world_rank": rank,
+            "galaxy_size": 2,
+            "local_steps": 4,
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+            "round_steps": "by-speed",
+            **settings,
+        }
+    )
+
+
+def in_threads(cluster, args_per_cluster: list[tuple], timeout: float = 60) -> None:
+    """``cluster(*args)`` once per entry, each in a thread of its own, so that the clusters' rounds meet."""
+    threads = [threading.Thread(target=cluster, args=args) for args in args_per_cluster]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
 
 
 def trained_steps(pace: Pace, steps: range) -> list[int]:
@@ -90,15 +116,7 @@ def test_a_galaxy_of_unequal_clusters_applies_the_step_weighted_average():
 
     def cluster(rank: int, speed: float):
         model = linear_model(start.tolist())
-        hv = outer_hv(
-            world_rank=rank,
-            galaxy_size=2,
-            local_steps=4,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            round_steps="by-speed",
-            cluster_speed=speed,
-        )
+        hv = by_speed_hv(rank, cluster_speed=speed)
         outer = DiLoCo(model, galaxy.averager(rank, 3), hv, warn=lambda *_: None)
         trained, records = 0, []
         for step in range(1, 5):
@@ -109,11 +127,7 @@ def test_a_galaxy_of_unequal_clusters_applies_the_step_weighted_average():
             records += [r.metrics() for r in outer.syncs_after_inner_step(step, trained=trains)]
         results[rank] = (model.weight.detach().clone(), trained, records)
 
-    threads = [threading.Thread(target=cluster, args=args) for args in ((0, 1.0), (1, 0.5))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    in_threads(cluster, [(0, 1.0), (1, 0.5)])
     assert [results[rank][1] for rank in (0, 1)] == [4, 2]
     deltas = {0: 4 * moves[0], 1: 2 * moves[1]}
     weighted = (1.0 * deltas[0] + 0.5 * deltas[1]) / 1.5
@@ -136,18 +150,7 @@ def test_unequal_clusters_stay_identical_with_fragments_a_delay_and_a_codec(comp
     def cluster(rank: int, speed: float):
         generator = torch.Generator().manual_seed(rank)
         model = linear_model(torch.zeros(numel).tolist())
-        hv = outer_hv(
-            world_rank=rank,
-            galaxy_size=2,
-            local_steps=4,
-            fragments=2,
-            sync_delay=1,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            compression=compression,
-            round_steps="by-speed",
-            cluster_speed=speed,
-        )
+        hv = by_speed_hv(rank, fragments=2, sync_delay=1, compression=compression, cluster_speed=speed)
         outer = DiLoCo(model, galaxy.averager(rank, numel // 2), hv, warn=lambda *_: None)
         records = []
         for step in range(1, 17):
@@ -157,11 +160,7 @@ def test_unequal_clusters_stay_identical_with_fragments_a_delay_and_a_codec(comp
             records += [r.metrics() for r in outer.syncs_after_inner_step(step, step == 16, trains)]
         results[rank] = records
 
-    threads = [threading.Thread(target=cluster, args=args) for args in ((0, 1.0), (1, 0.5))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    in_threads(cluster, [(0, 1.0), (1, 0.5)])
     fast, slow = results[0], results[1]
     assert [r["outer_step"] for r in fast] == [r["outer_step"] for r in slow] == list(range(1, 9))
     assert [r["param_hash"] for r in fast] == [r["param_hash"] for r in slow]
@@ -181,7 +180,7 @@ def test_a_cluster_plans_its_steps_from_the_speeds_the_galaxy_publishes():
 
     def cluster(rank: int):
         model = linear_model([0.0, 0.0])
-        hv = outer_hv(world_rank=rank, galaxy_size=2, local_steps=4, round_steps="by-speed")
+        hv = by_speed_hv(rank)
         outer = DiLoCo(model, galaxy.averager(rank, 2), hv, warn=lambda *_: None)
         steps = []
         for step in range(1, 13):
@@ -191,10 +190,6 @@ def test_a_cluster_plans_its_steps_from_the_speeds_the_galaxy_publishes():
             outer.syncs_after_inner_step(step, trained=trains)
         trained[rank] = steps
 
-    threads = [threading.Thread(target=cluster, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    in_threads(cluster, [(0,), (1,)])
     assert trained[0] == list(range(1, 13))
     assert trained[1] == [1, 2, 3, 4, 6, 8, 10, 12]
