@@ -20,7 +20,7 @@ from open_diloco.model import build_meta_model, load_model_config
 from open_diloco.optim import build_inner_optimizer
 from open_diloco.outer.state import local_shards
 from open_diloco.parallelize import parallelize, resolve_precision
-from open_diloco.trainer import inner_step
+from open_diloco.steps import inner_step
 from open_diloco.world import describe_world, join_process_group, leave_process_group
 
 GIB = 2**30

@@ -171,7 +171,7 @@ class Galaxy:
             str(rank),
         ]
         if self.lab:
-            identity += ["--hv.host-maddrs", f"/ip4/{self.lab.address(f'cluster{rank}')}/tcp/0"]
+            identity += ["--hv.host-maddrs", f"/ip4/{self.lab.listen_address(f'cluster{rank}')}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
         cmd = [
             *self._place(f"cluster{rank}"),

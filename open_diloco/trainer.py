@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 import logging
-import resource
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
 from open_diloco.data import build_eval_loader, build_train_loader, plan_data
 from open_diloco.errors import ConfigError, Stop
+from open_diloco.gc_schedule import GcSchedule
 from open_diloco.logs import log_from_every_rank
 from open_diloco.materialize import materialize
 from open_diloco.metrics import build_metrics
@@ -30,6 +29,7 @@ from open_diloco.outer.streaming import fragment_length
 from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
 from open_diloco.shutdown import StopGuard
+from open_diloco.steps import evaluate, pass_step, train_step
 from open_diloco.world import (
     World,
     describe_world,
@@ -65,6 +65,7 @@ def train(config: Config) -> None:
     ensure_run_outputs_writable(config, world.is_main)
 
     guard = StopGuard().install()
+    gc_schedule = GcSchedule(config.gc_interval)  # collections between steps, not inside them
     join_process_group(world, process_group_timeout(config.hv))
     metrics = build_metrics(config, world.is_main, run_name, resumed_from=resume[0] if resume else None)
     outer: OuterLoop = NullOuterLoop()
@@ -74,10 +75,7 @@ def train(config: Config) -> None:
     ending = "stopped"  # how the run ended, for the status board
     try:
         model, outer = build_model_and_outer_loop(config, world, precision, model_config)
-        optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
-        scheduler = build_scheduler(
-            optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
-        )
+        optimizer, scheduler = build_optimizer_and_schedule(model, config)
         loader, eval_loader = build_loaders(config, data, world)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
@@ -89,6 +87,7 @@ def train(config: Config) -> None:
         while step < config.max_steps:
             step += 1
             trains = outer.trains_at(step)  # a slower cluster's share of a stride may be done (by-speed)
+            gc_schedule.collect_if_due(step)
             if trains:
                 record = latest = train_step(
                     step, model, optimizer, batches, scheduler, grad_accum, config, world
@@ -130,6 +129,7 @@ def train(config: Config) -> None:
         outer.report({"state": ending})
         outer.close()
         metrics.close()
+        gc_schedule.close()
         leave_process_group(synchronize=ending == "finished")
 
 
@@ -167,6 +167,16 @@ def build_model_and_outer_loop(
         raise
 
 
+def build_optimizer_and_schedule(
+    model: torch.nn.Module, config: Config
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The inner AdamW and its warm-up + cosine schedule."""
+    optimizer = build_inner_optimizer(model, config.lr, config.weight_decay, config.adam_betas)
+    return optimizer, build_scheduler(
+        optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
+    )
+
+
 def resume_from(
     resume: tuple[Path, dict[str, Any]],
     model: torch.nn.Module,
@@ -189,61 +199,6 @@ def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[Statefu
     loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
     eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
     return loader, eval_loader
-
-
-def step_record(
-    step: int, loss: float, grad_norm: float, scheduler: Any, seconds: float, config: Config, world: World
-) -> dict[str, Any]:
-    """The metrics of inner step ``step`` that took ``seconds``: what the step line shows and the metrics log
-    keeps (an outer step adds its own, :func:`add_sync_metrics`)."""
-    return {
-        "step": step,
-        "loss": loss,
-        "lr": scheduler.get_last_lr()[0],
-        "grad_norm": grad_norm,
-        "tokens_per_second": config.total_batch_size * config.seq_length / seconds,
-        "step_seconds": seconds,
-        "memory_gib": _memory_gib(world.device),
-        "trained": True,
-    }
-
-
-def train_step(
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[dict[str, torch.Tensor]],
-    scheduler: Any,
-    grad_accum: int,
-    config: Config,
-    world: World,
-) -> dict[str, Any]:
-    """Inner step ``step`` (:func:`inner_step`) and the lr after it; its record (:func:`step_record`)."""
-    started = time.perf_counter()
-    loss, grad_norm = inner_step(model, optimizer, batches, grad_accum, config.max_grad_norm, world)
-    scheduler.step()
-    seconds = time.perf_counter() - started
-    return step_record(step, loss, grad_norm, scheduler, seconds, config, world)
-
-
-def pass_step(step: int, latest: dict[str, Any], scheduler: Any) -> dict[str, Any]:
-    """Galaxy step ``step``, at which this cluster takes no inner step (``--hv.round-steps by-speed``: a
-    slower cluster takes part of a stride's steps): the lr goes to the galaxy step's (set, not stepped: torch
-    warns of a scheduler step before an optimizer step). Its record is logged only when a sync ends or an
-    evaluation runs there: loss, grad_norm and throughput are the latest inner step's (``latest``), and there
-    is no ``step_seconds`` (no step was timed)."""
-    move_scheduler_to(scheduler, step)
-    carried = {key: value for key, value in latest.items() if key not in ("step_seconds", "val_loss")}
-    return {
-        "loss": float("nan"),
-        "grad_norm": float("nan"),
-        "tokens_per_second": 0.0,
-        "memory_gib": 0.0,
-        **carried,
-        "step": step,
-        "lr": scheduler.get_last_lr()[0],
-        "trained": False,
-    }
 
 
 def add_sync_metrics(record: dict[str, Any], syncs: list[RoundResult], metrics: Metrics) -> None:
@@ -312,52 +267,6 @@ def build_outer_loop(
     return DiLoCo(model, part.averager, hv, cluster=cluster, warn=outer_log.warning, status=part.status)
 
 
-def inner_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[dict[str, torch.Tensor]],
-    grad_accum: int,
-    max_grad_norm: float,
-    world: World,
-) -> tuple[float, float]:
-    """One AdamW step over ``grad_accum`` micro-batches; returns (cluster-mean loss, pre-clip grad norm)."""
-    loss_sum = torch.zeros((), device=world.device)
-    for micro in range(grad_accum):
-        input_ids = next(batches)["input_ids"].to(world.device, non_blocking=True)
-        # Reduce-scatter gradients only after the last micro-batch.
-        model.set_requires_gradient_sync(micro == grad_accum - 1)
-        loss = model(input_ids=input_ids, labels=input_ids).loss / grad_accum
-        loss.backward()
-        loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if world.world_size > 1:
-        dist.all_reduce(loss_sum)
-        loss_sum /= world.world_size
-    loss, norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()  # one host sync per step
-    return loss, norm
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], world: World) -> float:
-    """Mean loss over the held-out batches, averaged over the cluster's ranks (the same batches every time, so
-    values compare across steps and clusters)."""
-    was_training = model.training
-    model.eval()
-    loss_sum, count = torch.zeros((), device=world.device), 0
-    for batch in batches:
-        input_ids = batch["input_ids"].to(world.device, non_blocking=True)
-        loss_sum += model(input_ids=input_ids, labels=input_ids).loss
-        count += 1
-    model.train(was_training)
-    if world.world_size > 1:
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / (count * world.world_size)
-
-
 def format_start_line(
     run_name: str, world: World, precision: str, grad_accum: int, start_step: int, max_steps: int
 ) -> str:
@@ -383,14 +292,6 @@ def format_step_line(record: dict[str, Any], max_steps: int) -> str:
             f"in_sync {record.get('in_sync', '?')}"
         )
     return line
-
-
-def _memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank so far (`memory_gib`, docs/configuration.md): the CUDA allocator's peak on a
-    GPU, the process's peak resident set (ru_maxrss, KiB on Linux) on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _say(world: World, message: str) -> None:

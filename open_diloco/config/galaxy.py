@@ -174,6 +174,11 @@ class HvConfig(BaseModel):
     averages, reduces no span, and serves no state to other clusters. The galaxy needs at least one cluster
     without it. See docs/networks.md."""
 
+    auto_client_mode: bool = False
+    """Before joining, ask another cluster to dial this one back (at most 30 s): if it cannot reach any
+    address this cluster announces, join as a client (as `--hv.client-mode`). The first cluster of a galaxy
+    has nobody to ask and joins as a reachable one. See docs/networks.md."""
+
     skip_load_from_peers: bool = False
     """Start from this cluster's own initial weights instead of downloading the galaxy's current state."""
 
@@ -218,6 +223,16 @@ class HvConfig(BaseModel):
                 "--hv.compression sparse does not combine with --hv.fragments or --hv.sync-delay yet: a "
                 "sparse round keeps what it does not send in the model, as a fragment schedule does; use one "
                 "or the other"
+            )
+        if self.auto_client_mode and self.client_mode:
+            raise ConfigError(
+                "--hv.auto-client-mode decides client mode from the reachability check: drop "
+                "--hv.client-mode, or drop --hv.auto-client-mode to be a client whatever the check says"
+            )
+        if self.auto_client_mode and not self.initial_peers:
+            raise ConfigError(
+                "--hv.auto-client-mode needs --hv.initial-peers: a cluster that starts the DHT has nobody to "
+                "dial it back"
             )
         if self.client_mode and not self.initial_peers:
             raise ConfigError(

@@ -121,6 +121,10 @@ class Config(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
 
+    gc_interval: Annotated[int, Field(ge=0)] = 50
+    """Run Python's garbage collector every N inner steps, and not automatically in between (an automatic
+    collection in the middle of a step stalls the GPU); 0: Python's automatic collection."""
+
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train; `auto`: CUDA when available."""
 

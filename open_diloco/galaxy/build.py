@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
@@ -29,6 +30,11 @@ from open_diloco.galaxy.averager import SHUTDOWN_SECONDS, HivemindAverager
 from open_diloco.galaxy.canonical_averager import CanonicalAverager
 from open_diloco.galaxy.dht import shutdown_dht, start_dht
 from open_diloco.galaxy.lifecycle import end_child
+from open_diloco.galaxy.reachability import (
+    check_reachability,
+    report_reachability_in_background,
+    serve_dial_back,
+)
 from open_diloco.galaxy.status import StatusPublisher, cluster_identity
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import codec_label, score_values, wire_codecs
@@ -129,12 +135,15 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
         averager = averager or start_shard_averager(hv, shard, initial_peers=entry)
     try:
         shard_peer_ids = cluster.gather_strings(averager.peer_id)
+        client_ranks = cluster.gather_strings("1" if averager.averager.client_mode else "0")
         status = None
         if shard.index == 0:
             identity = cluster_identity(
                 hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids
             )
-            identity["client_mode"] = hv.client_mode
+            identity["client_mode"] = (
+                "1" in client_ranks
+            )  # a client shard serves no state: nor does its cluster
             status = StatusPublisher(
                 averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry
             )
@@ -167,6 +176,7 @@ def start_shard_averager(
         client_mode=hv.client_mode,
         identity_path=identity_path,
     )
+    client_mode = hv.client_mode or _unreachable(hv, dht, allowlist, shard.index)
     numel, scores = shard.numel, score_values(shard.numel, hv.compression, hv.sparse_rule)
     # shared before the views are cut: one segment
     wire_buffer = torch.zeros(numel + scores, dtype=torch.float32).share_memory_()
@@ -175,7 +185,7 @@ def start_shard_averager(
         dht,
         start=False,
         prefix=f"{hv.run_id}/shard{shard.index}",
-        client_mode=hv.client_mode,  # reduces no span: nobody needs to dial it
+        client_mode=client_mode,  # reduces no span: nobody needs to dial it
         allow_state_sharing=False,
         shutdown_timeout=SHUTDOWN_SECONDS,
         **averaging_settings(hv),
@@ -188,6 +198,8 @@ def start_shard_averager(
         end_child(averager)
         shutdown_dht(dht)
         raise
+    if not (hv.client_mode or hv.auto_client_mode):
+        report_reachability_in_background(dht, f"rank {shard.index}")
     return HivemindAverager(
         dht,
         averager,
@@ -198,6 +210,25 @@ def start_shard_averager(
         allowlist=allowlist,
         wire_buffer=wire_buffer,
     )
+
+
+def _unreachable(hv: HvConfig, dht: DHT, allowlist: Allowlist | None, rank: int) -> bool:
+    """Serve other clusters' dial-backs and, with ``--hv.auto-client-mode``, have this rank's announced
+    addresses dialled back now (``galaxy/reachability.py``): True when it should join as a client. A client is
+    neither dialled nor dials back."""
+    if hv.client_mode:
+        return False
+    serve_dial_back(dht, allowlist.peers if allowlist is not None else None)
+    if not hv.auto_client_mode:
+        return False  # checked beside the trainer once the averager has started (no thread across its fork)
+    found = check_reachability(dht)
+    for line in found.lines():
+        (log.warning if found.reachable is False else log.info)("rank %d: %s", rank, line)
+    if found.reachable is False:
+        log.warning(
+            "rank %d joins as a client of the all-reduce (--hv.auto-client-mode): nobody can dial it", rank
+        )
+    return found.reachable is False
 
 
 def _freeze_heap_before_forking() -> None:

@@ -24,7 +24,8 @@ from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.state import local_shards
 from open_diloco.outer.streaming import SyncSchedule, fragment_length
 from open_diloco.outer.testing import InProcessGalaxy
-from open_diloco.trainer import evaluate, inner_step, position_at
+from open_diloco.steps import evaluate, inner_step
+from open_diloco.trainer import position_at
 
 
 def make_config(

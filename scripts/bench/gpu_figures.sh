@@ -67,9 +67,11 @@ if want 1; then
     --metrics-path "$out/train_gpu.jsonl" 2>&1 | grep -v "^W" >"$out/train_gpu.log"; tail -4 "$out/train_gpu.log"
 fi
 if want 2; then
-  stamp "2. inner loop vs plain FSDP2, eager"
-  timeout 150 $py scripts/bench/inner_loop.py --nproc 1 --path-model "$model" --precision bf16-mixed \
-    --seq-length 1024 --per-device 16 --total 64 --steps 25 --warmup 8 --repeats 2 2>&1 \
+  # INNER_LOOPS="plain plain-like-trainer trainer trainer-gc-auto trainer-no-workers" takes the gap apart
+  stamp "2. inner loop vs plain FSDP2, eager (${INNER_LOOPS:-plain trainer})"
+  timeout "${INNER_TIMEOUT_S:-150}" $py scripts/bench/inner_loop.py --nproc 1 --path-model "$model" \
+    --precision bf16-mixed --seq-length 1024 --per-device 16 --total 64 --steps "${INNER_STEPS:-25}" \
+    --warmup 8 --repeats 2 --loops "${INNER_LOOPS:-plain trainer}" 2>&1 \
     | tee "$out/inner_loop_eager.txt" | tail -6
 fi
 if want 3; then

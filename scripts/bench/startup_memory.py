@@ -52,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     from open_diloco.dry_run import random_batches
     from open_diloco.optim import build_inner_optimizer
     from open_diloco.outer.state import local_shards
-    from open_diloco.trainer import build_sharded_model, inner_step
+    from open_diloco.steps import inner_step
+    from open_diloco.trainer import build_sharded_model
     from open_diloco.world import describe_world, join_process_group
 
     world = describe_world("cpu", "gloo")

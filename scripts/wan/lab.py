@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -47,10 +48,18 @@ from scripts.wan.namespaces import (
     require_root,
     run,
 )
+from scripts.wan.nat import INSIDE_SUFFIX, build_nat, ensure_nft, inside_address
 from scripts.wan.profiles import Profile, load_profiles
 from scripts.wan.self_check import format_check, self_check
 
 MTU = 9000
+# long fat paths need TCP windows beyond the defaults (per-namespace sysctls); no IPv6 chatter
+NAMESPACE_SYSCTLS = [
+    "net.ipv4.tcp_rmem=4096 131072 67108864",
+    "net.ipv4.tcp_wmem=4096 65536 67108864",
+    "net.ipv6.conf.all.disable_ipv6=1",
+    "net.ipv6.conf.default.disable_ipv6=1",
+]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -59,7 +68,12 @@ class Lab:
     ``with Lab(2, "continent") as lab:`` builds it and removes every namespace and process it made on exit."""
 
     def __init__(
-        self, clusters: int, profile: str | Profile, run_id: str | None = None, python: str = sys.executable
+        self,
+        clusters: int,
+        profile: str | Profile,
+        run_id: str | None = None,
+        python: str = sys.executable,
+        nat: Sequence[str] = (),
     ):
         profiles = load_profiles()
         if isinstance(profile, str):
@@ -75,6 +89,9 @@ class Lab:
         self.run_id = run_id or secrets.token_hex(3)
         self.python = python
         self.endpoints = ["dht", *(f"c{i}" for i in range(clusters))]
+        self.nat = [self._endpoint(name) for name in nat]  # endpoints behind a NAT (scripts/wan/nat.py)
+        if "dht" in self.nat:
+            raise LabError("--nat: the DHT must be reachable (every cluster dials it); NAT clusters only")
         self.forwarders: dict[str, subprocess.Popen] = {}
         self.reaper: subprocess.Popen | None = None
         self.workdir = RUNTIME / self.run_id
@@ -88,17 +105,29 @@ class Lab:
         return name
 
     def netns(self, endpoint: str) -> str:
-        """The network namespace of ``endpoint`` (``dht``, ``c0``/``cluster0``, ...)."""
-        return f"{PREFIX}{self.run_id}-{self._endpoint(endpoint)}"
+        """The network namespace ``endpoint``'s processes run in (``dht``, ``c0``/``cluster0``, ...): behind
+        its NAT when it has one."""
+        name = self._endpoint(endpoint)
+        return self._link_netns(name) + (INSIDE_SUFFIX if name in self.nat else "")
+
+    def _link_netns(self, name: str) -> str:
+        """The namespace holding ``name``'s public address and link (its NAT router when it has one)."""
+        return f"{PREFIX}{self.run_id}-{name}"
 
     @property
     def bridge_netns(self) -> str:
         return f"{PREFIX}{self.run_id}-br"
 
     def address(self, endpoint: str) -> str:
-        """The IPv4 address other endpoints reach ``endpoint`` at."""
+        """The IPv4 address other endpoints reach ``endpoint`` at (a NAT's public address: nothing that starts
+        outside gets through it)."""
         name = self._endpoint(endpoint)
         return "10.77.0.2" if name == "dht" else f"10.77.0.{10 + int(name[1:])}"
+
+    def listen_address(self, endpoint: str) -> str:
+        """The IPv4 address ``endpoint``'s processes listen on: its own, behind its NAT when it has one."""
+        name = self._endpoint(endpoint)
+        return inside_address(int(name[1:])) if name in self.nat else self.address(name)
 
     def _mac(self, endpoint: str) -> str:
         return f"02:0d:77:00:00:{int(self.address(endpoint).rsplit('.', 1)[1]):02x}"
@@ -121,7 +150,11 @@ class Lab:
             "run_id": self.run_id,
             "profile": self.profile.name,
             "lab_pid": os.getpid(),
-            "namespaces": [self.bridge_netns, *map(self.netns, self.endpoints)],
+            "namespaces": [
+                self.bridge_netns,
+                *map(self._link_netns, self.endpoints),
+                *map(self.netns, self.nat),
+            ],
             "pids": pids,
         }
         (RUNTIME / f"{self.run_id}.json").write_text(json.dumps(state))
@@ -129,6 +162,8 @@ class Lab:
     def up(self) -> Lab:
         """Build the lab; on any failure remove what was built and raise."""
         require_root()
+        if self.nat:
+            ensure_nft()
         RUNTIME.mkdir(parents=True, exist_ok=True)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._state()
@@ -158,7 +193,7 @@ class Lab:
         run("ip", "-n", br, "link", "add", "br0", "mtu", str(MTU), "type", "bridge")
         run("ip", "-n", br, "link", "set", "br0", "up")
         for name in self.endpoints:
-            ns = self.netns(name)
+            ns = self._link_netns(name)
             run("ip", "netns", "add", ns)
             run("ip", "-n", ns, "link", "set", "lo", "up")
             run(
@@ -190,20 +225,9 @@ class Lab:
             # uplink on the endpoint's side, downlink on the bridge's side of its veth
             run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *self._tbf(p.up_mbit))
             run("tc", "-n", br, "qdisc", "add", "dev", name, "root", "tbf", *self._tbf(p.down_mbit))
-            # long fat paths need TCP windows beyond the defaults (per-namespace sysctls); no IPv6 chatter
-            run(
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv4.tcp_rmem=4096 131072 67108864",
-                "net.ipv4.tcp_wmem=4096 65536 67108864",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            )
+            run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *NAMESPACE_SYSCTLS)
+            if name in self.nat:
+                build_nat(ns, self.netns(name), int(name[1:]), MTU, NAMESPACE_SYSCTLS)
 
     @staticmethod
     def _tbf(mbit: float) -> list[str]:
@@ -228,7 +252,16 @@ class Lab:
                 control_file=str(self.workdir / f"{name}.control"),
             )
             self.forwarders[name] = subprocess.Popen(
-                [*self.exec_prefix(name), self.python, "-m", "scripts.wan.forwarder", json.dumps(config)],
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self._link_netns(name),
+                    self.python,
+                    "-m",
+                    "scripts.wan.forwarder",
+                    json.dumps(config),
+                ],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -284,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--clusters", type=int, default=2)
         cmd.add_argument("--profile", default="intercontinental")
         cmd.add_argument("--run-id", help="names carry it (default: random)")
+        cmd.add_argument("--nat", default="", help="clusters behind a NAT, comma-separated (e.g. c1,c2)")
         if name == "up":
             cmd.add_argument("--no-check", action="store_true", help="skip the self-check")
             cmd.add_argument("--ready-file", help="write the lab's JSON description here once it is up")
@@ -323,12 +357,16 @@ def _up(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    lab = Lab(args.clusters, args.profile, run_id=args.run_id)
+    lab = Lab(args.clusters, args.profile, run_id=args.run_id, nat=[n for n in args.nat.split(",") if n])
     try:
         lab.up()
         print(f"lab {lab.run_id} up: {lab.profile.describe()}", flush=True)
         for name in lab.endpoints:
-            print(f"  {name:>4}  {lab.address(name):<11} ip netns exec {lab.netns(name)} ...", flush=True)
+            behind = f" (behind a NAT, at {lab.listen_address(name)})" if name in lab.nat else ""
+            print(
+                f"  {name:>4}  {lab.address(name):<11} ip netns exec {lab.netns(name)} ...{behind}",
+                flush=True,
+            )
         figures = None
         if args.cmd == "check" or not args.no_check:
             figures = lab.check()
@@ -340,7 +378,10 @@ def _up(args) -> int:
                 "run_id": lab.run_id,
                 "profile": lab.profile.name,
                 "check": figures,
-                "endpoints": {n: {"netns": lab.netns(n), "address": lab.address(n)} for n in lab.endpoints},
+                "endpoints": {
+                    n: {"netns": lab.netns(n), "address": lab.address(n), "listen": lab.listen_address(n)}
+                    for n in lab.endpoints
+                },
             }
             Path(args.ready_file).write_text(json.dumps(desc))
         print("holding the lab; Ctrl+C (or SIGTERM) removes it", flush=True)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from open_diloco import trainer  # noqa: E402
+from open_diloco import steps as step_module  # noqa: E402
 from open_diloco.cli import main  # noqa: E402
 
-real_inner_step = trainer.inner_step
+real_inner_step = step_module.inner_step
 steps = 0
 
 
@@ -23,5 +23,5 @@ def inner_step_that_warns(*args, **kwargs):
     return real_inner_step(*args, **kwargs)
 
 
-trainer.inner_step = inner_step_that_warns
+step_module.inner_step = inner_step_that_warns
 main()

@@ -234,3 +234,18 @@ def test_client_mode_needs_initial_peers():
         HvConfig(client_mode=True)
     peer = "/ip4/127.0.0.1/tcp/30001/p2p/QmagjJLRAPuA3dYGRvKJLdZahHz66hHyTkNKHgg3vXnhK3"
     assert HvConfig(client_mode=True, initial_peers=[peer]).client_mode
+
+
+def test_auto_client_mode_needs_initial_peers_and_replaces_client_mode():
+    peer = "/ip4/127.0.0.1/tcp/30001/p2p/QmagjJLRAPuA3dYGRvKJLdZahHz66hHyTkNKHgg3vXnhK3"
+    with pytest.raises(ValueError, match="--hv.auto-client-mode needs --hv.initial-peers"):
+        HvConfig(auto_client_mode=True)
+    with pytest.raises(ValueError, match="drop --hv.client-mode, or drop --hv.auto-client-mode"):
+        HvConfig(auto_client_mode=True, client_mode=True, initial_peers=[peer])
+    assert HvConfig(auto_client_mode=True, initial_peers=[peer]).auto_client_mode
+
+
+def test_gc_interval_is_a_count_of_steps():
+    assert Config(fake_data=True, gc_interval=0).gc_interval == 0
+    with pytest.raises(ValueError, match="gc_interval"):
+        Config(fake_data=True, gc_interval=-1)
