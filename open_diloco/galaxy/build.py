@@ -223,7 +223,7 @@ def _unreachable(hv: HvConfig, dht: DHT, allowlist: Allowlist | None, rank: int)
         return False  # checked beside the trainer once the averager has started (no thread across its fork)
     found = check_reachability(dht)
     for line in found.lines():
-        (log.warning if found.reachable is False else log.info)("rank %d: %s", rank, line)
+        (log.warning if found.reachable is False or found.undialled else log.info)("rank %d: %s", rank, line)
     if found.reachable is False:
         log.warning(
             "rank %d joins as a client of the all-reduce (--hv.auto-client-mode): nobody can dial it", rank

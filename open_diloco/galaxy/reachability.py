@@ -12,7 +12,8 @@ same question, but it never dials private addresses, which is every address of a
 private links.
 
 A dial-back dials at most :data:`MAX_ADDRESSES` TCP addresses per request, each for at most
-:data:`DIAL_SECONDS`, and only for a peer on ``--hv.allowlist`` when there is one.
+:data:`DIAL_SECONDS`, at most one request per peer every :data:`SERVE_INTERVAL`, and only for a peer on
+``--hv.allowlist`` when there is one.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ MAX_ADDRESSES = 8
 ASK_SECONDS = DIAL_SECONDS * MAX_ADDRESSES + 5.0
 """How long an asker waits for one peer's answer."""
 RETRY_SECONDS = 2.0
+SERVE_INTERVAL = 5.0
+"""A peer gets at most one dial-back per this many seconds."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Reachability:
     results: tuple[DialResult, ...]
     checked_by: str = ""
     reason: str = ""
+    undialled: tuple[str, ...] = ()
+    """Peers this cluster could not even dial (no answer came from anyone)."""
 
     @property
     def reachable(self) -> bool | None:
@@ -113,10 +118,17 @@ async def dial(maddr: str) -> DialResult:
     return DialResult(maddr, True)
 
 
+_last_served: dict[str, float] = {}  # per asking peer, in the DHT process that serves
+
+
 async def _serve(admitted: frozenset[str] | None, info: StreamInfo, reader, writer) -> None:
     try:
-        if admitted is not None and info.peer_id.to_base58() not in admitted:
+        asker = info.peer_id.to_base58()
+        if admitted is not None and asker not in admitted:
             return
+        if time.monotonic() - _last_served.get(asker, -SERVE_INTERVAL) < SERVE_INTERVAL:
+            return  # one dial-back per peer per interval: the service is not a port scanner for hire
+        _last_served[asker] = time.monotonic()
         request = json.loads(await asyncio.wait_for(P2P.receive_raw_data(reader), DIAL_SECONDS))
         maddrs = [str(m)[:300] for m in request.get("maddrs", [])][:MAX_ADDRESSES]
         results = await asyncio.gather(*(dial(m) for m in maddrs))
@@ -149,23 +161,34 @@ async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str,
 
 async def _ask(
     _dht: DHT, node: DHTNode, maddrs: list[str], seconds: float
-) -> tuple[str, list[dict[str, Any]]]:
-    """Ask the connected peers, all at once, until one answers or ``seconds`` pass (then ``("", [])``)."""
+) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """Ask the peers, all at once, until one answers or ``seconds`` pass. Returns who answered and what,
+    else ``("", [], peers that could not even be dialled)``."""
     deadline = time.monotonic() + seconds
+    undialled: set[str] = set()
     while time.monotonic() < deadline:
         peers = await _candidates(node, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-        asks = [
-            asyncio.ensure_future(asyncio.wait_for(_ask_one(node, p, maddrs), ASK_SECONDS)) for p in peers
-        ]
+        asks = {
+            asyncio.ensure_future(asyncio.wait_for(_ask_one(node, p, maddrs), ASK_SECONDS)): p for p in peers
+        }
+        pending = set(asks)
         try:
-            for next_done in asyncio.as_completed(asks):
-                with contextlib.suppress(Exception):  # a peer without the handler (the bootstrap) fails fast
-                    return await next_done
+            while pending and time.monotonic() < deadline:
+                done, pending = await asyncio.wait(
+                    pending, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+                )
+                for ask in done:
+                    if ask.exception() is None:
+                        return (*ask.result(), [])
+                    # the bootstrap answers "protocol not supported"; a peer nobody can dial, a dial error
+                    peer = asks[ask].to_base58()
+                    (undialled.add if "dial" in str(ask.exception()).lower() else undialled.discard)(peer)
+            undialled.update(asks[ask].to_base58() for ask in pending)  # no stream within the deadline either
         finally:
             for ask in asks:
                 ask.cancel()
         await asyncio.sleep(min(RETRY_SECONDS, max(0.0, deadline - time.monotonic())))
-    return "", []
+    return "", [], sorted(undialled)
 
 
 async def _candidates(node: DHTNode, timeout: float) -> list[PeerID]:
@@ -187,9 +210,18 @@ def check_reachability(dht: DHT, seconds: float = CHECK_SECONDS) -> Reachability
         return Reachability((), reason=f"no TCP address to dial among {maddrs}")
     future = dht.run_coroutine(partial(_ask, maddrs=tcp, seconds=seconds), return_future=True)
     try:
-        by, answers = future.result(timeout=seconds + ASK_SECONDS)
+        by, answers, undialled = future.result(timeout=seconds + ASK_SECONDS)
     except Exception as err:  # a DHT that went away, a timeout: unchecked, never a hang
         return Reachability((), reason=f"the check failed ({type(err).__name__})")
+    if not by and undialled:
+        return Reachability(
+            (),
+            reason=f"{len(undialled)} other peer(s) of the galaxy's DHT could not be dialled from here "
+            f"within {seconds:.0f} s: if they and this cluster are all behind NATs, no round can form "
+            "(relays are not supported yet); a galaxy needs one cluster the others can dial: open its port "
+            "(docs/networks.md)",
+            undialled=tuple(undialled),
+        )
     if not by:
         return Reachability(
             (),
@@ -207,7 +239,7 @@ def report_reachability_in_background(
 
     def run() -> None:
         found = check_reachability(dht, seconds)
-        say = log.warning if found.reachable is False else log.info
+        say = log.warning if found.reachable is False or found.undialled else log.info
         for line in found.lines():
             say("%s: %s", where, line)
 

@@ -7,6 +7,7 @@ raw hivemind all-reduce of the same bytes over the same lab in the same run (iss
         --codecs none bf16 int8 int4 int2 sparse
     python scripts/bench/wan.py --profiles intercontinental --models 100m \
         --codecs sparse sparse,rule=random,density=0.0625
+    python scripts/bench/wan.py --profiles intercontinental --models 25m --setups direct nat nat-client
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per
 lab namespace (open_diloco/local_galaxy.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
@@ -25,6 +26,9 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
   lookups and the joins, inside ``allreduce s``;
 - ``÷ fp32``: with ``--codecs``, allreduce s ÷ that of the uncompressed case (``none``, run first) of the same
   profile, model and size in the same run; the raw baseline moves fp32, so it runs with ``none`` only;
+- ``÷ direct``: with ``--setups``, allreduce s ÷ that of the ``direct`` case (every cluster reachable, run
+  first) of the same profile, model and size: ``nat`` puts cluster 1 behind a NAT of the lab
+  (scripts/wan/nat.py), ``nat-client`` also gives it ``--hv.client-mode`` (docs/networks.md);
 - ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics
   line appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner
   steps of the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
@@ -219,6 +223,7 @@ def run_case(
     matchmaking: float,
     workdir: Path,
     codec: str = "none",
+    setup: str = "direct",
 ) -> dict:
     numel = model_numel(MODELS[model])
     # one round to warm up and one at the end, plus one per two clusters past two for a late start
@@ -240,16 +245,20 @@ def run_case(
         "64",
         *codec_flags(codec),
     ]
-    with Lab(clusters, profile) as lab:
+    client = ["--hv.client-mode"] if setup == "nat-client" else []
+    with Lab(clusters, profile, nat=[] if setup == "direct" else ["c1"]) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
             names = [f"cluster{rank}" for rank in range(clusters)]
-            metrics = [galaxy.start_cluster(rank, clusters, *flags, nproc=1) for rank in range(clusters)]
+            metrics = [
+                galaxy.start_cluster(rank, clusters, *flags, *(client if rank == 1 else []), nproc=1)
+                for rank in range(clusters)
+            ]
             seen = watch(galaxy, metrics, names, timeout=3600)
             # the raw baseline moves fp32: it is the yardstick of the uncompressed case only
             raw = (
                 raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking)
-                if codec == "none"
+                if codec == "none" and setup == "direct"
                 else []
             )
         finally:
@@ -272,6 +281,7 @@ def run_case(
         "numel": numel,
         "clusters": clusters,
         "codec": codec,
+        "setup": setup,
         "rounds": len(steady),
         "allreduce_s": statistics.median(allreduce),
         "raw_s": statistics.median(raw[1:] or raw) if raw else None,
@@ -310,6 +320,13 @@ def main() -> None:
         help="--hv.compression per case, NAME[,rule=R][,density=D] (sparse's options); 'none' runs "
         "first and is the ÷ fp32 yardstick",
     )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=["direct"],
+        choices=["direct", "nat", "nat-client"],
+        help="cluster 1 reachable (direct), behind a NAT, or behind a NAT with --hv.client-mode",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
@@ -318,16 +335,18 @@ def main() -> None:
     for codec in args.codecs:
         codec_flags(codec)  # a bad spec fails before any lab is built
     codecs = sorted(args.codecs, key=lambda codec: codec != "none")
+    setups = sorted(args.setups, key=lambda setup: setup != "direct")
     print(
         f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} "
-        f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'utilization':>11}",
+        f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'setup':>10} {'÷ direct':>8} "
+        f"{'utilization':>11}",
         flush=True,
     )
     for profile in args.profiles:
         for model in args.models:
             for clusters in args.clusters:
-                fp32 = None
-                for codec in codecs:
+                fp32 = direct = None
+                for codec, setup in [(c, s) for c in codecs for s in setups]:
                     with tempfile.TemporaryDirectory(prefix="wanbench-") as workdir:
                         row = run_case(
                             profile,
@@ -338,16 +357,20 @@ def main() -> None:
                             args.matchmaking_time,
                             Path(workdir),
                             codec,
+                            setup,
                         )
-                    fp32 = row["allreduce_s"] if codec == "none" else fp32
-                    row["vs_fp32"] = row["allreduce_s"] / fp32 if fp32 else None
+                    fp32 = row["allreduce_s"] if codec == "none" and setup == "direct" else fp32
+                    direct = row["allreduce_s"] if setup == "direct" else direct
+                    row["vs_fp32"] = row["allreduce_s"] / fp32 if fp32 and setup == "direct" else None
+                    row["vs_direct"] = row["allreduce_s"] / direct if direct else None
                     rows.append(row)
                     raw_s = f"{row['raw_s']:>7.2f}" if row["raw_s"] is not None else f"{'—':>7}"
                     vs = f"{row['vs_fp32']:>7.2f}" if row["vs_fp32"] is not None else f"{'—':>7}"
+                    vs_direct = f"{row['vs_direct']:>8.2f}" if row["vs_direct"] is not None else f"{'—':>8}"
                     print(
                         f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
                         f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} "
-                        f"{row['ratio']:>8.2f} {vs} {row['utilization']:>11.0%}",
+                        f"{row['ratio']:>8.2f} {vs} {setup:>10} {vs_direct} {row['utilization']:>11.0%}",
                         flush=True,
                     )
     if args.out:

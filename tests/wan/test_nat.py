@@ -154,3 +154,24 @@ def test_auto_client_mode_makes_the_cluster_behind_the_nat_a_client_and_leaves_t
     for r in rounds[0]:
         a, b = rounds[0][r], rounds[1][r]
         assert a["param_hash"] == b["param_hash"] and a["galaxy_peers"] == b["galaxy_peers"] == 2, (a, b)
+
+
+def test_two_clusters_behind_nats_are_told_that_no_round_can_form(nft, tmp_path):
+    """Two clusters behind NATs and a reachable DHT (acceptance (2) of issue 38): neither can open a
+    connection to the other, so no round forms (relays carried nothing in the lab: docs/networks.md). Each
+    says so in one line within the check's 30 s, naming what to open, and both stop cleanly when asked."""
+    steps = ["--max-steps", "2000", "--hv.local-steps", "5", "--hv.averaging-timeout", "10"]
+    with Lab(2, "region", nat=["c0", "c1"]) as lab:
+        pids = lab_pids(lab)
+        galaxy = Galaxy(tmp_path, lab=lab)
+        try:
+            for rank in (0, 1):
+                galaxy.start_cluster(rank, 2, *steps, nproc=1)
+            for rank in (0, 1):
+                line = wait_for_line(galaxy, f"cluster{rank}", r"could not be dialled from here.*$", 75)
+                assert line is not None, galaxy.log(f"cluster{rank}")[-3000:]
+                assert "no round can form" in line and "open its port" in line, line
+        finally:
+            galaxy.close()
+        pids += sorted(galaxy.seen_pids)
+    assert_gone(lab, pids)
