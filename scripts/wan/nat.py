@@ -44,13 +44,16 @@ def ensure_nft() -> None:
     when that fails."""
     if shutil.which("nft"):
         return
-    if shutil.which("apt-get"):
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "nftables"],
-            capture_output=True,
-            timeout=300,
-            env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-        )
+    env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    # a fresh image may have no package lists yet: then fetch them and try again
+    for commands in (
+        [["apt-get", "install", "-y", "-q", "nftables"]],
+        [["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "nftables"]],
+    ):
+        if shutil.which("nft") or not shutil.which("apt-get"):
+            break
+        for command in commands:
+            subprocess.run(command, capture_output=True, timeout=300, env=env)
     if not shutil.which("nft"):
         raise LabError(
             "the WAN lab's NAT needs nftables, which could not be installed: apt-get install nftables"
