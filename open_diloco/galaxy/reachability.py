@@ -134,8 +134,8 @@ async def _serve(admitted: frozenset[str] | None, info: StreamInfo, reader, writ
         results = await asyncio.gather(*(dial(m) for m in maddrs))
         payload = [{"maddr": r.maddr, "reachable": r.reachable, "error": r.error} for r in results]
         await P2P.send_raw_data(json.dumps(payload).encode(), writer)
-    except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-        pass  # a caller that went away, or sent garbage: nothing to answer
+    except (OSError, ValueError, AttributeError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        pass  # a caller that went away, or sent garbage (not a JSON object): nothing to answer
     finally:
         writer.close()
 

@@ -293,6 +293,20 @@ def run_case(
     }
 
 
+def format_row(row: dict) -> str:
+    """One case's line under the table's header."""
+
+    def optional(value: float | None, width: int) -> str:
+        return f"{value:>{width}.2f}" if value is not None else f"{'—':>{width}}"
+
+    return (
+        f"{row['profile']:<17} {row['model']:>5} {row['clusters']:>2} {row['codec']:>6} "
+        f"{row['mb_per_round']:>9.1f} {row['allreduce_s']:>11.2f} {optional(row['raw_s'], 7)} "
+        f"{row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} {optional(row['vs_fp32'], 7)} {row['setup']:>10} "
+        f"{optional(row['vs_direct'], 8)} {row['utilization']:>11.0%}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -364,15 +378,7 @@ def main() -> None:
                     row["vs_fp32"] = row["allreduce_s"] / fp32 if fp32 and setup == "direct" else None
                     row["vs_direct"] = row["allreduce_s"] / direct if direct else None
                     rows.append(row)
-                    raw_s = f"{row['raw_s']:>7.2f}" if row["raw_s"] is not None else f"{'—':>7}"
-                    vs = f"{row['vs_fp32']:>7.2f}" if row["vs_fp32"] is not None else f"{'—':>7}"
-                    vs_direct = f"{row['vs_direct']:>8.2f}" if row["vs_direct"] is not None else f"{'—':>8}"
-                    print(
-                        f"{profile:<17} {model:>5} {clusters:>2} {codec:>6} {row['mb_per_round']:>9.1f} "
-                        f"{row['allreduce_s']:>11.2f} {raw_s} {row['wire_bound_s']:>12.2f} "
-                        f"{row['ratio']:>8.2f} {vs} {setup:>10} {vs_direct} {row['utilization']:>11.0%}",
-                        flush=True,
-                    )
+                    print(format_row(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 
