@@ -27,7 +27,6 @@ galaxy size at an epoch boundary or start a fresh loader state.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import warnings
 from collections.abc import Iterator
@@ -240,18 +239,11 @@ def build_train_loader(
         sampler=ClusterSampler(per_device_batch, rank, world_size),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
-        worker_init_fn=_collect_garbage_automatically,
         prefetch_factor=4 if num_workers > 0 else None,
         # No pinning: a token batch is a few hundred KB, and a pin-memory thread would contend for the GIL
         # with the thread that launches kernels.
         pin_memory=False,
     )
-
-
-def _collect_garbage_automatically(worker_id: int) -> None:
-    """A loader worker is forked from a trainer that collects garbage only between its steps
-    (``gc_schedule``): the worker runs no steps, so it goes back to Python's automatic collection."""
-    gc.enable()
 
 
 def build_eval_loader(

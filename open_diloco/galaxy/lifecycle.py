@@ -1,6 +1,6 @@
 """How hivemind's forked processes (the DHT, each averager) live and die next to a trainer rank.
 
-They start by calling :func:`become_galaxy_child`, which fixes four things measured on hivemind 1.1.x:
+They start by calling :func:`become_galaxy_child`, which fixes three things measured on hivemind 1.1.x:
 - torchrun stops a rank by signalling its whole process group, which reached these children and their p2pd
   daemons before the rank could shut them down in order (p2pd errors, uvloop tracebacks). The children move
   to a process group of their own; the rank shuts them down, or they notice it is gone.
@@ -11,16 +11,12 @@ They start by calling :func:`become_galaxy_child`, which fixes four things measu
   trainer's to handle). The trainer's signal wakeup fd is dropped too, else the child's signals would look
   like the trainer's.
 - A SIGKILLed trainer tells nobody: a watchdog thread notices the re-parenting and exits the same way.
-- The trainer runs Python's garbage collector only between its steps (``gc_schedule``: automatic collection
-  off), and a fork inherits that. A child runs hivemind's event loops, whose cyclic garbage (futures,
-  tracebacks, stream objects) only the automatic collector frees: it is turned back on.
 
 It also keeps p2pd's report of its own socket closing at shutdown out of the log (not an error).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import os
@@ -34,7 +30,6 @@ from open_diloco.processes import end_tree
 def become_galaxy_child(parent_pid: int) -> None:
     """Call first thing in the main thread of a forked hivemind process whose parent is ``parent_pid``."""
     logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_drop_listener_closed_at_shutdown)
-    gc.enable()
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, lambda signum, frame: _exit_with_children(0))
