@@ -135,15 +135,14 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
         averager = averager or start_shard_averager(hv, shard, initial_peers=entry)
     try:
         shard_peer_ids = cluster.gather_strings(averager.peer_id)
-        client_ranks = cluster.gather_strings("1" if averager.averager.client_mode else "0")
+        # a client shard serves no state, and so neither does its cluster
+        any_client = "1" in cluster.gather_strings("1" if averager.averager.client_mode else "0")
         status = None
         if shard.index == 0:
             identity = cluster_identity(
                 hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids
             )
-            identity["client_mode"] = (
-                "1" in client_ranks
-            )  # a client shard serves no state: nor does its cluster
+            identity["client_mode"] = any_client
             status = StatusPublisher(
                 averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry
             )
@@ -222,8 +221,7 @@ def _unreachable(hv: HvConfig, dht: DHT, allowlist: Allowlist | None, rank: int)
     if not hv.auto_client_mode:
         return False  # checked beside the trainer once the averager has started (no thread across its fork)
     found = check_reachability(dht)
-    for line in found.lines():
-        (log.warning if found.reachable is False or found.undialled else log.info)("rank %d: %s", rank, line)
+    found.report(f"rank {rank}")
     if found.reachable is False:
         log.warning(
             "rank %d joins as a client of the all-reduce (--hv.auto-client-mode): nobody can dial it", rank

@@ -71,6 +71,13 @@ class Reachability:
         """True when any announced address was dialled back, False when none was, None when unchecked."""
         return any(r.reachable for r in self.results) if self.checked_by else None
 
+    def report(self, where: str) -> None:
+        """Log :meth:`lines`, prefixed with ``where`` (which rank): as warnings when something cannot be
+        dialled."""
+        say = log.warning if self.reachable is False or self.undialled else log.info
+        for line in self.lines():
+            say("%s: %s", where, line)
+
     def lines(self) -> list[str]:
         """One line per address: what the operator reads before the first round."""
         if not self.checked_by:
@@ -237,12 +244,8 @@ def report_reachability_in_background(
 ) -> threading.Thread:
     """Run :func:`check_reachability` beside the trainer and log its lines (``where``: which rank)."""
 
-    def run() -> None:
-        found = check_reachability(dht, seconds)
-        say = log.warning if found.reachable is False or found.undialled else log.info
-        for line in found.lines():
-            say("%s: %s", where, line)
-
-    thread = threading.Thread(target=run, name="reachability-check", daemon=True)
+    thread = threading.Thread(
+        target=lambda: check_reachability(dht, seconds).report(where), name="reachability-check", daemon=True
+    )
     thread.start()
     return thread
