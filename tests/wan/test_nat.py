@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,7 @@ from open_diloco.local_galaxy import Galaxy, kill_tree, outer_records
 from scripts.wan.lab import Lab
 from scripts.wan.namespaces import LabError
 from scripts.wan.nat import ensure_nft
-from tests.wan.test_wan import assert_gone, lab_pids
+from tests.wan.test_wan import _wait_until_together, assert_gone, lab_pids
 
 pytestmark = [pytest.mark.wan, pytest.mark.xdist_group("wan")]
 
@@ -41,22 +40,6 @@ def wait_for_line(galaxy: Galaxy, name: str, pattern: str, seconds: float) -> st
         if found:
             return found.group(0)
         time.sleep(0.5)
-    return None
-
-
-def wait_until_together(galaxy: Galaxy, ours: Path, theirs: Path, after: int, seconds: float) -> int | None:
-    """The first round after ``after`` that two clusters averaged together into equal hashes, or None."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(1)
-        galaxy.track()
-        if not theirs.exists():
-            continue
-        a, b = outer_records(ours), outer_records(theirs)
-        for r in sorted(set(a) & set(b)):
-            if r > after and a[r]["galaxy_peers"] == b[r]["galaxy_peers"] == 2:
-                if a[r]["param_hash"] == b[r]["param_hash"]:
-                    return r
     return None
 
 
@@ -110,7 +93,7 @@ def test_a_cluster_behind_a_nat_trains_in_sync_is_told_it_cannot_be_dialled_and_
             again = galaxy.start_cluster(
                 1, 2, *steps, "--hv.auto-client-mode", nproc=1, name="cluster1-again"
             )
-            together = wait_until_together(galaxy, metrics[0], again, after=killed_at, seconds=180)
+            together = _wait_until_together(galaxy, [metrics[0], again], after=killed_at, seconds=180)
             assert together is not None, galaxy.log("cluster1-again")[-3000:]
             assert together <= min(outer_records(again)) + 2, (together, sorted(outer_records(again)))
             assert "joins as a client of the all-reduce (--hv.auto-client-mode)" in galaxy.log(

@@ -175,12 +175,13 @@ def _first_round_together(rounds: list[dict], after: int) -> int | None:
 
 def _wait_until_together(galaxy: Galaxy, metrics: list, after: int, seconds: float) -> int | None:
     """Poll the clusters' records for up to ``seconds``: the first round after ``after`` they share, or
-    None."""
+    None (a cluster just started may have no metrics file yet)."""
     start, healed = time.monotonic(), None
     while healed is None and time.monotonic() - start < seconds:
         time.sleep(1)
         galaxy.track()
-        healed = _first_round_together([outer_records(m) for m in metrics], after)
+        if all(m.exists() for m in metrics):
+            healed = _first_round_together([outer_records(m) for m in metrics], after)
     return healed
 
 
