@@ -16,12 +16,11 @@ import torch
 from open_diloco.errors import GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist
 from open_diloco.galaxy.canonical_averager import GRACE_SECONDS, STATE_NUMELS, CanonicalAverager
-from open_diloco.galaxy.dht import REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht
+from open_diloco.galaxy.dht import DHT_PIPE_LOCK, REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
 from open_diloco.galaxy.status import (
-    DHT_PIPE_LOCK,
     departed,
     finished_and_serving,
     lead_outer_step,
@@ -128,7 +127,17 @@ class HivemindAverager:
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
-        self.averager.set_group_bits(round_key_bits(round_id, attempt))
+        # hivemind waits for its averager process without a bound (here, and in step() below): a process
+        # that does not answer the group key within the round's timeout fails the round instead of hanging it
+        # (step() is answered by the same event loop right after)
+        bits = self.averager.set_group_bits(round_key_bits(round_id, attempt), wait=False)
+        try:
+            bits.result(timeout=self.averaging_timeout + GRACE_SECONDS)
+        except TimeoutError:
+            bits.cancel()
+            raise RoundFailed(
+                f"the averager process did not answer within {self.averaging_timeout + GRACE_SECONDS:.0f} s"
+            ) from None
         control = self.averager.step(
             gather=metadata,
             weight=float(fingerprint.get("weight", 1.0)),  # --hv.round-steps by-speed: steps behind the Δ

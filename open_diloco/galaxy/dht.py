@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Sequence
 
 from hivemind import DHT
@@ -18,6 +19,11 @@ from hivemind.utils.multiaddr import Multiaddr
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
+
+DHT_PIPE_LOCK = threading.Lock()
+"""hivemind's DHT takes requests through one pipe and no lock: every thread of this process that sends one
+(the status publisher, the round's membership read, the reachability check) holds this while it sends, so
+their messages never interleave."""
 
 SHUTDOWN_SECONDS = 2.0
 """What hivemind's DHT gets to shut down in order before it is ended by PID (with its p2pd)."""

@@ -34,6 +34,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils.multiaddr import Multiaddr
 
+from open_diloco.galaxy.dht import DHT_PIPE_LOCK
+
 log = logging.getLogger(__name__)
 
 DIAL_BACK = "open_diloco.dial_back"
@@ -154,7 +156,8 @@ async def _register(_dht: DHT, node: DHTNode, admitted: frozenset[str] | None) -
 def serve_dial_back(dht: DHT, admitted: frozenset[str] | None) -> None:
     """Answer other clusters' dial-back requests from ``dht``'s process (only peers in ``admitted``, if
     given)."""
-    dht.run_coroutine(partial(_register, admitted=admitted), return_future=False)
+    with DHT_PIPE_LOCK:
+        dht.run_coroutine(partial(_register, admitted=admitted), return_future=False)
 
 
 async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str, list[dict[str, Any]]]:
@@ -209,17 +212,27 @@ async def _candidates(node: DHTNode, timeout: float) -> list[PeerID]:
     return sorted(peers, key=str)
 
 
+async def _check(
+    _dht: DHT, node: DHTNode, seconds: float
+) -> tuple[list[str], str, list[dict[str, Any]], list[str]]:
+    """In the DHT's process: this node's TCP addresses, then :func:`_ask` about them (one request over the
+    DHT's pipe, not two)."""
+    tcp = [str(m) for m in await node.get_visible_maddrs() if tcp_endpoint(str(m)) is not None]
+    if not tcp:
+        return [], "", [], []
+    return tcp, *await _ask(_dht, node, tcp, seconds)
+
+
 def check_reachability(dht: DHT, seconds: float = CHECK_SECONDS) -> Reachability:
     """Ask another cluster to dial back each address ``dht`` announces; returns within about ``seconds``."""
-    maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    tcp = [m for m in maddrs if tcp_endpoint(m) is not None]
-    if not tcp:
-        return Reachability((), reason=f"no TCP address to dial among {maddrs}")
-    future = dht.run_coroutine(partial(_ask, maddrs=tcp, seconds=seconds), return_future=True)
+    with DHT_PIPE_LOCK:  # (it runs in a thread beside the trainer's own DHT requests)
+        future = dht.run_coroutine(partial(_check, seconds=seconds), return_future=True)
     try:
-        by, answers, undialled = future.result(timeout=seconds + ASK_SECONDS)
+        tcp, by, answers, undialled = future.result(timeout=seconds + ASK_SECONDS)
     except Exception as err:  # a DHT that went away, a timeout: unchecked, never a hang
         return Reachability((), reason=f"the check failed ({type(err).__name__})")
+    if not tcp:
+        return Reachability((), reason="this cluster announces no TCP address to dial")
     if not by and undialled:
         return Reachability(
             (),

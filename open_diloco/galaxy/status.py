@@ -27,14 +27,10 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
-from open_diloco.galaxy.dht import shutdown_dht, start_dht
+from open_diloco.galaxy.dht import DHT_PIPE_LOCK, shutdown_dht, start_dht
 from open_diloco.galaxy.record_ages import PUBLISH_DELAY_SECONDS, RecordAges
 
 log = logging.getLogger(__name__)
-
-DHT_PIPE_LOCK = threading.Lock()
-"""hivemind's DHT takes requests through one pipe and no lock; the publisher thread and the round's membership
-read share this one, so their messages never interleave."""
 
 RECORD_TTL = 3600.0
 """Seconds a record outlives its cluster's last refresh: long enough for an operator to see which cluster

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import hashlib
 import math
 import multiprocessing as mp
@@ -126,6 +127,7 @@ def _peer(
         raise SystemExit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    faulthandler.register(signal.SIGUSR1)  # Galaxy.close asks a hung peer where it hangs, before killing it
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
@@ -272,6 +274,8 @@ class Galaxy:
         leftovers = {}
         for worker in self.workers:
             if worker.is_alive():
+                os.kill(worker.pid, signal.SIGUSR1)  # its threads' stacks, to the test's captured stderr
+                time.sleep(1.0)
                 self.kill_tree(worker)
                 leftovers[worker.pid] = "worker (did not exit)"
         deadline = time.monotonic() + 10
