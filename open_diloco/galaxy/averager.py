@@ -127,17 +127,7 @@ class HivemindAverager:
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
-        # hivemind waits for its averager process without a bound (here, and in step() below): a process
-        # that does not answer the group key within the round's timeout fails the round instead of hanging it
-        # (step() is answered by the same event loop right after)
-        bits = self.averager.set_group_bits(round_key_bits(round_id, attempt), wait=False)
-        try:
-            bits.result(timeout=self.averaging_timeout + GRACE_SECONDS)
-        except TimeoutError:
-            bits.cancel()
-            raise RoundFailed(
-                f"the averager process did not answer within {self.averaging_timeout + GRACE_SECONDS:.0f} s"
-            ) from None
+        self.averager.set_group_bits(round_key_bits(round_id, attempt))
         control = self.averager.step(
             gather=metadata,
             weight=float(fingerprint.get("weight", 1.0)),  # --hv.round-steps by-speed: steps behind the Δ

@@ -5,6 +5,7 @@ with one line. In-process averager (no hivemind)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import pytest
@@ -50,7 +51,9 @@ def test_a_diverged_cluster_sends_nothing_and_adopts_the_galaxy_state():
     assert record["pseudo_grad_finite"] is False and record["resynced"] and record["outer_step"] == 1
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))  # healed: the galaxy's θ_outer
     assert record["param_hash"] == results[0][0]["param_hash"]
-    assert "pseudo-gradient is not finite" in warnings[0] and "adopted cluster 0's state" in warnings[1]
+    # from either healthy cluster: both hold the round (the first to apply it may be the only source yet)
+    assert "pseudo-gradient is not finite" in warnings[0]
+    assert re.search(r"adopted cluster [01]'s state at outer step 1", warnings[1]), warnings[1]
 
 
 def test_a_cluster_that_keeps_diverging_stops_with_one_line():
