@@ -18,11 +18,11 @@ pytestmark = pytest.mark.e2e
 FAULTS = Path(__file__).parent / "faults"
 
 
-# bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs here; sparse too,
-# since its default rule (magnitude) adds the block scores to the round's tensors and to the state the hash
-# proves. fp16 runs in test_unequal_clusters.py, whose 2 x 2 galaxy makes the same checks with steps by speed
-# and resumes bit-exact
-@pytest.mark.parametrize("compression", ["none", "int2", "sparse"])
+# bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs through a trainer's
+# rounds, stop and resume in test_galaxy_checkpoint, so its case here is slow; sparse runs, since its default
+# rule (magnitude) adds the block scores to the round's tensors and to the state the hash proves. fp16 runs in
+# test_unequal_clusters.py, whose 2 x 2 galaxy makes the same checks with steps by speed and resumes bit-exact
+@pytest.mark.parametrize("compression", ["none", pytest.param("int2", marks=pytest.mark.slow), "sparse"])
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
     metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
@@ -110,7 +110,9 @@ def test_a_last_round_that_came_short_is_taken_from_the_cluster_that_finished(ga
 @pytest.mark.parametrize(
     "schedule",
     [
-        pytest.param([], id="blocking"),
+        # slow: streaming is the harder case, and test_an_average_lost_on_its_way_costs_the_cluster_nothing
+        # takes a lost average's round from the committed cluster in blocking mode
+        pytest.param([], id="blocking", marks=pytest.mark.slow),
         # τ = H/P: a fragment is always in flight, so the round that loses an average has the next one started
         # beside it; before, only a poll inside a blocking wait could end the cascade, and it never ran here
         pytest.param(["--hv.fragments", "2", "--hv.sync-delay", "1"], id="streaming"),
@@ -222,7 +224,8 @@ def _round_line(record: dict) -> dict:
     return {key: record[key] for key in keys if key in record}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+# (SIGKILL is slow: test_membership's killed cluster covers what a crash leaves the survivor)
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow), signal.SIGINT])
 def test_a_lost_cluster_does_not_stop_the_other(galaxy, sig):
     # a lonely round waits the whole averaging timeout for its lost partner: keep both short
     common = [

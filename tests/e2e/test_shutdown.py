@@ -93,6 +93,8 @@ def test_sigterm_then_sigkill_of_torchrun_alone_leaves_nothing(galaxy):
     assert not left, f"ranks or hivemind processes outlived their launcher: {alive(left)}"
 
 
+# slow: the averager's check is test_averager's test_duplicate_galaxy_rank_is_an_error
+@pytest.mark.slow
 def test_duplicate_galaxy_rank_stops_both_clusters_with_the_line(galaxy):
     steps = ["--max-steps", "20", "--hv.local-steps", "3"]
     # one rank a cluster: the claim is checked on the galaxy's records, whatever the ranks

@@ -106,6 +106,8 @@ def test_a_galaxy_of_unequal_clusters_resumes_bit_exact(straight):
         assert again[0][step]["param_hash"] == again[1][step]["param_hash"] == reference[step]["param_hash"]
 
 
+# slow: a third galaxy in this module; test_galaxy's late joiner and the half-speed test here cover each part
+@pytest.mark.slow
 def test_a_late_joiner_in_client_mode_with_steps_by_speed_joins_in_sync(galaxy):
     # cluster 0 trains alone for a while (partial rounds proceed); cluster 1 joins at half speed from the
     # galaxy's state, as a cluster nobody can dial (--hv.client-mode: it reduces nothing and serves nothing,

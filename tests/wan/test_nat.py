@@ -109,6 +109,8 @@ def test_a_cluster_behind_a_nat_trains_in_sync_is_told_it_cannot_be_dialled_and_
     )
 
 
+# slow: most of it is the check's 30 s window; the dial-back itself is tests/e2e/test_reachability.py's
+@pytest.mark.slow
 def test_two_clusters_behind_nats_are_told_that_no_round_can_form(nft, tmp_path):
     """Two clusters behind NATs and a reachable DHT (acceptance (2) of issue 38): neither can open a
     connection to the other, so no round forms (relays carried nothing in the lab: docs/networks.md). Each
