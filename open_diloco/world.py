@@ -229,7 +229,8 @@ def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOO
     healthy cluster whose link is slow (a 7B int8 round at 100 Mbit/s takes ~10 min). Each attempt of a round
     (1 + ``--hv.max-retries``) waits for the buffer lock (``--hv.averaging-timeout`` + 1 s) and then for the
     all-reduce (``--hv.averaging-timeout``, matchmaking included); a re-sync downloads for up to
-    ``--hv.join-timeout``, and a round may gather once more (``--hv.matchmaking-time``). A wait added to a
+    ``--hv.join-timeout``, and a round may gather once more (``--hv.matchmaking-time``); the last round waits
+    ``--hv.final-wait`` for silent clusters (``CatchingUp.settle_final``). A wait added to a
     round must be added here. ``floor`` is a parameter for tests only (a short stand-in for 600 s): no flag,
     since raising the round's own flags raises this with them and a separate one could only fall out of
     step."""
@@ -237,6 +238,7 @@ def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOO
         return floor
     attempt = hv.averaging_timeout + BUFFER_LOCK_GRACE_SECONDS + hv.averaging_timeout
     round_wait = (1 + hv.max_retries) * attempt + hv.join_timeout + hv.matchmaking_time
+    round_wait += hv.final_wait  # the last round: a rank done waiting for silent clusters waits in a gather
     return max(floor, PROCESS_GROUP_MARGIN * round_wait)
 
 

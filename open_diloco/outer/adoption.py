@@ -39,16 +39,20 @@ class Downloaded:
 
 
 def choose_source(
-    view: Membership, own_rank: int, at_least: int, exact: int | None = None
+    view: Membership,
+    own_rank: int,
+    at_least: int,
+    exact: int | None = None,
+    only: frozenset[int] | None = None,
 ) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
     later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to
-    the lowest galaxy rank, so clusters that re-sync at once pick the same source. ``None``: no live cluster
-    qualifies (or none whose record names this shard's averager)."""
+    the lowest galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given.
+    ``None``: no live cluster qualifies (or none whose record names this shard's averager)."""
     candidates = [
         (rank, step)
         for rank, step in view.steps.items()
-        if rank != own_rank and step >= at_least and rank in view.sources
+        if rank != own_rank and step >= at_least and rank in view.sources and (only is None or rank in only)
     ]
     if not candidates:
         return None
@@ -71,17 +75,23 @@ class StateAdoption:
         self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
 
     def download(
-        self, at_least: int, timeout: float, exact: int | None = None, appear_within: float | None = None
+        self,
+        at_least: int,
+        timeout: float,
+        exact: int | None = None,
+        appear_within: float | None = None,
+        only: frozenset[int] | None = None,
     ) -> Downloaded | None:
         """Every rank's shard of one source cluster's state at outer step ``at_least`` or later (``exact``
-        first), tried until ``timeout``; ``None`` on every rank when it did not come whole and agreed in time.
+        first; from a cluster in ``only`` when given), tried until ``timeout``; ``None`` on every rank when it
+        did not come whole and agreed in time.
         ``appear_within``: give up
         sooner when no record has shown a source at all after that many seconds (nobody has that state)."""
         started = time.monotonic()
         deadline = started + timeout
         while True:
             view = self.averager.membership()
-            pick = choose_source(view, self.galaxy_rank, at_least, exact)
+            pick = choose_source(view, self.galaxy_rank, at_least, exact, only)
             chosen = self.cluster.gather_strings("" if pick is None else str(pick[0]))[0]  # rank 0's pick
             if (
                 appear_within is not None

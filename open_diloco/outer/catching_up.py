@@ -16,15 +16,17 @@ import torch
 
 from open_diloco.errors import GalaxyError
 from open_diloco.outer.adoption import Downloaded
+from open_diloco.outer.digests import combine_hashes
+from open_diloco.outer.final_round import final_verdict
 from open_diloco.outer.policy import Decision
-from open_diloco.outer.protocols import RoundReport
+from open_diloco.outer.protocols import Membership, RoundReport
 from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
     from open_diloco.outer.adoption import StateAdoption
     from open_diloco.outer.cluster import ClusterComm
-    from open_diloco.outer.protocols import Averager
+    from open_diloco.outer.protocols import Averager, StatusBoard
     from open_diloco.outer.state import OuterState
     from open_diloco.outer.streaming import SyncSchedule
 
@@ -39,6 +41,7 @@ class CatchingUp:
     hv: HvConfig
     state: OuterState
     averager: Averager
+    status: StatusBoard
     cluster: ClusterComm
     adoption: StateAdoption
     schedule: SyncSchedule
@@ -261,6 +264,70 @@ class CatchingUp:
         else:
             self.warn(f"outer step {self.outer_step}: {why} and re-sync failed")
         return got
+
+    def settle_final(self, last: RoundResult) -> RoundResult | None:
+        """At the end of the run, after its ``last`` round: end on the galaxy's final θ_outer
+        (``outer/final_round.py``). Wait for the clusters still training behind this one to reach its outer
+        step (:data:`FINAL_CHECK_SECONDS`, or ``--hv.final-wait`` when longer) and for those gone silent to
+        come back (``--hv.final-wait``); if more clusters end at this outer step on another θ_outer (ties: the
+        side of the lowest galaxy rank), take it from one of them, every rank from the same source, before the
+        final checkpoint. Returns that re-sync's result (``None``: this cluster already holds it)."""
+        if self.hv.galaxy_size == 1:
+            return None
+        # this cluster's rounds are over: say so now, so that no cluster takes its state as the galaxy's lead
+        # (that would hand the galaxy to the side that trained alone) while it waits
+        self.status.update(
+            {"outer_step": self.outer_step, "param_hash": last.param_hash, "state": "finished"}
+        )
+        view = self._final_view()
+        verdict = final_verdict(view, self.galaxy_rank, self.outer_step, last.param_hash)
+        source = verdict.source_for(self.galaxy_rank, view)
+        chosen = self.cluster.gather_strings("" if source is None else str(source))[0]  # rank 0's
+        if not chosen:
+            return None
+        sides = (
+            f"{len(verdict.winners)} cluster(s) {sorted(verdict.winners)} against {sorted(verdict.losers)}"
+        )
+        got = self.adoption.download(
+            self.outer_step, self.hv.join_timeout, exact=self.outer_step, only=frozenset({int(chosen)})
+        )
+        if got is None or got.step != self.outer_step:
+            self.warn(
+                f"the run ends at outer step {self.outer_step} on a θ_outer of the smaller side of a split "
+                f"galaxy ({sides}), and cluster {chosen}'s could not be downloaded"
+            )
+            return None
+        self.state.adopt(got.metadata, got.tensors)
+        self.state.scatter_into_model()
+        self.state.local_at_start = None
+        self.warn(
+            f"the run ends at outer step {self.outer_step} on cluster {got.source}'s θ_outer: the galaxy "
+            f"split and its larger side wins ({sides}); this cluster's own rounds since the split are dropped"
+        )
+        return RoundResult(
+            outcome="resynced",
+            outer_step=self.outer_step,
+            fragment=last.fragment,
+            param_hash=combine_hashes(self.cluster.gather_strings(self.state.hash())),
+            param_checksum=self.cluster.sum_float(self.state.sq_norm()),
+            galaxy_alive=last.galaxy_alive,
+            state_source=got.source,
+        )
+
+    def _final_view(self) -> Membership:
+        """The membership once no cluster still training is behind this one's outer step (waited for up to
+        ``max(FINAL_CHECK_SECONDS, --hv.final-wait)``) and none is silent (up to ``--hv.final-wait``)."""
+        started = time.monotonic()
+        while True:
+            view = self.averager.membership()
+            others = {rank: seen for rank, seen in view.reported.items() if rank != self.galaxy_rank}
+            behind = any(live and step < self.outer_step for step, _, live in others.values())
+            waited = time.monotonic() - started
+            if (not behind or waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait)) and (
+                not (view.silent - {self.galaxy_rank}) or waited >= self.hv.final_wait
+            ):
+                return view
+            time.sleep(1.0)
 
     def verify_final(self, param_hash: str, seconds: float = FINAL_CHECK_SECONDS) -> list[int] | None:
         """At the end of a finished run, compare this cluster's final θ_outer (``param_hash``) with every

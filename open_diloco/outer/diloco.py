@@ -192,6 +192,8 @@ class DiLoCo(Committing, CatchingUp):
                 if self.pace.by_speed and (pace := self._sync_pace.get(result.outer_step)):
                     result.round_inner_steps, result.round_weight = pace
             self._sync_pace = {rnd: pace for rnd, pace in self._sync_pace.items() if rnd > self.outer_step}
+            if last and (settled := self.settle_final(results[-1])) is not None:
+                results.append(settled)  # the galaxy split and its larger side ended elsewhere
             self._final_hash = results[-1].param_hash
             self._window_start, self._held = time.perf_counter(), 0.0
         return results

@@ -164,6 +164,8 @@ def test_the_process_group_timeout_covers_the_longest_wait_of_a_round():
         averaging_timeout=900.0, max_retries=0, join_timeout=600.0
     )  # a 7B int8 round at 100 Mbit/s
     assert process_group_timeout(slow_link) == pytest.approx(1.5 * (1801.0 + 600.0 + 2.0))
+    # the last round's wait for silent clusters (--hv.final-wait) adds to it
+    assert process_group_timeout(HvConfig(final_wait=600.0)) == pytest.approx(1.5 * (785.0 + 600.0))
     assert (
         process_group_timeout(HvConfig(averaging_timeout=8.0, join_timeout=5.0)) == 600.0
     )  # never below the floor

@@ -1,0 +1,85 @@
+"""The end of a split galaxy's run (``outer/final_round.py``, ``CatchingUp.settle_final``): the larger side's
+θ_outer wins, ties to the side of the lowest galaxy rank, and a cluster of the smaller side takes it (from one
+source, before its final checkpoint); one that went silent is waited for up to ``--hv.final-wait``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.final_round import final_verdict
+from open_diloco.outer.protocols import Membership
+from open_diloco.outer.round import RoundResult
+from tests.unit.test_round_protocol import ShardPeer, _hv, _model, _served
+
+
+def _ended(reported: dict, sources=(), silent=()) -> Membership:
+    return Membership(
+        reported=reported,
+        steps={rank: reported[rank][0] for rank in sources},
+        sources={rank: str(rank) for rank in sources},
+        silent=frozenset(silent),
+    )
+
+
+def test_the_larger_side_wins_and_a_tie_goes_to_the_side_of_the_lowest_rank():
+    view = _ended({0: (7, "a", False), 2: (7, "a", False), 3: (5, "old", True)}, sources=[0, 2])
+    verdict = final_verdict(view, 1, 7, "b")
+    assert verdict.winner_hash == "a" and verdict.winners == {0, 2} and verdict.losers == {1}
+    assert verdict.source_for(1, view) == 0  # cluster 3 is not at step 7: no say
+    assert final_verdict(view, 0, 7, "a").source_for(0, view) is None  # a winner takes nothing
+    tie = _ended({0: (7, "a", False)}, sources=[0])
+    assert final_verdict(tie, 1, 7, "b").source_for(1, tie) == 0
+    assert final_verdict(_ended({1: (7, "b", False)}, sources=[1]), 0, 7, "a").winners == {0}
+    gone = _ended({0: (7, "a", False), 2: (7, "a", False)})  # the winners no longer serve
+    assert final_verdict(gone, 1, 7, "b").source_for(1, gone) is None
+
+
+class SplitGalaxy(ShardPeer):
+    """Clusters 0 and 2 end at outer step 7 on one θ_outer (``"theirs"``) and serve it; after
+    ``silent_reads`` membership reads that show them silent."""
+
+    def __init__(self, silent_reads: int = 0):
+        served = _served([0.25], step=7, group=[0, 2])
+        super().__init__(1, [], {0: served, 2: served})
+        self.silent_reads = silent_reads
+
+    def membership(self):
+        self.reads += 1
+        if self.reads <= self.silent_reads:
+            return _ended({0: (5, "theirs", False), 2: (5, "theirs", False)}, silent=[0, 2])
+        return _ended({0: (7, "theirs", False), 2: (7, "theirs", False)}, sources=[0, 2])
+
+
+def _last_round(outer: DiLoCo) -> RoundResult:
+    outer.state.outer_step = 7
+    return RoundResult("applied", 7, 0, "mine", 1.0, galaxy_alive=1)
+
+
+def test_a_cluster_of_the_smaller_side_ends_on_the_larger_sides_theta():
+    warnings: list[str] = []
+    model = _model([1.0])
+    outer = DiLoCo(model, SplitGalaxy(), _hv(galaxy_size=3, world_rank=1), warn=warnings.append)
+    settled = outer.settle_final(_last_round(outer))
+    assert settled is not None and settled.outcome == "resynced" and settled.state_source == 0
+    assert settled.outer_step == 7 and settled.param_hash != "mine"
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))  # in the model, for the export
+    assert outer.averager.sources_asked == ["0"]  # one source
+    assert len(warnings) == 1 and "larger side wins (2 cluster(s) [0, 2] against [1])" in warnings[0]
+
+
+def test_a_silent_side_is_waited_for_up_to_final_wait():
+    model = _model([1.0])
+    outer = DiLoCo(
+        model, SplitGalaxy(silent_reads=2), _hv(galaxy_size=3, world_rank=1, final_wait=10.0), warn=print
+    )
+    started = time.monotonic()
+    settled = outer.settle_final(_last_round(outer))
+    assert settled is not None and settled.state_source == 0 and 1.5 < time.monotonic() - started < 6
+    # without the wait, the silent side has no say: the cluster keeps its own θ_outer
+    model = _model([1.0])
+    outer = DiLoCo(model, SplitGalaxy(silent_reads=99), _hv(galaxy_size=3, world_rank=1), warn=print)
+    assert outer.settle_final(_last_round(outer)) is None
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0]]))
