@@ -47,16 +47,30 @@ def choose_source(
 ) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
     later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to
-    the lowest galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given.
+    the lowest galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given;
+    a cluster that finished its run only at ``exact``.
     ``None``: no live cluster qualifies (or none whose record names this shard's averager)."""
     candidates = [
         (rank, step)
         for rank, step in view.steps.items()
-        if rank != own_rank and step >= at_least and rank in view.sources and (only is None or rank in only)
+        if rank != own_rank
+        and step >= at_least
+        and rank in view.sources
+        and (only is None or rank in only)
+        and (_still_training(view, rank) or step == exact)
     ]
     if not candidates:
         return None
     return min(candidates, key=lambda item: (item[1] != exact, -item[1], item[0]))
+
+
+def _still_training(view: Membership, rank: int) -> bool:
+    """A cluster that finished its run serves its final state only to a cluster at exactly that round (its
+    last average came short). Why not as the galaxy's state for a cluster behind it: a side cut off by a
+    partition trains on alone at full speed and finishes first; taking its final state would hand the galaxy
+    to the smaller side (seen in a targeted soak, docs/results/chaos-soak.md). Without a record (the
+    in-process galaxy of unit tests) a source counts as training."""
+    return view.reported.get(rank, (-1, None, True))[2]
 
 
 def served_hash(metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:

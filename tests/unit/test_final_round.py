@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from open_diloco.outer.adoption import choose_source
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.final_round import final_verdict
 from open_diloco.outer.protocols import Membership
@@ -83,3 +84,12 @@ def test_a_silent_side_is_waited_for_up_to_final_wait():
     outer = DiLoCo(model, SplitGalaxy(silent_reads=99), _hv(galaxy_size=3, world_rank=1), warn=print)
     assert outer.settle_final(_last_round(outer)) is None
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0]]))
+
+
+def test_a_finished_cluster_serves_only_its_last_round_never_as_the_galaxys_lead():
+    # a side cut off by a partition finishes first, alone; the larger side, behind it, must not take its final
+    # state as the galaxy's (seen in a targeted soak: the larger side ended on the smaller side's θ_outer)
+    view = _ended({0: (12, "alone", False), 2: (3, "h", True)}, sources=[0, 2])
+    assert choose_source(view, 1, 3, exact=3) == (2, 3)
+    assert choose_source(view, 1, 4, exact=4) is None  # only the finished one is that far: nobody
+    assert choose_source(view, 1, 12, exact=12) == (0, 12)  # its own last round: it serves that
