@@ -17,7 +17,7 @@ import torch
 from open_diloco.errors import GalaxyError
 from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.digests import combine_hashes
-from open_diloco.outer.final_round import final_verdict
+from open_diloco.outer.final_round import FinalVerdict, final_verdict
 from open_diloco.outer.policy import Decision
 from open_diloco.outer.protocols import Membership, RoundReport
 from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
@@ -284,6 +284,8 @@ class CatchingUp:
         source = verdict.source_for(self.galaxy_rank, view)
         chosen = self.cluster.gather_strings("" if source is None else str(source))[0]  # rank 0's
         if not chosen:
+            if self.galaxy_rank in verdict.winners and verdict.losers:
+                self._serve_until_taken(verdict)
             return None
         sides = (
             f"{len(verdict.winners)} cluster(s) {sorted(verdict.winners)} against {sorted(verdict.losers)}"
@@ -313,6 +315,19 @@ class CatchingUp:
             galaxy_alive=last.galaxy_alive,
             state_source=got.source,
         )
+
+    def _serve_until_taken(self, verdict: FinalVerdict) -> None:
+        """A cluster of the winning side keeps serving its final state (its averagers up, this rank here)
+        until every cluster of the smaller side shows the winning hash, or ``--hv.join-timeout`` passes: the
+        smaller side often finished first and is waiting for exactly this state."""
+        deadline = time.monotonic() + self.hv.join_timeout
+        while time.monotonic() < deadline:
+            reported = self.averager.membership().reported
+            if all(
+                reported.get(rank, (-1, None, False))[1] == verdict.winner_hash for rank in verdict.losers
+            ):
+                return
+            time.sleep(1.0)
 
     def _final_view(self) -> Membership:
         """The membership once no cluster still training is behind this one's outer step (waited for up to
