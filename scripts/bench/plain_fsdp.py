@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from open_diloco.data import FakeSequences  # noqa: E402
 from open_diloco.materialize import materialize  # noqa: E402
 from open_diloco.model import build_meta_model  # noqa: E402
+from open_diloco.world import leave_process_group  # noqa: E402
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "32-true": torch.float32, "fp16-mixed": torch.float16}
 
@@ -103,7 +104,7 @@ def main() -> None:
             file=sys.stdout,
             flush=True,
         )
-    dist.destroy_process_group()
+    leave_process_group(synchronize=True)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from open_diloco.outer.state import local_shards
     from open_diloco.steps import inner_step
     from open_diloco.trainer import build_sharded_model
-    from open_diloco.world import describe_world, join_process_group
+    from open_diloco.world import describe_world, join_process_group, leave_process_group
 
     world = describe_world("cpu", "gloo")
     join_process_group(world)
@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(ranks, figures)
     if world.rank == 0:
         print(json.dumps({"build": args.worker, "ranks": ranks}), flush=True)
-    dist.destroy_process_group()
+    leave_process_group(synchronize=True)
 
 
 def _peak_rss() -> int:

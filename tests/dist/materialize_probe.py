@@ -21,7 +21,7 @@ from open_diloco.model import build_model
 from open_diloco.outer.state import local_shards
 from open_diloco.parallelize import parallelize
 from open_diloco.trainer import build_sharded_model
-from open_diloco.world import describe_world, join_process_group
+from open_diloco.world import describe_world, join_process_group, leave_process_group
 
 
 def tensor_hash(tensor: torch.Tensor) -> str:
@@ -64,7 +64,7 @@ def main(path_model: str, seed: int, mode: str, checkpointing: bool, with_hashes
     dist.all_gather_object(memories, memory)
     if world.rank == 0:
         Path(out).write_text(json.dumps({"hashes": hashes, "memory": memories}))
-    dist.destroy_process_group()
+    leave_process_group(synchronize=True)
 
 
 if __name__ == "__main__":

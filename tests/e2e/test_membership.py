@@ -188,9 +188,12 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     lines = {name: _identity(tmp_path / name) for name in ("id0", "id1")}
     allowlist = tmp_path / "allowlist.txt"
     allowlist.write_text("# the galaxy\n" + lines["id0"] + lines["id1"])
+    # a run long enough that cluster 0 is still training when cluster 1 is back: alone it trains ~15 steps
+    # a second, and a loaded CI machine took 60 s from the stop to the resumed cluster's first step (cluster 0
+    # had finished its 400 steps, and cluster 1 came back to a galaxy that was over); the test ends both
     common = [
         "--max-steps",
-        "400",
+        "5000",
         "--hv.local-steps",
         "5",
         "--hv.heartbeat-interval",
@@ -241,6 +244,9 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     del galaxy.procs["cluster1"]
     resumed = member(1, "--ckpt.resume", "latest", name="cluster1")
     together = _wait_until_together(galaxy, metrics[0], resumed, after=stopped_at, seconds=180)
+    assert galaxy.procs["cluster0"].poll() is None, (
+        "cluster 0 ended before cluster 1 was back: raise --max-steps"
+    )
     assert together is not None, galaxy.log("cluster1")[-3000:]
     back_rounds = sorted(r for r in outer_records(resumed) if r > stopped_at)
     assert together <= back_rounds[0] + 2, (together, back_rounds)  # within 2 rounds of its return
