@@ -20,6 +20,7 @@ import torch
 
 from open_diloco.config import HvConfig
 from open_diloco.outer.codecs import score_values, wire_codecs
+from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import ClaimCheck
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
@@ -128,6 +129,7 @@ class InProcessAverager:
         self.sizes = [numel, scores] if scores else [numel]
         self.calls = 0
         self.get_state = None
+        self.finished = False
 
     def parts(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``flat`` cut like the galaxy's tensors: the values, then the block scores (views)."""
@@ -159,9 +161,21 @@ class InProcessAverager:
             lead_seen_seconds=self.galaxy.lead_progress[1],
             steps=steps,
             sources={rank: str(rank) for rank in serving},
-            reported={rank: (-1, None, rank not in galaxy.departed) for rank in galaxy.averagers},
+            reported={rank: self._record(rank, other) for rank, other in galaxy.averagers.items()},
             step_seconds=dict(galaxy.step_seconds),
         )
+
+    def _record(self, rank: int, other: InProcessAverager) -> tuple[int, str | None, bool]:
+        """What cluster ``rank``'s status record would say (``Membership.reported``): its outer step and
+        hash, read off its state (a cluster here is one rank: its shard's hash is the model's), and whether it
+        still trains. Why not "unknown": a cluster at its last round waits for those behind it, and every
+        unknown one looked behind (each finished unit-test galaxy waited the whole final check, 15 s)."""
+        training = rank not in self.galaxy.departed and not other.finished
+        if other.get_state is None:
+            return -1, None, training
+        metadata = other.get_state()[0]
+        shard_hash = metadata.get("shard_hash")
+        return int(metadata["outer_step"]), shard_hash and combine_hashes([shard_hash]), training
 
     def serve_state(self, get_state) -> None:
         self.get_state = get_state
@@ -176,4 +190,4 @@ class InProcessAverager:
         return None
 
     def shutdown(self, finished: bool = False) -> None:
-        pass
+        self.finished = finished

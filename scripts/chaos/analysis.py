@@ -1,7 +1,11 @@
 """Judging a soak from its records: per cluster, per fault, and against issue 34's acceptance targets.
 
 Words as the figures use them:
-- a **good** sync: ``in_sync`` and its ``param_hash`` equal to every other cluster's at the same outer step;
+- a **good** sync: its ``param_hash`` equal to every other cluster's at the same outer step; a step no other
+  cluster has a record of must also say ``in_sync`` (nothing to compare it with). Why hashes and not the
+  cluster's own ``in_sync``: a cluster cut off by a partition records its last round before the link came
+  back as alone (``in_sync`` false), and when the others then take exactly that state, the galaxy holds one θ
+  at that step: the record is good (soak of 2026-11-28, fault #7);
 - a fault's **repair**: from the fault's end to a cluster's first good sync after it, in that cluster's syncs
   (1: its very next sync is good) and seconds; the fault's repair is the slowest cluster's;
 - a sync is **due to a fault** while the fault lasts (a kill until the victim's first sync after its restart,
@@ -38,10 +42,10 @@ def hashes_by_step(syncs: list[list[dict]]) -> dict[int, dict[int, str]]:
 
 
 def is_good(record: dict, cluster: int, table: dict[int, dict[int, str]]) -> bool:
-    if not record.get("in_sync"):
-        return False
-    others = table.get(record["outer_step"], {})
-    return all(h == record.get("param_hash") for c, h in others.items() if c != cluster)
+    others = [h for c, h in table.get(record["outer_step"], {}).items() if c != cluster]
+    if not others:
+        return bool(record.get("in_sync"))
+    return all(h == record.get("param_hash") for h in others)
 
 
 def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:

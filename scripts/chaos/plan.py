@@ -66,10 +66,21 @@ def _kinds_in_order(n: int, kinds: list[str], rng: random.Random) -> list[str]:
     return order[:n]
 
 
-def schedule(n: int, kinds: list[str], clusters: int, ranks: int, total_syncs: int, seed: int) -> list[Fault]:
+def schedule(
+    n: int,
+    kinds: list[str],
+    clusters: int,
+    ranks: int,
+    total_syncs: int,
+    seed: int,
+    durations: dict[str, float] | None = None,
+) -> list[Fault]:
     """A seeded schedule of ``n`` faults over a run of ``total_syncs`` syncs per cluster. At most one lost
     average per cluster (the fault module takes one all-reduce number per launch); a kind that cannot be
-    placed (a lost average when every cluster has one) gives way to the next kind of the order."""
+    placed (a lost average when every cluster has one) gives way to the next kind of the order.
+    ``durations``: seconds by kind, replacing :data:`DURATION_S`'s (a partition that outlasts a cluster's run,
+    the case of the final-round rule)."""
+    lasting = {**DURATION_S, **(durations or {})}
     rng = random.Random(seed)
     order = _kinds_in_order(n, kinds, rng)
     lo, hi = max(2, int(FIRST * total_syncs)), max(3, int(LAST * total_syncs))
@@ -90,5 +101,5 @@ def schedule(n: int, kinds: list[str], clusters: int, ranks: int, total_syncs: i
         if kind == "late_join":
             cluster = late = rng.randrange(1, clusters) if clusters > 1 else 0
         shard = rng.randrange(ranks) if kind == "lost_average" and ranks > 1 else None
-        faults.append(Fault(i, kind, cluster, max(2, trigger), DURATION_S.get(kind, 0.0), shard))
+        faults.append(Fault(i, kind, cluster, max(2, trigger), lasting.get(kind, 0.0), shard))
     return faults

@@ -35,6 +35,7 @@ class SoakConfig:
     trainer_root: Path
     python: str
     extra: list[str] = field(default_factory=list)
+    durations: dict[str, float] = field(default_factory=dict)  # fault seconds by kind, replacing plan's
 
     @property
     def stride(self) -> int:

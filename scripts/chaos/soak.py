@@ -27,7 +27,7 @@ from pathlib import Path
 
 from scripts.chaos import judge, report
 from scripts.chaos.galaxy import REPO, python_default
-from scripts.chaos.plan import KINDS, NEEDS_LAB, Fault, schedule
+from scripts.chaos.plan import DURATION_S, KINDS, NEEDS_LAB, Fault, schedule
 from scripts.chaos.run import Soak, SoakConfig, with_overrides
 
 TARGET = dict(
@@ -76,6 +76,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--out", type=Path, help="output directory (default outputs/chaos/<time>); must be empty")
     p.add_argument("--no-faults", action="store_true", help="no faults: the re-sync share of a clean run")
+    p.add_argument(
+        "--partition-seconds",
+        type=float,
+        help=f"how long each partition lasts (default {DURATION_S['partition']:g}); one longer than a "
+        "cluster's remaining run shows the final-round rule",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -132,6 +138,7 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> SoakConfig:
         trainer_root=args.trainer_root.resolve(),
         python=args.python,
         extra=extra,
+        durations={} if args.partition_seconds is None else {"partition": args.partition_seconds},
     )
 
 
@@ -154,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         events.write(f"{time.time():.3f} {line}\n")
         events.flush()
 
-    faults = schedule(cfg.faults, cfg.kinds, cfg.clusters, cfg.ranks, cfg.total_syncs, cfg.seed)
+    faults = schedule(
+        cfg.faults, cfg.kinds, cfg.clusters, cfg.ranks, cfg.total_syncs, cfg.seed, cfg.durations
+    )
     setting = (
         f"{cfg.clusters} clusters x {cfg.ranks} ranks, {cfg.profile or 'no WAN lab (127.0.0.1)'}, "
         f"{cfg.steps} steps, H={cfg.local_steps}, P={cfg.fragments}, tau={cfg.stride}, "

@@ -56,27 +56,46 @@ def test_repair_streak_and_resync_share():
     c0 = [sync(s, float(s * 2)) for s in range(1, 16)]
     c1 = [sync(s, float(s * 2) + 0.5) for s in range(1, 5)]
     c1 += [sync(s, float(s * 2) + 0.5, in_sync=False, h="b") for s in range(5, 10)]  # apart: t 10.5 .. 18.5
-    c1 += [sync(10, 20.5, in_sync=False, resynced=True), sync(11, 22.5, in_sync=False), sync(12, 24.5)]
+    # a re-sync that took a state the galaxy then left behind, and a partial round: still apart
+    c1 += [sync(10, 20.5, in_sync=False, resynced=True, h="c"), sync(11, 22.5, in_sync=False, h="c")]
+    c1 += [sync(12, 24.5)]
     c1 += [sync(s, float(s * 2) + 0.5) for s in range(13, 16)]
     c1[1]["resynced"] = True  # one re-sync with no fault to blame, before the partition
     fault = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
     syncs = [c0, c1]
     table = hashes_by_step(syncs)
     (row,) = fault_figures([fault], syncs, table)
-    assert row["repair_target"] == [3, 4.5] and row["repair_by_cluster"]["0"] == [1, 2.0]
+    assert row["repair_target"] == [3, 4.5] and row["repair_by_cluster"]["0"] == [2, 4.0]  # 11 split
     assert row["repaired"] and row["repair_syncs"] == 3
-    repairs = {(0, 0): 1, (0, 1): 3}
+    repairs = {(0, 0): 2, (0, 1): 3}
     fig = cluster_figures(1, c1, windows([fault], syncs), repairs, table)
     assert fig["out_of_sync"] == 7 and fig["longest_out_of_sync_run"] == 7
     assert fig["longest_out_of_sync_run_after_faults"] == 2  # 10 and 11, after the fault's end
     assert fig["resynced"] == 2 and fig["resynced_without_fault"] == 1  # sync 10 is the repair's
     assert fig["syncs_without_fault"] == 15 - 5 - 2  # five apart, two of the repair allowance
-    assert fig["split_syncs"] == 5 and fig["final_param_hash"] == "a"
+    assert fig["split_syncs"] == 7 and fig["final_param_hash"] == "a"
     fig["stopped"] = False
     verdict = {t["target"]: t["passed"] for t in targets([fig, fig], [row], hung=False, left_running=[])}
     assert verdict["every repair within 2 syncs"] is False
     assert verdict["out of sync ≤ 2 syncs in a row after any fault"] is True
     assert verdict["≤ 1% of syncs re-synced with no fault to blame"] is False  # 1 of 8
+
+
+def test_a_sync_is_good_when_the_galaxy_holds_its_state_whatever_the_cluster_knew():
+    # cluster 1 is cut off from t=10 to t=20 and trains alone (steps 5-9) while cluster 0 is stuck in round 5;
+    # after the heal cluster 0 takes cluster 1's state at step 9: cluster 1's round 9 ran alone (in_sync
+    # false), yet both hold one θ there. Step 8 has no counterpart: only its own in_sync can speak for it.
+    c0 = [sync(s, float(s * 2)) for s in range(1, 5)] + [sync(9, 26.0, in_sync=False, resynced=True, h="x")]
+    c0 += [sync(10, 30.0, h="y")]
+    c1 = [sync(s, float(s * 2) + 0.5) for s in range(1, 5)]
+    c1 += [sync(s, 8.0 + s, in_sync=False, h=f"b{s}", peers=1) for s in range(5, 9)]  # alone: t 13 .. 16
+    c1 += [sync(8, 20.1, in_sync=False, h="b8", peers=1), sync(9, 21.0, in_sync=False, h="x", peers=1)]
+    c1 += [sync(10, 30.0, h="y")]
+    fault = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
+    syncs = [c0, c1]
+    (row,) = fault_figures([fault], syncs, hashes_by_step(syncs))
+    assert row["repair_by_cluster"] == {"0": [1, 6.0], "1": [2, 1.0]}
+    assert row["repair_syncs"] == 2
 
 
 def test_a_kill_lasts_until_the_victim_syncs_again():
