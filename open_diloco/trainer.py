@@ -112,6 +112,10 @@ def train(config: Config) -> None:
                 outer.report(record)
                 if step % config.log_interval == 0 or step == config.max_steps:
                     _say(world, format_step_line(record, config.max_steps))
+            if step == config.max_steps and (settled := outer.settle_run()) is not None:
+                record = {**record, **settled.metrics()}  # its own record, at the time it ended
+                metrics.log(record)
+                outer.report(record)
             if config.ckpt.interval and step % config.ckpt.interval == 0:
                 saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
         saver.wait()  # the run's last checkpoint is complete before the run counts as finished

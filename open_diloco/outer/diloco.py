@@ -99,6 +99,8 @@ class DiLoCo(Committing, CatchingUp):
         )
         self.averager.serve_state(self._served_state)
         self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
+        self._last_round: RoundResult | None = None
+        """The run's last round, until :meth:`settle_run` settles it."""
         self._final_hash: str | None = None
         """``param_hash`` of the last round this cluster ended, for :meth:`verify_final`."""
 
@@ -192,11 +194,22 @@ class DiLoCo(Committing, CatchingUp):
                 if self.pace.by_speed and (pace := self._sync_pace.get(result.outer_step)):
                     result.round_inner_steps, result.round_weight = pace
             self._sync_pace = {rnd: pace for rnd, pace in self._sync_pace.items() if rnd > self.outer_step}
-            if last and (settled := self.settle_final(results[-1])) is not None:
-                results.append(settled)  # the galaxy split and its larger side ended elsewhere
+            self._last_round = results[-1] if last else None
             self._final_hash = results[-1].param_hash
             self._window_start, self._held = time.perf_counter(), 0.0
         return results
+
+    def settle_run(self) -> RoundResult | None:
+        """See ``OuterLoop.settle_run`` (``CatchingUp.settle_final``). Apart from the last step's rounds so
+        that their records are written when they end: the settling may wait for a partition to heal
+        (``--hv.final-wait``), and dashboards (and the chaos soak's judge) read the record's time."""
+        last, self._last_round = self._last_round, None
+        if last is None:
+            return None
+        settled = self.settle_final(last)
+        if settled is not None:  # the galaxy split and its larger side ended elsewhere
+            self._final_hash = settled.param_hash
+        return settled
 
     def _start_sync(self, inner_step: int, last: bool) -> RoundResult | None:
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""

@@ -186,6 +186,12 @@ class OuterLoop(Protocol):
         an inner step at it (:meth:`trains_at`)."""
         ...
 
+    def settle_run(self) -> RoundResult | None:
+        """After the run's last round was logged: end on the galaxy's final θ_outer, before the final
+        checkpoint (a cluster of the smaller side of a split galaxy takes the larger side's). Returns that
+        re-sync's result, a record of its own (``None``: this cluster already holds it)."""
+        ...
+
     def inner_step_of_galaxy(self) -> int:
         """The inner step the galaxy's current round started at (a cluster behind it catches up)."""
         ...
@@ -262,6 +268,9 @@ class NullOuterLoop:
         self, inner_step: int, last: bool = False, trained: bool = True
     ) -> list[RoundResult]:
         return []
+
+    def settle_run(self) -> RoundResult | None:
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
