@@ -100,22 +100,18 @@ def train(config: Config) -> None:
             if any(sync.diverged for sync in syncs):
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
-            galaxy_step = outer.inner_step_of_galaxy()
-            if galaxy_step > step:  # this cluster adopted a more advanced cluster's state: catch up
+            if (galaxy_step := outer.inner_step_of_galaxy()) > step:  # it took a later state: catch up
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
                 step = galaxy_step
                 batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
             if trains or syncs or "val_loss" in record:  # an idle step says something only then
-                metrics.log(record)
-                outer.report(record)
+                publish(record, metrics, outer)
                 if step % config.log_interval == 0 or step == config.max_steps:
                     _say(world, format_step_line(record, config.max_steps))
             if step == config.max_steps and (settled := outer.settle_run()) is not None:
-                record = {**record, **settled.metrics()}  # its own record, at the time it ended
-                metrics.log(record)
-                outer.report(record)
+                publish({**record, **settled.metrics()}, metrics, outer)  # a record of its own, when it ended
             if config.ckpt.interval and step % config.ckpt.interval == 0:
                 saver.start(step, model=model, optimizer=optimizer, outer=outer)  # written in the background
         saver.wait()  # the run's last checkpoint is complete before the run counts as finished
@@ -203,6 +199,12 @@ def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[Statefu
     loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
     eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
     return loader, eval_loader
+
+
+def publish(record: dict[str, Any], metrics: Metrics, outer: OuterLoop) -> None:
+    """An inner step's record into the metrics, and to the galaxy's status board."""
+    metrics.log(record)
+    outer.report(record)
 
 
 def add_sync_metrics(record: dict[str, Any], syncs: list[RoundResult], metrics: Metrics) -> None:
