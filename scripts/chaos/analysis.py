@@ -6,8 +6,9 @@ Words as the figures use them:
   cluster's own ``in_sync``: a cluster cut off by a partition records its last round before the link came
   back as alone (``in_sync`` false), and when the others then take exactly that state, the galaxy holds one θ
   at that step: the record is good (soak of 2026-11-28, fault #7);
-- a fault's **repair**: from the fault's end to a cluster's first good sync after it, in that cluster's syncs
-  (1: its very next sync is good) and seconds; the fault's repair is the slowest cluster's;
+- a fault's **repair**: from the fault's end (or, while a partition is still on then, the partition's end:
+  :func:`repairable_from`) to a cluster's first good sync after it, in that cluster's syncs (1: its very next
+  sync is good) and seconds; the fault's repair is the slowest cluster's;
 - a sync is **due to a fault** while the fault lasts (a kill until the victim's first sync after its restart,
   a late joiner from the soak's start to its first sync) and for the syncs after it until the cluster's
   repair, at most ``REPAIR_LIMIT``; everything else happened with no fault to blame.
@@ -72,16 +73,32 @@ def repair(after: float, records: list[dict], cluster: int, table: dict) -> tupl
     return None
 
 
+def repairable_from(fault: Fault, faults: list[Fault]) -> float:
+    """When ``fault``'s repair can begin: its end, or, while a partition is still on then, the partition's
+    end (and so on). Why: a lost average fires on its own clock and can land inside a partition (soak of
+    2026-11-28, #14 inside #1); the syncs a cut-off cluster runs alone until the link comes back are the
+    partition's, and no protocol repairs anything across a cut link. Other faults overlapping it (a late
+    joiner not there yet, a slow cluster) do not move it: the galaxy can repair around them."""
+    cuts = [f for f in faults if f.fired and f.kind == "partition" and f.index != fault.index]
+    t = fault.end
+    while (ongoing := next((c for c in cuts if c.start <= t < c.end), None)) is not None:
+        t = ongoing.end
+    return t
+
+
 def fault_figures(faults: list[Fault], syncs: list[list[dict]], table: dict) -> list[dict]:
     """Each fault with its repair: per cluster, the target's, and the galaxy's (the slowest cluster)."""
     out = []
     for f in faults:
         row = f.to_json()
         if f.fired:
+            after = repairable_from(f, faults)
+            if after > f.end:
+                row["repair_from"] = after
             per = {
-                c: repair(f.end, records, c, table)
+                c: repair(after, records, c, table)
                 for c, records in enumerate(syncs)
-                if any(r["time"] > f.end for r in records)
+                if any(r["time"] > after for r in records)
             }
             row["repair_by_cluster"] = {str(c): (list(r) if r else None) for c, r in per.items()}
             row["repair_target"] = per.get(f.cluster) and list(per[f.cluster])

@@ -54,9 +54,12 @@ def fault_table(faults: list[dict], started: float) -> list[str]:
         if f["fired"] and not f.get("syncs_after"):
             repair = "no syncs after"
         where = f"{f['cluster']}{'' if f['shard'] is None else '/' + str(f['shard'])}"
+        note = f["note"]
+        if f.get("repair_from") is not None:  # another fault was still on at its end
+            note = "; ".join(filter(None, [note, f"repair from {f['repair_from'] - started:.1f} s"]))
         rows.append(
             f"| {f['index']} | {f['kind']} | {where} | {f['trigger']} | {_fmt(rel[0])} | {_fmt(rel[1])} "
-            f"| {repair} | {_fmt(f.get('repair_seconds'))} | {_by_cluster(f)} | {f['note']} |"
+            f"| {repair} | {_fmt(f.get('repair_seconds'))} | {_by_cluster(f)} | {note} |"
         )
     return rows
 

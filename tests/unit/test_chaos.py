@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, windows
+from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, repairable_from, windows
 from scripts.chaos.judge import normalize, targets
 from scripts.chaos.plan import KINDS, Fault, schedule
 from scripts.chaos.run import with_overrides
@@ -96,6 +96,25 @@ def test_a_sync_is_good_when_the_galaxy_holds_its_state_whatever_the_cluster_kne
     (row,) = fault_figures([fault], syncs, hashes_by_step(syncs))
     assert row["repair_by_cluster"] == {"0": [1, 6.0], "1": [2, 1.0]}
     assert row["repair_syncs"] == 2
+
+
+def test_a_lost_average_inside_a_partition_is_repaired_from_the_partitions_end():
+    cut = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
+    lost = Fault(1, "lost_average", 1, trigger=6, start=12.0, end=12.5)
+    late = Fault(2, "late_join", 0, trigger=1, start=0.0, end=30.0)
+    assert repairable_from(lost, [cut, lost, late]) == 20.0  # alone until the link is back
+    assert repairable_from(lost, [lost, late]) == 12.5  # a joiner not there yet moves nothing
+    c0 = [sync(s, float(s * 2)) for s in range(1, 16)]
+    c1 = [
+        sync(s, float(s * 2) + 0.5, in_sync=s < 5 or s > 10, h="a" if s < 5 or s > 10 else "b")
+        for s in range(1, 16)
+    ]
+    syncs = [c0, c1]
+    rows = fault_figures([cut, lost], syncs, hashes_by_step(syncs))
+    assert (
+        rows[1]["repair_from"] == 20.0
+        and rows[1]["repair_by_cluster"]["1"] == rows[0]["repair_by_cluster"]["1"]
+    )
 
 
 def test_a_kill_lasts_until_the_victim_syncs_again():
