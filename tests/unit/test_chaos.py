@@ -36,6 +36,11 @@ def test_schedule_is_seeded_and_spreads_every_kind():
     assert all(f.cluster != late for f in a[1:])  # nothing aimed at a cluster that may not run yet
 
 
+def test_a_partition_lasts_as_long_as_asked():
+    long = schedule(3, ["partition", "slow"], 3, 1, 100, seed=5, durations={"partition": 240.0})
+    assert {f.kind: f.seconds for f in long} == {"partition": 240.0, "slow": 60.0}
+
+
 def test_at_most_one_lost_average_per_cluster():
     faults = schedule(5, ["lost_average"], 2, 1, 50, seed=0)
     assert sorted(f.cluster for f in faults if f.kind == "lost_average") == [0, 1]
