@@ -16,6 +16,7 @@ import torch
 from open_diloco.errors import GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist
 from open_diloco.galaxy.canonical_averager import GRACE_SECONDS, STATE_NUMELS, CanonicalAverager
+from open_diloco.galaxy.cut_off import CutOffWatch
 from open_diloco.galaxy.dht import DHT_PIPE_LOCK, REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.record_ages import RecordAges
@@ -92,6 +93,8 @@ class HivemindAverager:
         self.initial_peers = list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
+        self.cut_off = CutOffWatch(dht, hv.world_rank, shard_index, hv.member_expiry)
+        """Whether this cluster sits behind a NAT from another that does too (``galaxy/cut_off.py``)."""
         self._seen_training: set[int] = set()
         """Galaxy ranks whose record this process read saying "training" (``status.previous_lives``)."""
         self.peer_id = dht.peer_id.to_base58()
@@ -161,6 +164,8 @@ class HivemindAverager:
         records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
         gone = frozenset(departed(records, self.member_expiry))
         quiet = frozenset(silent(records, self.member_expiry))
+        if cut_off := self.cut_off.line(records, gone, averaged=self.last_group_round_end is not None):
+            raise GalaxyMismatch(cut_off)
         if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
             peers = {
                 rank: peer

@@ -237,9 +237,9 @@ def check_reachability(dht: DHT, seconds: float = CHECK_SECONDS) -> Reachability
         return Reachability(
             (),
             reason=f"{len(undialled)} other peer(s) of the galaxy's DHT could not be dialled from here "
-            f"within {seconds:.0f} s: if they and this cluster are all behind NATs, no round can form "
-            "(relays are not supported yet); a galaxy needs one cluster the others can dial: open its port "
-            "(docs/networks.md)",
+            f"within {seconds:.0f} s: if they and this cluster are all behind NATs, no round can form (a "
+            "cluster that still cannot reach one of them stops; hivemind's relays carry too little for a "
+            "round); a galaxy needs one cluster the others can dial: open its port (docs/networks.md)",
             undialled=tuple(undialled),
         )
     if not by:
