@@ -124,21 +124,32 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
     return False
 
 
+def _longest_streak(flags: list[bool]) -> int:
+    """The longest run of True in ``flags``."""
+    longest = run = 0
+    for flag in flags:
+        run = run + 1 if flag else 0
+        longest = max(longest, run)
+    return longest
+
+
 def cluster_figures(
     cluster: int, records: list[dict], spans: list[Window], repairs: dict, table: dict
 ) -> dict:
-    """Counts and streaks of one cluster's syncs; ``repairs``: (fault, cluster) -> repair in syncs or None."""
+    """Counts and streaks of one cluster's syncs; ``repairs``: (fault, cluster) -> repair in syncs or None.
+
+    A sync is out of sync when its ``param_hash`` differs from another cluster's at the same outer step
+    (:func:`is_good`, as repairs count). The cluster's own ``in_sync`` flag compares hashes at the round's
+    *start*, so it lags: a cut-off cluster whose alone rounds the galaxy then took keeps it false for a sync
+    or two while every cluster holds its θ. Its streaks are reported beside (``in_sync_false``)."""
     times = sorted(r["time"] for r in records)
-    longest = run = after_run = longest_after = 0
-    for r in records:
-        if r.get("in_sync"):
-            run = after_run = 0
-            continue
-        run += 1
-        longest = max(longest, run)
-        if not any(w.start <= r["time"] <= w.settled for w in spans):  # in a fault it is the fault's doing
-            after_run += 1
-            longest_after = max(longest_after, after_run)
+    good = [is_good(r, cluster, table) for r in records]
+    outside = [
+        not any(w.start <= r["time"] <= w.settled for w in spans) for r in records
+    ]  # in one: its doing
+    flag_streak = _longest_streak(
+        [not r.get("in_sync") and out for r, out in zip(records, outside, strict=True)]
+    )
     free = [r for r in records if not due_to_fault(r["time"], cluster, times, spans, repairs)]
     resynced_free = sum(bool(r.get("resynced")) for r in free)
     sat_out = [r for r in records if r.get("galaxy_peers") == 0]
@@ -148,9 +159,13 @@ def cluster_figures(
     last = records[-1] if records else {}
     return {
         "syncs": len(records),
-        "out_of_sync": sum(not r.get("in_sync") for r in records),
-        "longest_out_of_sync_run": longest,
-        "longest_out_of_sync_run_after_faults": longest_after,
+        "out_of_sync": good.count(False),
+        "longest_out_of_sync_run": _longest_streak([not g for g in good]),
+        "longest_out_of_sync_run_after_faults": _longest_streak(
+            [not g and out for g, out in zip(good, outside, strict=True)]
+        ),
+        "in_sync_false": sum(not r.get("in_sync") for r in records),
+        "longest_in_sync_false_run_after_faults": flag_streak,
         "resynced": sum(bool(r.get("resynced")) for r in records),
         "syncs_without_fault": len(free),
         "resynced_without_fault": resynced_free,

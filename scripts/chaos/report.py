@@ -17,15 +17,18 @@ def _fmt(value, digits: int = 1) -> str:
 
 def cluster_table(clusters: list[dict]) -> list[str]:
     rows = [
-        "| cluster | launches | syncs | out of sync | longest run | longest run after faults | re-synced "
+        "| cluster | launches | syncs | out of sync | longest run | longest run after faults "
+        "| in_sync false (longest after faults) | re-synced "
         "| re-synced w/o fault | sat out (bad Δ) | retries | split syncs | stopped | final outer step "
         "| final hash |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 15,
     ]
     for i, c in enumerate(clusters):
         rows.append(
             f"| {i} | {c['launches']} | {c['syncs']} | {c['out_of_sync']} | {c['longest_out_of_sync_run']} "
-            f"| {c['longest_out_of_sync_run_after_faults']} | {c['resynced']} "
+            f"| {c['longest_out_of_sync_run_after_faults']} "
+            f"| {c.get('in_sync_false', '–')} ({c.get('longest_in_sync_false_run_after_faults', '–')}) "
+            f"| {c['resynced']} "
             f"| {c['resynced_without_fault']} of {c['syncs_without_fault']} "
             f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
             f"| {c['retries']} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "

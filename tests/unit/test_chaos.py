@@ -101,6 +101,11 @@ def test_a_sync_is_good_when_the_galaxy_holds_its_state_whatever_the_cluster_kne
     (row,) = fault_figures([fault], syncs, hashes_by_step(syncs))
     assert row["repair_by_cluster"] == {"0": [1, 6.0], "1": [2, 1.0]}
     assert row["repair_syncs"] == 2
+    # out of sync is the hash's verdict: cluster 1's round 9 (in_sync false, held by both) is not, its second
+    # step 8 (no counterpart, in_sync false) is; the flag's lagging streak is reported beside it
+    fig = cluster_figures(1, c1, windows([fault], syncs), {(0, 1): 2}, hashes_by_step(syncs))
+    assert fig["longest_out_of_sync_run_after_faults"] == 1 and fig["out_of_sync"] == 5
+    assert fig["in_sync_false"] == 6 and fig["longest_in_sync_false_run_after_faults"] == 2
 
 
 def test_a_lost_average_inside_a_partition_is_repaired_from_the_partitions_end():
