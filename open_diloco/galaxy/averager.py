@@ -26,6 +26,7 @@ from open_diloco.galaxy.status import (
     finished_and_serving,
     lead_outer_step,
     lead_progress,
+    never_heard,
     no_reachable_cluster,
     past_round,
     previous_lives,
@@ -43,6 +44,13 @@ if TYPE_CHECKING:
     from open_diloco.config import HvConfig
 
 log = logging.getLogger(__name__)
+
+NOT_HEARD_SECONDS = 120.0
+"""How long after this peer's start a cluster of the galaxy with no record still counts as alive. A galaxy
+that starts together waits for all of it: clusters' starts differ by tens of seconds (torchrun, the model,
+the DHT). A cluster that has not come by then is not coming soon, and waiting for it cost every round two
+retries (~40 s against ~13 s a round over `home`, in the soak's late joiner); it joins late when it comes,
+downloading the galaxy's state, as a restarted cluster does."""
 
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
@@ -93,6 +101,7 @@ class HivemindAverager:
         self.initial_peers = list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
+        self._started = time.monotonic()
         self.cut_off = CutOffWatch(dht, hv.world_rank, shard_index, hv.member_expiry)
         """Whether this cluster sits behind a NAT from another that does too (``galaxy/cut_off.py``)."""
         self._seen_training: set[int] = set()
@@ -163,6 +172,8 @@ class HivemindAverager:
         earlier_runs = previous_lives(records, self._seen_training)
         records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
         gone = frozenset(departed(records, self.member_expiry))
+        if time.monotonic() - self._started > NOT_HEARD_SECONDS:  # not coming soon: it will join late
+            gone |= never_heard(records, self.galaxy_size, self.galaxy_rank)
         quiet = frozenset(silent(records, self.member_expiry))
         if cut_off := self.cut_off.line(records, gone, averaged=self.last_group_round_end is not None):
             raise GalaxyMismatch(cut_off)

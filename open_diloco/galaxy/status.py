@@ -353,6 +353,12 @@ def silent(records: list[dict[str, Any]], expiry: float) -> set[int]:
     }
 
 
+def never_heard(records: list[dict[str, Any]], galaxy_size: int, galaxy_rank: int) -> set[int]:
+    """Galaxy ranks other than ``galaxy_rank`` with no record among ``records``: clusters not started yet, or
+    never coming."""
+    return set(range(galaxy_size)) - {record["galaxy_rank"] for record in records} - {galaxy_rank}
+
+
 def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
     """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
     than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""

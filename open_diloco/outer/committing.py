@@ -129,9 +129,10 @@ class Committing:
 
         Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest
         count any rank saw, so that a rank that could not read the DHT in time makes the round wait rather
-        than skip a cluster that is there. A cluster with no record at all counts as alive (a galaxy that
-        starts together waits for all of it). Lead: the highest outer step any rank saw in a live cluster's
-        record. Silent: the most gone-by-silence clusters any rank saw (see ``Membership.silent``)."""
+        than skip a cluster that is there. A cluster with no record at all counts as alive for a while (a
+        galaxy that starts together waits for all of it: ``galaxy.averager.NOT_HEARD_SECONDS``). Lead: the
+        highest outer step any rank saw in a live cluster's record. Silent: the most gone-by-silence clusters
+        any rank saw (see ``Membership.silent``)."""
         view = self.averager.membership()
         self._fastest_seconds = min(view.step_seconds.values(), default=None)
         ours = range(self.hv.galaxy_size)

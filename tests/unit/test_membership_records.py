@@ -16,6 +16,7 @@ from open_diloco.galaxy.status import (
     finished_and_serving,
     lead_outer_step,
     lead_progress,
+    never_heard,
     past_round,
     previous_lives,
     schema_conflict,
@@ -113,6 +114,14 @@ def test_a_record_left_by_an_earlier_run_is_no_record_until_that_cluster_writes_
     assert previous_lives(records, seen_training={0}) == {1, 2}
     # a cluster seen training that says it ended is gone, as before (it finished or stopped while we ran)
     assert previous_lives(records, seen_training={0, 1, 2}) == set()
+
+
+def test_a_cluster_never_heard_from_is_every_other_rank_without_a_record():
+    # the averager counts these as gone once NOT_HEARD_SECONDS have passed since its start
+    records = [{"galaxy_rank": 0, "state": "training"}, {"galaxy_rank": 2, "state": "finished"}]
+    assert never_heard(records, galaxy_size=4, galaxy_rank=0) == {1, 3}
+    assert never_heard(records, galaxy_size=4, galaxy_rank=1) == {3}
+    assert never_heard([], galaxy_size=1, galaxy_rank=0) == set()
 
 
 def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
