@@ -124,12 +124,16 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
     return False
 
 
-def _longest_streak(flags: list[bool]) -> int:
-    """The longest run of True in ``flags``."""
+def _longest_streak(bad: list[bool], counted: list[bool] | None = None) -> int:
+    """The longest run of bad syncs; a bad one not ``counted`` (inside a fault: the fault's doing) neither
+    adds to a run nor breaks it, a good one ends it."""
     longest = run = 0
-    for flag in flags:
-        run = run + 1 if flag else 0
-        longest = max(longest, run)
+    for is_bad, counts in zip(bad, counted or [True] * len(bad), strict=True):
+        if not is_bad:
+            run = 0
+        elif counts:
+            run += 1
+            longest = max(longest, run)
     return longest
 
 
@@ -144,12 +148,7 @@ def cluster_figures(
     or two while every cluster holds its θ. Its streaks are reported beside (``in_sync_false``)."""
     times = sorted(r["time"] for r in records)
     good = [is_good(r, cluster, table) for r in records]
-    outside = [
-        not any(w.start <= r["time"] <= w.settled for w in spans) for r in records
-    ]  # in one: its doing
-    flag_streak = _longest_streak(
-        [not r.get("in_sync") and out for r, out in zip(records, outside, strict=True)]
-    )
+    outside = [not any(w.start <= r["time"] <= w.settled for w in spans) for r in records]
     free = [r for r in records if not due_to_fault(r["time"], cluster, times, spans, repairs)]
     resynced_free = sum(bool(r.get("resynced")) for r in free)
     sat_out = [r for r in records if r.get("galaxy_peers") == 0]
@@ -161,11 +160,11 @@ def cluster_figures(
         "syncs": len(records),
         "out_of_sync": good.count(False),
         "longest_out_of_sync_run": _longest_streak([not g for g in good]),
-        "longest_out_of_sync_run_after_faults": _longest_streak(
-            [not g and out for g, out in zip(good, outside, strict=True)]
-        ),
+        "longest_out_of_sync_run_after_faults": _longest_streak([not g for g in good], outside),
         "in_sync_false": sum(not r.get("in_sync") for r in records),
-        "longest_in_sync_false_run_after_faults": flag_streak,
+        "longest_in_sync_false_run_after_faults": _longest_streak(
+            [not r.get("in_sync") for r in records], outside
+        ),
         "resynced": sum(bool(r.get("resynced")) for r in records),
         "syncs_without_fault": len(free),
         "resynced_without_fault": resynced_free,
