@@ -25,7 +25,7 @@ from hivemind import DHT
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 
-from open_diloco.galaxy.dht import DHT_PIPE_LOCK
+from open_diloco.galaxy.dht import DHT_PIPE_LOCK, answers_ping
 from open_diloco.galaxy.reachability import CHECK_SECONDS
 from open_diloco.galaxy.status import shard_peer
 
@@ -110,8 +110,7 @@ def _answering(dht: DHT, peers: list[str]) -> set[str]:
 async def _ping_all(peers: list[str], _dht: DHT, node: DHTNode) -> set[str]:
     async def ping(peer: str) -> str | None:
         with contextlib.suppress(Exception):
-            call = node.protocol.call_ping(PeerID.from_base58(peer), validate=False, strict=False)
-            if await asyncio.wait_for(call, PING_SECONDS) is not None:
+            if await answers_ping(node, PeerID.from_base58(peer), PING_SECONDS):
                 return peer
         return None
 

@@ -94,6 +94,15 @@ async def _ping_and_refresh(peer_ids: list[str], keep: frozenset[str], _dht: DHT
         logging.getLogger(__name__).debug("re-bootstrap failed: %r", err)
 
 
+async def answers_ping(node, peer: PeerID, seconds: float) -> bool:
+    """Whether ``peer``'s DHT node answers a ping from ``node`` (in the DHT's process); raises
+    ``asyncio.TimeoutError`` after ``seconds``."""
+    return (
+        await asyncio.wait_for(node.protocol.call_ping(peer, validate=False, strict=False), seconds)
+        is not None
+    )
+
+
 _DROPPED: set[PeerID] = set()
 """Peers whose connections this DHT process closed and that have not answered a ping since (lives in the DHT's
 process, where the coroutines below run)."""
@@ -112,12 +121,10 @@ async def _ping_or_drop(node, peer: PeerID, may_drop: bool = True) -> None:
     side has just dialed, in the middle of a round (seen: "Connection reset by peer" in the first round
     back)."""
     try:
-        answered = await asyncio.wait_for(
-            node.protocol.call_ping(peer, validate=False, strict=False), _REBOOTSTRAP_STEP_SECONDS
-        )
+        answered = await answers_ping(node, peer, _REBOOTSTRAP_STEP_SECONDS)
     except asyncio.TimeoutError:
-        answered = None
-    if answered is not None:
+        answered = False
+    if answered:
         _DROPPED.discard(peer)
     elif may_drop and peer not in _DROPPED:
         _DROPPED.add(peer)

@@ -159,13 +159,14 @@ def test_a_hivemind_relay_carries_too_little_for_a_round(nft, tmp_path):
         pids = lab_pids(lab)
         galaxy = Galaxy(tmp_path, lab=lab)  # its stock hivemind-dht, reachable: the relay
         try:
-            log = tmp_path / "serve.log"
             galaxy.procs["serve"] = subprocess.Popen(
                 [*lab.exec_prefix("c1"), *probe, "serve", galaxy.maddr],
-                stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=trainer_env(),
+                stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT, cwd=REPO,
+                env=trainer_env(),
             )  # fmt: skip
-            peer = wait_for_file_line(log, r"^peer (\w+)$", 60)
-            assert peer is not None, log.read_text()[-3000:]
+            line = wait_for_line(galaxy, "serve", r"^peer \w+$", 60)  # its log is the galaxy's serve.log
+            assert line is not None, galaxy.log("serve")[-3000:]
+            peer = line.split()[1]
             time.sleep(2.0)  # its reservation: ~30 ms after its start with a static relay
             blobs = ["50000", "50000", "50000", "4000000"]
             sent = subprocess.run(
@@ -182,14 +183,3 @@ def test_a_hivemind_relay_carries_too_little_for_a_round(nft, tmp_path):
         pids += sorted(galaxy.seen_pids)
     assert_gone(lab, pids)
     print("through the relay:", [(r["size"], r["echoed"], r["error"][:60]) for r in results])
-
-
-def wait_for_file_line(path, pattern: str, seconds: float) -> str | None:
-    """The first group of ``pattern`` in ``path`` within ``seconds``, or None."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = re.search(pattern, path.read_text(), re.MULTILINE)
-        if found:
-            return found.group(1)
-        time.sleep(0.3)
-    return None
