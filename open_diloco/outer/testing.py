@@ -57,6 +57,8 @@ class InProcessGalaxy:
         """Clip every cluster's Δ to the round's median claim, as the galaxy's reducers do
         (``--hv.robust-mean``)."""
         self.averagers: dict[int, InProcessAverager] = {}
+        self._joining = threading.Lock()
+        """Guards ``averagers``: each cluster thread adds its own while the others' membership reads it."""
         self.compression, self.sparse_rule = compression, sparse_rule
         self.codecs = wire_codecs(compression, sparse_rule)
         self.drop = drop or set()
@@ -66,10 +68,19 @@ class InProcessGalaxy:
 
     def averager(self, rank: int, numel: int) -> InProcessAverager:
         """Cluster ``rank``'s averager of ``numel`` values a round (and their block scores, if any)."""
-        self.averagers[rank] = InProcessAverager(
+        averager = InProcessAverager(
             self, rank, numel, score_values(numel, self.compression, self.sparse_rule)
         )
-        return self.averagers[rank]
+        with self._joining:
+            self.averagers[rank] = averager
+        return averager
+
+    def members(self) -> dict[int, InProcessAverager]:
+        """A snapshot of the averagers by galaxy rank. Why a copy under the lock: iterating the live dict
+        while a slower cluster thread joins raised "dictionary changed size during iteration" (1 run in 12
+        under a busy scheduler), which broke the round barrier for every thread."""
+        with self._joining:
+            return dict(self.averagers)
 
 
 class InProcessRound:
@@ -149,7 +160,7 @@ class InProcessAverager:
         galaxy = self.galaxy
         serving = {
             rank: other
-            for rank, other in galaxy.averagers.items()
+            for rank, other in galaxy.members().items()
             if galaxy.serve_state and other.get_state is not None and rank not in galaxy.departed
         }
         steps = {rank: int(other.get_state()[0]["outer_step"]) for rank, other in serving.items()}
@@ -161,7 +172,7 @@ class InProcessAverager:
             lead_seen_seconds=self.galaxy.lead_progress[1],
             steps=steps,
             sources={rank: str(rank) for rank in serving},
-            reported={rank: self._record(rank, other) for rank, other in galaxy.averagers.items()},
+            reported={rank: self._record(rank, other) for rank, other in galaxy.members().items()},
             step_seconds=dict(galaxy.step_seconds),
         )
 
@@ -183,7 +194,7 @@ class InProcessAverager:
     def download_state(self, timeout: float, source: str | None = None):
         if not self.galaxy.serve_state:
             return None
-        for rank, other in sorted(self.galaxy.averagers.items()):
+        for rank, other in sorted(self.galaxy.members().items()):
             if rank != self.rank and other.get_state is not None and source in (None, str(rank)):
                 metadata, tensors = other.get_state()
                 return metadata, [tensor.clone() for tensor in tensors]
