@@ -138,9 +138,18 @@ class CanonicalAverager(DecentralizedAverager):
         )
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        # When the group formed and when the average was written: the trainer splits its round's seconds into
+        # matchmaking and the exchange by them (time.monotonic is the machine's clock, the same in every
+        # process), which is what tells a slow link from a slow rendezvous.
+        grouped_at = time.monotonic()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._round_stats.pop(group_info.group_id)
-        return dict(gathered={peer.to_base58(): data for peer, data in gathered.items()}, **stats)
+        return dict(
+            gathered={peer.to_base58(): data for peer, data in gathered.items()},
+            grouped_at=grouped_at,
+            done_at=time.monotonic(),
+            **stats,
+        )
 
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)

@@ -80,6 +80,8 @@ class HivemindRound:
             complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
             peers=peers,
             seconds=time.monotonic() - self.start,
+            matchmaking_seconds=max(0.0, result["grouped_at"] - self.start),
+            exchange_seconds=result["done_at"] - result["grouped_at"],
             bytes_sent=result["bytes_sent"],
             bytes_received=result["bytes_received"],
             rejected=rejected,

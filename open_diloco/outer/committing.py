@@ -350,6 +350,8 @@ class Committing:
             fields.update(
                 galaxy_peers=report.group_size,
                 allreduce_seconds=report.seconds,
+                matchmaking_seconds=report.matchmaking_seconds,
+                exchange_seconds=report.exchange_seconds,
                 bytes_sent=report.bytes_sent,
                 bytes_received=report.bytes_received,
             )

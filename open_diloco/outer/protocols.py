@@ -28,6 +28,11 @@ class RoundReport:
     """True when every span of the buffer was averaged over the whole group (no failed reducer)."""
     peers: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
+    """From the round's start until the trainer took its result (with ``--hv.sync-delay``, when it landed)."""
+    matchmaking_seconds: float = 0.0
+    """From the round's start until its group formed (0 for a galaxy of one)."""
+    exchange_seconds: float = 0.0
+    """From the group's forming until the average was written: the all-reduce on the wire."""
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: list[int] = field(default_factory=list)

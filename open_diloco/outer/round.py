@@ -142,6 +142,8 @@ class RoundResult:
     galaxy_peers: int = 0
     galaxy_complete: bool = False
     allreduce_seconds: float = 0.0
+    matchmaking_seconds: float = 0.0
+    exchange_seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
     in_sync: bool = False

@@ -8,6 +8,8 @@ raw hivemind all-reduce of the same bytes over the same lab in the same run (iss
     python scripts/bench/wan.py --profiles intercontinental --models 100m \
         --codecs sparse sparse,rule=random,density=0.0625
     python scripts/bench/wan.py --profiles intercontinental --models 25m --setups direct nat nat-client
+    python scripts/bench/wan.py --profiles intercontinental --models 25m --codecs int8 --local-steps 20 \
+        --trainer-flags "--hv.fragments 2 --hv.sync-delay 10"
 
 Needs root and iproute2 (the lab's). Each case builds a lab, starts `hivemind-dht` and one 1-rank cluster per
 lab namespace (open_diloco/local_galaxy.py, which ends everything by PID), trains ``--rounds`` + 2 rounds of
@@ -29,6 +31,14 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
 - ``÷ direct``: with ``--setups``, allreduce s ÷ that of the ``direct`` case (every cluster reachable, run
   first) of the same profile, model and size: ``nat`` puts cluster 1 behind a NAT of the lab
   (scripts/wan/nat.py), ``nat-client`` also gives it ``--hv.client-mode`` (docs/networks.md);
+- ``mm s`` and ``exchange s``: the round split at its group's forming (``matchmaking_seconds``,
+  ``exchange_seconds`` of the records: the DHT lookups and joins, then the all-reduce on the wire); the
+  second ``÷ bound`` is their sum ÷ wire bound, ``ex ÷ bd`` the exchange alone ÷ wire bound. With
+  ``--hv.sync-delay`` a sync's ``allreduce s`` runs until it lands, τ inner steps later, so only these two say
+  how long the network took;
+- ``link MB``: what cluster 0's link carried (both directions, headers and retransmissions, every process of
+  the cluster) between one sync's record and the next; ``÷ logged``: that ÷ the round's ``bytes_sent`` +
+  ``bytes_received``; ``DHT MB``: what the DHT's link carried meanwhile;
 - ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics
   line appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner
   steps of the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
@@ -38,11 +48,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from open_diloco.local_galaxy import Galaxy, kill_tree
@@ -68,8 +80,15 @@ def model_numel(path: Path) -> int:
     return sum(p.numel() for p in build_model(path, seed=0).parameters())
 
 
-def watch(galaxy: Galaxy, metrics: list[Path], names: list[str], timeout: float) -> list[dict[int, dict]]:
-    """Each cluster's records by step, each with ``seen``: when its line appeared (monotonic seconds)."""
+def watch(
+    galaxy: Galaxy,
+    metrics: list[Path],
+    names: list[str],
+    timeout: float,
+    sample: Callable[[], dict] | None = None,
+) -> list[dict[int, dict]]:
+    """Each cluster's records by step, each with ``seen``: when its line appeared (monotonic seconds); the
+    first cluster's also with what ``sample()`` returned then (the lab's link counters, say)."""
     seen: list[dict[int, dict]] = [{} for _ in metrics]
     deadline = time.monotonic() + timeout
     while any(galaxy.procs[name].poll() is None for name in names):
@@ -83,8 +102,9 @@ def watch(galaxy: Galaxy, metrics: list[Path], names: list[str], timeout: float)
                         record = json.loads(line)
                     except json.JSONDecodeError:  # a line still being written
                         continue
-                    if "step" in record:  # (an evaluation record has none)
-                        records.setdefault(record["step"], {**record, "seen": time.monotonic()})
+                    if "step" in record and record["step"] not in records:  # (an evaluation record has none)
+                        extra = sample() if sample is not None and records is seen[0] else {}
+                        records[record["step"]] = {**record, "seen": time.monotonic(), **extra}
         time.sleep(0.05)
     for name in names:
         assert galaxy.procs[name].returncode == 0, galaxy.log(name)[-3000:]
@@ -198,6 +218,28 @@ def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> li
     return [by_round[0][k] for k in range(steady[0] - 1, steady[-1] + 1)]
 
 
+def link_sample(lab: Lab) -> dict:
+    """The counters of cluster 0's link and of the DHT's, as :func:`watch` attaches them to a record."""
+    return {"link": lab.link_bytes("c0"), "dht_link": lab.link_bytes("dht")}
+
+
+def link_figures(before: dict, steady: list[dict]) -> dict:
+    """Medians over the steady rounds of what cluster 0's link carried between one sync's record and the
+    next (both directions, every process of the cluster, headers and retransmissions included), of that ÷ the
+    bytes the round logged (``bytes_sent`` + ``bytes_received``: encoded tensor parts), and of what the DHT's
+    link carried meanwhile (matchmaking lookups and the status records, from every cluster)."""
+    link, logged, dht = [], [], []
+    for previous, record in zip([before, *steady], steady, strict=False):
+        link.append(sum(record["link"]) - sum(previous["link"]))
+        dht.append(sum(record["dht_link"]) - sum(previous["dht_link"]))
+        logged.append(record["bytes_sent"] + record["bytes_received"])
+    return {
+        "link_mb": statistics.median(link) / 1e6,
+        "link_ratio": statistics.median(a / b for a, b in zip(link, logged, strict=True)),
+        "dht_link_mb": statistics.median(dht) / 1e6,
+    }
+
+
 def codec_flags(codec: str) -> list[str]:
     """``NAME[,key=value...]`` as trainer flags: the name is ``--hv.compression``, each key
     ``--hv.sparse-<key>`` (``sparse,rule=random,density=0.0625``: the sparse codec with another rule and
@@ -224,6 +266,7 @@ def run_case(
     workdir: Path,
     codec: str = "none",
     setup: str = "direct",
+    trainer_flags: tuple[str, ...] = (),
 ) -> dict:
     numel = model_numel(MODELS[model])
     # one round to warm up and one at the end, plus one per two clusters past two for a late start
@@ -244,6 +287,7 @@ def run_case(
         "--seq-length",
         "64",
         *codec_flags(codec),
+        *trainer_flags,
     ]
     client = ["--hv.client-mode"] if setup == "nat-client" else []
     with Lab(clusters, profile, nat=[] if setup == "direct" else ["c1"]) as lab:
@@ -254,7 +298,7 @@ def run_case(
                 galaxy.start_cluster(rank, clusters, *flags, *(client if rank == 1 else []), nproc=1)
                 for rank in range(clusters)
             ]
-            seen = watch(galaxy, metrics, names, timeout=3600)
+            seen = watch(galaxy, metrics, names, timeout=3600, sample=lambda: link_sample(lab))
             # the raw baseline moves fp32: it is the yardstick of the uncompressed case only
             raw = (
                 raw_baseline(lab, galaxy.maddr, numel, clusters, rounds, matchmaking)
@@ -275,7 +319,15 @@ def run_case(
         for r in steady
     ]
     allreduce = [r["allreduce_seconds"] for r in steady]
+    sync = [r["matchmaking_seconds"] + r["exchange_seconds"] for r in steady]
     return {
+        **link_figures(before, steady),
+        "matchmaking_s": statistics.median(r["matchmaking_seconds"] for r in steady),
+        "exchange_s": statistics.median(r["exchange_seconds"] for r in steady),
+        "sync_ratio": statistics.median(a / w for a, w in zip(sync, wire, strict=True)),
+        "exchange_ratio": statistics.median(
+            r["exchange_seconds"] / w for r, w in zip(steady, wire, strict=True)
+        ),
         "profile": profile,
         "model": model,
         "numel": numel,
@@ -303,7 +355,9 @@ def format_row(row: dict) -> str:
         f"{row['profile']:<17} {row['model']:>5} {row['clusters']:>2} {row['codec']:>6} "
         f"{row['mb_per_round']:>9.1f} {row['allreduce_s']:>11.2f} {optional(row['raw_s'], 7)} "
         f"{row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} {optional(row['vs_fp32'], 7)} {row['setup']:>10} "
-        f"{optional(row['vs_direct'], 8)} {row['utilization']:>11.0%}"
+        f"{optional(row['vs_direct'], 8)} {row['utilization']:>11.0%} {row['matchmaking_s']:>6.2f} "
+        f"{row['exchange_s']:>10.2f} {row['sync_ratio']:>7.2f} {row['exchange_ratio']:>8.2f} "
+        f"{row['link_mb']:>8.1f} {row['link_ratio']:>7.2f} {row['dht_link_mb']:>7.2f}"
     )
 
 
@@ -341,6 +395,11 @@ def main() -> None:
         choices=["direct", "nat", "nat-client"],
         help="cluster 1 reachable (direct), behind a NAT, or behind a NAT with --hv.client-mode",
     )
+    parser.add_argument(
+        "--trainer-flags",
+        default="",
+        help="more flags for every cluster, one string (e.g. '--hv.fragments 2 --hv.sync-delay 10')",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.command == "raw":
@@ -353,7 +412,8 @@ def main() -> None:
     print(
         f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} "
         f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'setup':>10} {'÷ direct':>8} "
-        f"{'utilization':>11}",
+        f"{'utilization':>11} {'mm s':>6} {'exchange s':>10} {'÷ bound':>7} {'ex ÷ bd':>8} {'link MB':>8} "
+        f"{'÷ logged':>7} {'DHT MB':>7}",
         flush=True,
     )
     for profile in args.profiles:
@@ -372,6 +432,7 @@ def main() -> None:
                             Path(workdir),
                             codec,
                             setup,
+                            tuple(shlex.split(args.trainer_flags)),
                         )
                     fp32 = row["allreduce_s"] if codec == "none" and setup == "direct" else fp32
                     direct = row["allreduce_s"] if setup == "direct" else direct

@@ -136,6 +136,14 @@ class Lab:
         """Prefix a command with this to run it inside ``endpoint``'s namespace."""
         return ["ip", "netns", "exec", self.netns(endpoint)]
 
+    def link_bytes(self, endpoint: str) -> tuple[int, int]:
+        """(sent, received) bytes so far on ``endpoint``'s link (its ``eth0``, frames as the wire carries
+        them: every process of the endpoint, headers and retransmissions included); a NATed endpoint's are its
+        router's public link."""
+        out = run("ip", "-n", self._link_netns(self._endpoint(endpoint)), "-j", "-s", "link", "show", "eth0")
+        stats = json.loads(out.stdout)[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
     def set_link(self, endpoint: str, up: bool) -> None:
         """Take ``endpoint``'s link down (a partition: nothing in or out) or bring it back up."""
         run("ip", "-n", self.bridge_netns, "link", "set", self._endpoint(endpoint), "up" if up else "down")

@@ -60,6 +60,9 @@ def test_rounds_are_bitwise_identical(galaxy, n, compression):
             else:
                 assert result["fp16_ok"], result
             assert report["bytes_sent"] > 0 and report["bytes_received"] > 0 and report["seconds"] > 0
+            # the round's seconds split at the group's forming (both stamps on the machine's one clock)
+            assert 0 < report["exchange_seconds"] and 0 <= report["matchmaking_seconds"], report
+            assert report["matchmaking_seconds"] + report["exchange_seconds"] <= report["seconds"], report
         # every tensor part is counted once by its sender and once by its receiver
         assert sum(r[3]["bytes_sent"] for r in results) == sum(r[3]["bytes_received"] for r in results)
         # a span goes to its reducer from n-1 peers and comes back to n-1 peers

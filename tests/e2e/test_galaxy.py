@@ -36,6 +36,12 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
         assert a["param_checksum"] == b["param_checksum"]
         assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"]
         assert a["bytes_sent"] > 0 and a["allreduce_seconds"] > 0
+        assert (
+            0
+            < a["exchange_seconds"]
+            <= a["matchmaking_seconds"] + a["exchange_seconds"]
+            <= a["allreduce_seconds"]
+        )
     # the clusters trained on different data, yet share θ; and each one's loss fell
     for m in metrics:
         losses = [r["loss"] for r in read_metrics(m)]
