@@ -347,14 +347,7 @@ class Committing:
                 self.cluster.gather_strings(self.state.fragment_hash(fragment))
             )
         if report is not None:
-            fields.update(
-                galaxy_peers=report.group_size,
-                allreduce_seconds=report.seconds,
-                matchmaking_seconds=report.matchmaking_seconds,
-                exchange_seconds=report.exchange_seconds,
-                bytes_sent=report.bytes_sent,
-                bytes_received=report.bytes_received,
-            )
+            fields.update(report.record_fields())
         return RoundResult(
             outcome=outcome,
             outer_step=self.outer_step,

@@ -48,6 +48,17 @@ class RoundReport:
     records show a later outer step): a retry after a part was lost on its way, say. Nobody is left to average
     with; the cluster adopts the galaxy's state at once rather than wait for the galaxy's next round."""
 
+    def record_fields(self) -> dict[str, Any]:
+        """What the round's metrics record says of this all-reduce (``RoundResult``'s fields)."""
+        return dict(
+            galaxy_peers=self.group_size,
+            allreduce_seconds=self.seconds,
+            matchmaking_seconds=self.matchmaking_seconds,
+            exchange_seconds=self.exchange_seconds,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+        )
+
 
 MEMBERSHIP_READ_SECONDS = 3.0
 """The most one read of the membership records may take (``Averager.membership`` is bounded so): what a read

@@ -38,7 +38,8 @@ from open_diloco.local_galaxy import Galaxy, with_overrides
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) and its bench are imported as scripts.*
 
-from scripts.bench.wan import MODELS, watch  # noqa: E402
+from scripts.bench.wan import MODELS  # noqa: E402
+from scripts.bench.wan_rounds import watch  # noqa: E402
 from scripts.wan.lab import Lab  # noqa: E402
 
 

@@ -33,7 +33,9 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
   (scripts/wan/nat.py), ``nat-client`` also gives it ``--hv.client-mode`` (docs/networks.md);
 - ``mm s`` and ``exchange s``: the round split at its group's forming (``matchmaking_seconds``,
   ``exchange_seconds`` of the records: the DHT lookups and joins, then the all-reduce on the wire); the
-  second ``÷ bound`` is their sum ÷ wire bound, ``ex ÷ bd`` the exchange alone ÷ wire bound. With
+  second ``÷ bound`` is their sum ÷ wire bound, ``ex ÷ bd`` the exchange alone ÷ wire bound; ``mm last``:
+  the matchmaking of the cluster that arrived last (the least over the clusters: the rendezvous itself,
+  without the wait for a slower cluster). With
   ``--hv.sync-delay`` a sync's ``allreduce s`` runs until it lands, τ inner steps later, so only these two say
   how long the network took;
 - ``link MB``: what cluster 0's link carried (both directions, headers and retransmissions, every process of
@@ -54,7 +56,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from open_diloco.local_galaxy import Galaxy, kill_tree
@@ -62,6 +63,13 @@ from open_diloco.local_galaxy import Galaxy, kill_tree
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) is imported as scripts.wan
 
+from scripts.bench.wan_rounds import (  # noqa: E402
+    link_figures,
+    link_sample,
+    split_figures,
+    steady_rounds,
+    watch,
+)
 from scripts.wan.lab import Lab  # noqa: E402
 
 MODELS = {
@@ -78,37 +86,6 @@ def model_numel(path: Path) -> int:
     from open_diloco.model import build_model
 
     return sum(p.numel() for p in build_model(path, seed=0).parameters())
-
-
-def watch(
-    galaxy: Galaxy,
-    metrics: list[Path],
-    names: list[str],
-    timeout: float,
-    sample: Callable[[], dict] | None = None,
-) -> list[dict[int, dict]]:
-    """Each cluster's records by step, each with ``seen``: when its line appeared (monotonic seconds); the
-    first cluster's also with what ``sample()`` returned then (the lab's link counters, say)."""
-    seen: list[dict[int, dict]] = [{} for _ in metrics]
-    deadline = time.monotonic() + timeout
-    while any(galaxy.procs[name].poll() is None for name in names):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the clusters did not finish within {timeout} s")
-        galaxy.track()
-        for records, path in zip(seen, metrics, strict=True):
-            if path.exists():
-                for line in path.read_text().splitlines():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:  # a line still being written
-                        continue
-                    if "step" in record and record["step"] not in records:  # (an evaluation record has none)
-                        extra = sample() if sample is not None and records is seen[0] else {}
-                        records[record["step"]] = {**record, "seen": time.monotonic(), **extra}
-        time.sleep(0.05)
-    for name in names:
-        assert galaxy.procs[name].returncode == 0, galaxy.log(name)[-3000:]
-    return seen
 
 
 def raw_baseline(
@@ -186,60 +163,6 @@ def raw_peer(args: argparse.Namespace) -> None:
         dht.shutdown()
 
 
-def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> list[dict]:
-    """Cluster 0's records of the round before the steady ones (where the wall clock starts) and of the
-    ``rounds`` steady rounds: whole rounds (every cluster took part, equal hashes),
-    after the first whole one (it also waits for the slowest start) and before the run's last (see the module
-    docstring). With 4 clusters on 2 cores one often starts late and adopts the galaxy's state: the rounds
-    before it arrived are not steady."""
-    by_round = [{r["outer_step"]: r for r in s.values() if "outer_step" in r} for s in seen]
-    last = min(max(rounds_of) for rounds_of in by_round)
-    whole = [
-        k
-        for k in sorted(by_round[0])
-        if k < last
-        and all(
-            k in rounds_of
-            and rounds_of[k]["galaxy_peers"] == clusters
-            and rounds_of[k]["param_hash"] == by_round[0][k]["param_hash"]
-            for rounds_of in by_round
-        )
-    ]
-    steady = whole[1 : rounds + 1]
-    if (
-        len(steady) < rounds
-        or steady != list(range(steady[0], steady[0] + rounds))
-        or steady[0] - 1 not in by_round[0]
-    ):
-        raise AssertionError(
-            f"expected {rounds} consecutive whole rounds after the first, got rounds {whole} "
-            f"of {sorted(by_round[0])}; run more rounds (--rounds) or fewer clusters"
-        )
-    return [by_round[0][k] for k in range(steady[0] - 1, steady[-1] + 1)]
-
-
-def link_sample(lab: Lab) -> dict:
-    """The counters of cluster 0's link and of the DHT's, as :func:`watch` attaches them to a record."""
-    return {"link": lab.link_bytes("c0"), "dht_link": lab.link_bytes("dht")}
-
-
-def link_figures(before: dict, steady: list[dict]) -> dict:
-    """Medians over the steady rounds of what cluster 0's link carried between one sync's record and the
-    next (both directions, every process of the cluster, headers and retransmissions included), of that ÷ the
-    bytes the round logged (``bytes_sent`` + ``bytes_received``: encoded tensor parts), and of what the DHT's
-    link carried meanwhile (matchmaking lookups and the status records, from every cluster)."""
-    link, logged, dht = [], [], []
-    for previous, record in zip([before, *steady], steady, strict=False):
-        link.append(sum(record["link"]) - sum(previous["link"]))
-        dht.append(sum(record["dht_link"]) - sum(previous["dht_link"]))
-        logged.append(record["bytes_sent"] + record["bytes_received"])
-    return {
-        "link_mb": statistics.median(link) / 1e6,
-        "link_ratio": statistics.median(a / b for a, b in zip(link, logged, strict=True)),
-        "dht_link_mb": statistics.median(dht) / 1e6,
-    }
-
-
 def codec_flags(codec: str) -> list[str]:
     """``NAME[,key=value...]`` as trainer flags: the name is ``--hv.compression``, each key
     ``--hv.sparse-<key>`` (``sparse,rule=random,density=0.0625``: the sparse codec with another rule and
@@ -267,30 +190,20 @@ def run_case(
     codec: str = "none",
     setup: str = "direct",
     trainer_flags: tuple[str, ...] = (),
+    sysctls: tuple[str, ...] = (),
 ) -> dict:
     numel = model_numel(MODELS[model])
     # one round to warm up and one at the end, plus one per two clusters past two for a late start
     steps = local_steps * (rounds + 2 + (clusters - 1) // 2)
     flags = [
-        "--path-model",
-        str(MODELS[model]),
-        "--max-steps",
-        str(steps),
-        "--hv.local-steps",
-        str(local_steps),
-        "--hv.averaging-timeout",
-        "900",
-        "--hv.join-timeout",
-        "120",
-        "--hv.matchmaking-time",
-        str(matchmaking),
-        "--seq-length",
-        "64",
+        *("--path-model", str(MODELS[model]), "--max-steps", str(steps), "--seq-length", "64"),
+        *("--hv.local-steps", str(local_steps), "--hv.matchmaking-time", str(matchmaking)),
+        *("--hv.averaging-timeout", "900", "--hv.join-timeout", "120"),
         *codec_flags(codec),
         *trainer_flags,
     ]
     client = ["--hv.client-mode"] if setup == "nat-client" else []
-    with Lab(clusters, profile, nat=[] if setup == "direct" else ["c1"]) as lab:
+    with Lab(clusters, profile, nat=[] if setup == "direct" else ["c1"], sysctls=sysctls) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         try:
             names = [f"cluster{rank}" for rank in range(clusters)]
@@ -319,15 +232,9 @@ def run_case(
         for r in steady
     ]
     allreduce = [r["allreduce_seconds"] for r in steady]
-    sync = [r["matchmaking_seconds"] + r["exchange_seconds"] for r in steady]
     return {
         **link_figures(before, steady),
-        "matchmaking_s": statistics.median(r["matchmaking_seconds"] for r in steady),
-        "exchange_s": statistics.median(r["exchange_seconds"] for r in steady),
-        "sync_ratio": statistics.median(a / w for a, w in zip(sync, wire, strict=True)),
-        "exchange_ratio": statistics.median(
-            r["exchange_seconds"] / w for r, w in zip(steady, wire, strict=True)
-        ),
+        **split_figures(seen, steady, wire),
         "profile": profile,
         "model": model,
         "numel": numel,
@@ -356,12 +263,13 @@ def format_row(row: dict) -> str:
         f"{row['mb_per_round']:>9.1f} {row['allreduce_s']:>11.2f} {optional(row['raw_s'], 7)} "
         f"{row['wire_bound_s']:>12.2f} {row['ratio']:>8.2f} {optional(row['vs_fp32'], 7)} {row['setup']:>10} "
         f"{optional(row['vs_direct'], 8)} {row['utilization']:>11.0%} {row['matchmaking_s']:>6.2f} "
+        f"{row['matchmaking_last_s']:>8.2f} "
         f"{row['exchange_s']:>10.2f} {row['sync_ratio']:>7.2f} {row['exchange_ratio']:>8.2f} "
         f"{row['link_mb']:>8.1f} {row['link_ratio']:>7.2f} {row['dht_link_mb']:>7.2f}"
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -400,8 +308,19 @@ def main() -> None:
         default="",
         help="more flags for every cluster, one string (e.g. '--hv.fragments 2 --hv.sync-delay 10')",
     )
+    parser.add_argument(
+        "--sysctls",
+        nargs="*",
+        default=[],
+        help="set in every lab namespace after the lab's own: a host's TCP tuning, e.g. "
+        "net.ipv4.tcp_slow_start_after_idle=0 or net.ipv4.tcp_congestion_control=cubic",
+    )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.command == "raw":
         return raw_peer(args)
     rows = []
@@ -412,8 +331,8 @@ def main() -> None:
     print(
         f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} "
         f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'setup':>10} {'÷ direct':>8} "
-        f"{'utilization':>11} {'mm s':>6} {'exchange s':>10} {'÷ bound':>7} {'ex ÷ bd':>8} {'link MB':>8} "
-        f"{'÷ logged':>7} {'DHT MB':>7}",
+        f"{'utilization':>11} {'mm s':>6} {'mm last':>8} {'exchange s':>10} {'÷ bound':>7} {'ex ÷ bd':>8} "
+        f"{'link MB':>8} {'÷ logged':>7} {'DHT MB':>7}",
         flush=True,
     )
     for profile in args.profiles:
@@ -433,6 +352,7 @@ def main() -> None:
                             codec,
                             setup,
                             tuple(shlex.split(args.trainer_flags)),
+                            tuple(args.sysctls),
                         )
                     fp32 = row["allreduce_s"] if codec == "none" and setup == "direct" else fp32
                     direct = row["allreduce_s"] if setup == "direct" else direct

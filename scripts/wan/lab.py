@@ -74,6 +74,7 @@ class Lab:
         run_id: str | None = None,
         python: str = sys.executable,
         nat: Sequence[str] = (),
+        sysctls: Sequence[str] = (),
     ):
         profiles = load_profiles()
         if isinstance(profile, str):
@@ -92,6 +93,9 @@ class Lab:
         self.nat = [self._endpoint(name) for name in nat]  # endpoints behind a NAT (scripts/wan/nat.py)
         if "dht" in self.nat:
             raise LabError("--nat: the DHT must be reachable (every cluster dials it); NAT clusters only")
+        self.sysctls = [*NAMESPACE_SYSCTLS, *sysctls]
+        """Set in every namespace: the lab's own, then ``sysctls`` (a host's TCP tuning, say:
+        ``net.ipv4.tcp_slow_start_after_idle=0``); each namespace's TCP stack is its own."""
         self.forwarders: dict[str, subprocess.Popen] = {}
         self.reaper: subprocess.Popen | None = None
         self.workdir = RUNTIME / self.run_id
@@ -204,27 +208,8 @@ class Lab:
             ns = self._link_netns(name)
             run("ip", "netns", "add", ns)
             run("ip", "-n", ns, "link", "set", "lo", "up")
-            run(
-                "ip",
-                "link",
-                "add",
-                "eth0",
-                "netns",
-                ns,
-                "address",
-                self._mac(name),
-                "mtu",
-                str(MTU),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                name,
-                "netns",
-                br,
-                "mtu",
-                str(MTU),
-            )
+            veth = ("eth0", "netns", ns, "address", self._mac(name), "mtu", str(MTU), "type", "veth")
+            run("ip", "link", "add", *veth, "peer", "name", name, "netns", br, "mtu", str(MTU))
             run("ip", "-n", br, "link", "set", name, "master", "br0", "up")
             run("ip", "-n", ns, "link", "set", "eth0", "up")
             run("ip", "-n", ns, "tuntap", "add", "dev", "wan0", "mode", "tun")
@@ -233,9 +218,9 @@ class Lab:
             # uplink on the endpoint's side, downlink on the bridge's side of its veth
             run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *self._tbf(p.up_mbit))
             run("tc", "-n", br, "qdisc", "add", "dev", name, "root", "tbf", *self._tbf(p.down_mbit))
-            run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *NAMESPACE_SYSCTLS)
+            run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *self.sysctls)
             if name in self.nat:
-                build_nat(ns, self.netns(name), int(name[1:]), MTU, NAMESPACE_SYSCTLS)
+                build_nat(ns, self.netns(name), int(name[1:]), MTU, self.sysctls)
 
     @staticmethod
     def _tbf(mbit: float) -> list[str]:

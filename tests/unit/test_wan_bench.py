@@ -1,5 +1,5 @@
-"""The communication yardstick's round accounting (scripts/bench/wan.py): which rounds count as steady, and
-how a case names its codec."""
+"""The communication yardstick's round accounting (scripts/bench/wan.py, wan_rounds.py): which rounds count as
+steady, what each measured, and how a case names its codec."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from scripts.bench.wan import codec_flags, steady_rounds
+from scripts.bench.wan import codec_flags
+from scripts.bench.wan_rounds import link_figures, split_figures, steady_rounds
 from tests.conftest import REPO
 
 
@@ -41,6 +42,34 @@ def test_too_few_whole_rounds_say_what_to_do():
     seen = [_records({1: (2, "a"), 2: (1, "b"), 3: (2, "c"), 4: (2, "d")}) for _ in range(2)]
     with pytest.raises(AssertionError, match="run more rounds"):
         steady_rounds(seen, clusters=2, rounds=3)
+
+
+def test_link_bytes_count_between_one_sync_s_record_and_the_next_against_the_logged_bytes():
+    def record(tx, rx, dht, logged=0):
+        return {
+            "link": (tx, rx),
+            "dht_link": (dht, 0),
+            "bytes_sent": logged // 2,
+            "bytes_received": logged // 2,
+        }
+
+    before = record(1_000, 2_000, 50)
+    steady = [record(6_000, 7_000, 60, logged=10_000), record(12_000, 13_000, 90, logged=10_000)]
+    figures = link_figures(before, steady)
+    # rounds carried 10,000 then 12,000 bytes on the link for 10,000 logged; the DHT's link 10 then 30
+    assert figures == {"link_mb": 0.011, "link_ratio": 1.1, "dht_link_mb": 0.00002}
+
+
+def test_a_round_splits_into_matchmaking_and_exchange_and_the_last_arrival_shows_the_rendezvous():
+    def sync(k, matchmaking, exchange):
+        return {"outer_step": k, "matchmaking_seconds": matchmaking, "exchange_seconds": exchange}
+
+    # cluster 0 waited 3 s for cluster 1 at round 1; cluster 1, last to arrive, met it in 0.5 s
+    seen = [{5: sync(1, 3.0, 2.0), 10: sync(2, 1.0, 3.0)}, {5: sync(1, 0.5, 2.0), 10: sync(2, 0.7, 3.0)}]
+    figures = split_figures(seen, [seen[0][5], seen[0][10]], wire=[2.0, 2.0])
+    assert figures["matchmaking_s"] == 2.0 and figures["matchmaking_last_s"] == 0.6
+    assert figures["exchange_s"] == 2.5
+    assert figures["sync_ratio"] == 2.25 and figures["exchange_ratio"] == 1.25
 
 
 def test_a_codec_case_passes_its_sparse_options_as_flags():
