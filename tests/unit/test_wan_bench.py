@@ -3,6 +3,7 @@ steady, what each measured, and how a case names its codec."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -93,3 +94,22 @@ def test_the_wan_lab_commands_print_their_help(module):
         [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_one_tcp_flow_carries_the_bytes_both_ways_and_reports_its_seconds():
+    # the bench's "tcp s" yardstick, on loopback: the server gets the bytes and sends as many back
+    role = [sys.executable, "-m", "scripts.bench.tcp_flow"]
+    where = ["--host", "127.0.0.1", "--port", "0", "--bytes", str(3 << 20)]
+    server = subprocess.Popen([*role, "serve", *where], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        port = json.loads(server.stdout.readline())["listening"]
+        where[3] = str(port)
+        sent = subprocess.run(
+            [*role, "send", *where], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+        )
+        assert server.wait(timeout=30) == 0
+    finally:
+        server.kill()
+        server.wait()
+    figures = json.loads(sent.stdout)
+    assert figures["bytes"] == 3 << 20 and 0 < figures["seconds"] < 30
