@@ -35,9 +35,8 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
   ``exchange_seconds`` of the records: the DHT lookups and joins, then the all-reduce on the wire); the
   second ``÷ bound`` is their sum ÷ wire bound, ``ex ÷ bd`` the exchange alone ÷ wire bound; ``mm last``:
   the matchmaking of the cluster that arrived last (the least over the clusters: the rendezvous itself,
-  without the wait for a slower cluster). With
-  ``--hv.sync-delay`` a sync's ``allreduce s`` runs until it lands, τ inner steps later, so only these two say
-  how long the network took;
+  without the wait for a slower cluster). With ``--hv.sync-delay`` a sync's ``allreduce s`` runs until it
+  lands, τ inner steps later, so only these two say how long the network took;
 - ``link MB``: what cluster 0's link carried (both directions, headers and retransmissions, every process of
   the cluster) between one sync's record and the next; ``÷ logged``: that ÷ the round's ``bytes_sent`` +
   ``bytes_received``; ``DHT MB``: what the DHT's link carried meanwhile;
@@ -324,7 +323,8 @@ def parse_args() -> argparse.Namespace:
         nargs="*",
         default=[],
         help="set in every lab namespace after the lab's own: a host's TCP tuning, e.g. "
-        "net.ipv4.tcp_slow_start_after_idle=0 or net.ipv4.tcp_congestion_control=cubic",
+        "net.ipv4.tcp_slow_start_after_idle=0 (the congestion control is the host's: a namespace may not "
+        "choose its own)",
     )
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     return parser.parse_args()
