@@ -81,9 +81,9 @@ def measure(lab: Lab, nbytes: int, repeats: int, port: int = 7788) -> list[float
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way between clusters 0 and 1 of ``lab``,
     one connection each, one after another. Every process is ended by PID before this returns."""
     seconds = []
+    role = [sys.executable, "-m", "scripts.bench.tcp_flow"]
+    where = ["--host", lab.address("c1"), "--port", str(port), "--bytes", str(nbytes)]
     for _ in range(repeats):
-        role = [sys.executable, "-m", "scripts.bench.tcp_flow"]
-        where = ["--host", lab.address("c1"), "--port", str(port), "--bytes", str(nbytes)]
         server = subprocess.Popen(
             [*lab.exec_prefix("c1"), *role, "serve", *where], cwd=REPO, stdout=subprocess.PIPE, text=True
         )

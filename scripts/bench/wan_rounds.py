@@ -48,13 +48,18 @@ def watch(
     return seen
 
 
+def by_sync(seen: list[dict[int, dict]]) -> list[dict[int, dict]]:
+    """Each cluster's sync records by outer step (from its records by step)."""
+    return [{r["outer_step"]: r for r in records.values() if "outer_step" in r} for records in seen]
+
+
 def steady_rounds(seen: list[dict[int, dict]], clusters: int, rounds: int) -> list[dict]:
     """Cluster 0's records of the round before the steady ones (where the wall clock starts) and of the
     ``rounds`` steady rounds: whole rounds (every cluster took part, equal hashes),
     after the first whole one (it also waits for the slowest start) and before the run's last (see the module
     docstring). With 4 clusters on 2 cores one often starts late and adopts the galaxy's state: the rounds
     before it arrived are not steady."""
-    by_round = [{r["outer_step"]: r for r in s.values() if "outer_step" in r} for s in seen]
+    by_round = by_sync(seen)
     last = min(max(rounds_of) for rounds_of in by_round)
     whole = [
         k
@@ -105,8 +110,8 @@ def link_figures(before: dict, steady: list[dict]) -> dict:
 def split_figures(seen: list[dict[int, dict]], steady: list[dict], wire: list[float]) -> dict:
     """Medians over the steady rounds of the round's two parts (cluster 0's), of their sum and of the exchange
     ÷ the wire bound, and of the matchmaking of the cluster that arrived last."""
-    by_sync = [{r["outer_step"]: r for r in records.values() if "outer_step" in r} for records in seen]
-    last = [min(records[r["outer_step"]]["matchmaking_seconds"] for records in by_sync) for r in steady]
+    syncs = by_sync(seen)
+    last = [min(records[r["outer_step"]]["matchmaking_seconds"] for records in syncs) for r in steady]
     sync = [r["matchmaking_seconds"] + r["exchange_seconds"] for r in steady]
     return {
         "matchmaking_s": statistics.median(r["matchmaking_seconds"] for r in steady),
