@@ -32,6 +32,13 @@ learning. A step costs about half as much (2.5 → 1.2 CPU-s for 30 steps on one
 well over a hundred trainer ranks."""
 TRAIN_SCRIPT = REPO / "open_diloco" / "train_fsdp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STOP_BUDGET = 15.0
+"""Seconds from a stop signal to the end of every rank of a cluster and every hivemind process (DHT, averager,
+p2pd) under them: within what a batch system or ``docker stop`` waits before SIGKILL."""
+LAUNCHER_EXIT_SECONDS = 30.0
+"""Seconds more for torchrun itself to exit once its ranks are gone. That is torch's launcher tearing down
+its own interpreter (a final garbage collection of torch's whole import graph: 0.8 s on an idle 2-core
+machine, 2.4 s beside four CPU burners, more in a loaded CI run), not a rank of ours."""
 
 
 def check(condition: object, message: str) -> None:
@@ -206,6 +213,22 @@ class Galaxy:
             time.sleep(0.2)
         check(proc.poll() is not None, f"{name} did not finish in {timeout} s:\n{self.log(name)[-3000:]}")
         return proc.returncode
+
+    def stop(self, name: str, sig: signal.Signals, budget: float = STOP_BUDGET) -> float:
+        """Send ``sig`` to cluster ``name``'s torchrun, as Ctrl+C or a batch system does, and check that its
+        ranks and their hivemind processes end within ``budget`` s and torchrun within
+        :data:`LAUNCHER_EXIT_SECONDS` after them. Returns the seconds the ranks took; the exit code is the
+        process's ``returncode``."""
+        torchrun = self.procs[name]
+        self.track()
+        tree = descendants(torchrun.pid)
+        started = time.monotonic()
+        torchrun.send_signal(sig)
+        left = processes.wait_gone(tree, budget)
+        took = time.monotonic() - started
+        check(not left, f"{name}: {alive(left)} alive {budget} s after {sig.name}:\n{self.log(name)[-3000:]}")
+        self.wait(name, LAUNCHER_EXIT_SECONDS)
+        return took
 
     def wait_for_step(self, metrics: Path, step: int, timeout: float) -> None:
         """Wait until the cluster writing ``metrics`` logged inner step ``step``; raise if it exits first."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -251,13 +250,10 @@ def test_a_lost_cluster_does_not_stop_the_other(galaxy, sig):
     victim = galaxy.start_cluster(1, 2, *common, nproc=nproc)
     galaxy.wait_for_step(victim, 7, 240)
     galaxy.track()
-    started = time.monotonic()
     if sig == signal.SIGKILL:
         kill_tree(galaxy.procs["cluster1"].pid, signal.SIGKILL)
     else:
-        galaxy.procs["cluster1"].send_signal(signal.SIGINT)  # what Ctrl+C does to torchrun
-        galaxy.wait("cluster1", 15)  # asserts that every rank ended within 15 s
-        assert time.monotonic() - started < 15
+        galaxy.stop("cluster1", signal.SIGINT)  # Ctrl+C to torchrun: every rank must end within 15 s
         assert "stopping" in galaxy.log("cluster1") or "interrupted" in galaxy.log("cluster1")
     assert galaxy.wait("cluster0", 300) == 0, galaxy.log("cluster0")[-3000:]
     rounds = outer_records(survivor)
