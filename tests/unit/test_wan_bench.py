@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from open_diloco.processes import kill_tree, wait_gone
 from scripts.bench.wan import codec_flags
 from scripts.bench.wan_rounds import link_figures, split_figures, steady_rounds
 from tests.conftest import REPO
@@ -113,3 +114,28 @@ def test_one_tcp_flow_carries_the_bytes_both_ways_and_reports_its_seconds():
         server.wait()
     figures = json.loads(sent.stdout)
     assert figures["bytes"] == 3 << 20 and 0 < figures["seconds"] < 30
+
+
+@pytest.mark.parametrize("one_way", [False, True])
+def test_libp2p_streams_carry_the_bytes_and_report_their_seconds(one_way):
+    # the libp2p yardstick (scripts/bench/p2p_flow.py), on loopback through two real p2pd daemons, 2 streams
+    role = [sys.executable, "-m", "scripts.bench.p2p_flow"]
+    size = ["--bytes", str(3 << 20), "--streams", "2", *(["--one-way"] if one_way else [])]
+    server = subprocess.Popen(
+        [*role, "serve", "--host", "127.0.0.1", *size], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        maddr = json.loads(server.stdout.readline())["maddr"]
+        sent = subprocess.run(
+            [*role, "send", "--maddr", maddr, *size], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert sent.returncode == 0, sent.stderr[-2000:]
+    finally:
+        left = kill_tree(server.pid)  # the server and its p2pd
+        server.wait()
+    assert not left
+    figures = json.loads(sent.stdout.strip().splitlines()[-1])
+    assert (
+        figures["bytes"] == (0 if one_way else 3 << 20) and figures["streams"] == 2
+    )  # what came back and 0 < figures["seconds"] < 60
+    assert len(figures["daemons"]) == 1 and not wait_gone(figures["daemons"], 10)  # the sender's p2pd ended

@@ -1,0 +1,196 @@
+r"""What libp2p itself carries over a WAN lab path, without the all-reduce: the transport hivemind's
+all-reduce runs on, beside one plain TCP connection on the same path (issue 36: where a sync's seconds go).
+
+    python -m scripts.bench.p2p_flow --profile intercontinental --bytes 105000000 --repeats 2 --streams 1 2 4
+
+Both ends send ``N`` bytes and receive ``N`` at once, as a 2-peer all-reduce does, over ``k`` hivemind P2P
+streams (each carries N/k both ways) in 512 KiB ``AveragingData`` messages, the all-reduce's part size and
+message type: Python, p2pd over its Unix socket, TLS, yamux and one TCP connection, the other p2pd, Python.
+Nothing is reduced, so what this takes beyond the TCP flow (``scripts/bench/tcp_flow.py``, measured in the
+same lab) is the transport's, and what the all-reduce takes beyond this is the all-reduce's. A stream ends
+once the server has read all of its bytes, so the sender's seconds cover both directions.
+
+    python -m scripts.bench.p2p_flow serve --host 10.77.0.11 --bytes N --streams K   # prints its multiaddr
+    python -m scripts.bench.p2p_flow send --maddr MADDR --bytes N --streams K        # prints the seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from open_diloco.local_galaxy import kill_tree
+
+if TYPE_CHECKING:
+    from scripts.wan.lab import Lab
+
+REPO = Path(__file__).resolve().parents[2]
+PART_BYTES = 512 << 10
+"""hivemind's all-reduce part size (``DEFAULT_PART_SIZE_BYTES``), so each message is what a round sends."""
+TIMEOUT_SECONDS = 600.0
+HANDLER = "p2p_flow"
+
+
+def _messages(nbytes: int) -> Iterator:
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    blob, left = bytes(PART_BYTES), nbytes
+    while left > 0:
+        size = min(PART_BYTES, left)
+        left -= size
+        yield averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=blob[:size]))
+
+
+async def _as_async(messages: Iterator) -> AsyncIterator:
+    for message in messages:
+        yield message
+
+
+async def serve(host: str, nbytes: int, streams: int, one_way: bool = False) -> None:
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2
+
+    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"])
+
+    async def handler(requests: AsyncIterator, _context) -> AsyncIterator:
+        async def read_all() -> int:
+            return sum([len(request.tensor_part.buffer) async for request in requests])
+
+        reading = asyncio.create_task(read_all())  # both directions at once
+        for message in _messages(0 if one_way else nbytes // streams):
+            yield message
+        if (got := await reading) != nbytes // streams:
+            raise ConnectionError(f"a stream carried {got} bytes, not {nbytes // streams}")
+
+    await p2p.add_protobuf_handler(
+        HANDLER, handler, averaging_pb2.AveragingData, stream_input=True, stream_output=True
+    )
+    maddr = (await p2p.get_visible_maddrs())[0]
+    print(json.dumps({"maddr": f"{maddr}/p2p/{p2p.peer_id.to_base58()}"}), flush=True)
+    await asyncio.sleep(TIMEOUT_SECONDS)  # until the bench ends this process by PID
+
+
+async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False) -> None:
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+
+    p2p = await P2P.create(initial_peers=[maddr])  # dials the server: the connection exists before the clock
+    peer = PeerID.from_base58(maddr.split("/p2p/")[1])
+    daemons = [
+        child.pid for child in psutil.Process().children()
+    ]  # reported, so a caller can check them gone
+
+    async def one_stream() -> int:
+        requests = _as_async(_messages(nbytes // streams))
+        replies = await p2p.iterate_protobuf_handler(peer, HANDLER, requests, averaging_pb2.AveragingData)
+        return sum([len(reply.tensor_part.buffer) async for reply in replies])
+
+    try:
+        start = time.monotonic()
+        got = await asyncio.wait_for(asyncio.gather(*(one_stream() for _ in range(streams))), TIMEOUT_SECONDS)
+        seconds = time.monotonic() - start
+        if sum(got) != (0 if one_way else streams * (nbytes // streams)):
+            raise ConnectionError(f"received {sum(got)} bytes, not {0 if one_way else nbytes}")
+        figures = {"seconds": seconds, "bytes": sum(got), "streams": streams, "daemons": daemons}
+        print(json.dumps(figures), flush=True)
+    finally:
+        await p2p.shutdown()
+
+
+def measure(lab: Lab, nbytes: int, repeats: int, streams: int, one_way: bool = False) -> list[float]:
+    """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way (``one_way``: from cluster 0 only) over
+    ``streams`` libp2p streams between clusters 0 and 1 of ``lab``, one after another. Every process is ended
+    by PID before this returns."""
+    seconds = []
+    role = [sys.executable, "-m", "scripts.bench.p2p_flow"]
+    size = ["--bytes", str(nbytes), "--streams", str(streams), *(["--one-way"] if one_way else [])]
+    for _ in range(repeats):
+        server = subprocess.Popen(
+            [*lab.exec_prefix("c1"), *role, "serve", "--host", lab.address("c1"), *size],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            maddr = json.loads(server.stdout.readline())["maddr"]
+            out = subprocess.run(
+                [*lab.exec_prefix("c0"), *role, "send", "--maddr", maddr, *size],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_SECONDS,
+                check=True,
+            ).stdout
+            seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        finally:
+            kill_tree(server.pid)
+    return seconds
+
+
+def compare(
+    profile: str, nbytes: int, repeats: int, stream_counts: list[int], sysctls: list[str]
+) -> list[str]:
+    """A markdown table: the TCP flow, each stream count, and one stream one way (each direction of a duplex
+    TCP flow has its own link, so it compares), in one lab of ``profile`` (``sysctls`` set in its
+    namespaces), with ÷ TCP."""
+    from scripts.bench import tcp_flow
+    from scripts.wan.lab import Lab
+
+    with Lab(2, profile, sysctls=sysctls) as lab:
+        tcp = tcp_flow.measure(lab, nbytes, repeats)
+        rows = [("one TCP connection", tcp)]
+        rows += [(f"libp2p, {k} stream(s)", measure(lab, nbytes, repeats, k)) for k in stream_counts]
+        rows.append(("libp2p, 1 stream, one way", measure(lab, nbytes, repeats, 1, one_way=True)))
+    baseline = statistics.median(tcp)
+    lines = [
+        f"{nbytes / 1e6:.0f} MB each way, {profile}, {repeats} run(s) each, sysctls: {sysctls or 'none'}",
+        "",
+        "| flow | seconds | median | ÷ TCP |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, seconds in rows:
+        median = statistics.median(seconds)
+        runs = ", ".join(f"{s:.2f}" for s in seconds)
+        lines.append(f"| {name} | {runs} | {median:.2f} | {median / baseline:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("role", nargs="?", choices=["serve", "send"], help="one end (the bench runs both)")
+    parser.add_argument("--host", help="serve: the address to listen on")
+    parser.add_argument("--maddr", help="send: the server's multiaddr, as it printed it")
+    parser.add_argument("--bytes", type=int, default=105_000_000, help="bytes each way (a 25M fp32 round)")
+    parser.add_argument(
+        "--streams", type=int, nargs="+", default=[1], help="streams (several: one case each)"
+    )
+    parser.add_argument("--one-way", action="store_true", help="serve/send: the server sends nothing back")
+    parser.add_argument("--profile", default="intercontinental", help="the bench: the lab's profile")
+    parser.add_argument("--repeats", type=int, default=2, help="the bench: runs of each case")
+    parser.add_argument(
+        "--sysctls", nargs="*", default=[], help="the bench: set in every lab namespace (name=value)"
+    )
+    args = parser.parse_args(argv)
+    if args.role == "serve":
+        asyncio.run(serve(args.host, args.bytes, args.streams[0], args.one_way))
+    elif args.role == "send":
+        asyncio.run(send(args.maddr, args.bytes, args.streams[0], args.one_way))
+    else:
+        print("\n".join(compare(args.profile, args.bytes, args.repeats, args.streams, args.sysctls)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
