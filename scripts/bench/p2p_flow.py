@@ -8,7 +8,9 @@ streams (each carries N/k both ways) in 512 KiB ``AveragingData`` messages, the 
 message type: Python, p2pd over its Unix socket, TLS, yamux and one TCP connection, the other p2pd, Python.
 Nothing is reduced, so what this takes beyond the TCP flow (``scripts/bench/tcp_flow.py``, measured in the
 same lab) is the transport's, and what the all-reduce takes beyond this is the all-reduce's. A stream ends
-once the server has read all of its bytes, so the sender's seconds cover both directions.
+once the server has read all of its bytes, so the sender's seconds cover both directions. ``serve``/``send``
+also run over p2pd's QUIC transport (``--transport quic``), which the galaxy does not use; the bench does not,
+because in the lab it is no yardstick (docs/results/wan.md).
 
     python -m scripts.bench.p2p_flow serve --host 10.77.0.11 --bytes N --streams K   # prints its multiaddr
     python -m scripts.bench.p2p_flow send --maddr MADDR --bytes N --streams K        # prints the seconds
@@ -39,6 +41,9 @@ PART_BYTES = 512 << 10
 """hivemind's all-reduce part size (``DEFAULT_PART_SIZE_BYTES``), so each message is what a round sends."""
 TIMEOUT_SECONDS = 600.0
 HANDLER = "p2p_flow"
+LISTEN = {"tcp": "/ip4/{host}/tcp/0", "quic": "/ip4/{host}/udp/0/quic-v1"}
+"""p2pd's transports: the galaxy's (TCP, with TLS and yamux over it) and QUIC (its own streams and
+congestion control), which p2pd also speaks."""
 
 
 def _messages(nbytes: int) -> Iterator:
@@ -56,11 +61,11 @@ async def _as_async(messages: Iterator) -> AsyncIterator:
         yield message
 
 
-async def serve(host: str, nbytes: int, streams: int, one_way: bool = False) -> None:
+async def serve(host: str, nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp") -> None:
     from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2
 
-    p2p = await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"])
+    p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(host=host)])
 
     async def handler(requests: AsyncIterator, _context) -> AsyncIterator:
         async def read_all() -> int:
@@ -75,16 +80,17 @@ async def serve(host: str, nbytes: int, streams: int, one_way: bool = False) -> 
     await p2p.add_protobuf_handler(
         HANDLER, handler, averaging_pb2.AveragingData, stream_input=True, stream_output=True
     )
-    maddr = (await p2p.get_visible_maddrs())[0]
+    maddr = str((await p2p.get_visible_maddrs())[0]).split("/p2p/")[0]  # (QUIC's come with the id already)
     print(json.dumps({"maddr": f"{maddr}/p2p/{p2p.peer_id.to_base58()}"}), flush=True)
     await asyncio.sleep(TIMEOUT_SECONDS)  # until the bench ends this process by PID
 
 
-async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False) -> None:
+async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp") -> None:
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
 
-    p2p = await P2P.create(initial_peers=[maddr])  # dials the server: the connection exists before the clock
+    # dials the server: the connection exists before the clock starts
+    p2p = await P2P.create(initial_peers=[maddr], host_maddrs=[LISTEN[transport].format(host="0.0.0.0")])
     peer = PeerID.from_base58(maddr.split("/p2p/")[1])
     daemons = [
         child.pid for child in psutil.Process().children()
@@ -107,13 +113,16 @@ async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False) -> 
         await p2p.shutdown()
 
 
-def measure(lab: Lab, nbytes: int, repeats: int, streams: int, one_way: bool = False) -> list[float]:
+def measure(
+    lab: Lab, nbytes: int, repeats: int, streams: int, one_way: bool = False, transport: str = "tcp"
+) -> list[float]:
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way (``one_way``: from cluster 0 only) over
     ``streams`` libp2p streams between clusters 0 and 1 of ``lab``, one after another. Every process is ended
-    by PID before this returns."""
+    by PID before this returns. ``transport``: a key of :data:`LISTEN`."""
     seconds = []
     role = [sys.executable, "-m", "scripts.bench.p2p_flow"]
-    size = ["--bytes", str(nbytes), "--streams", str(streams), *(["--one-way"] if one_way else [])]
+    size = ["--bytes", str(nbytes), "--streams", str(streams), "--transport", transport]
+    size += ["--one-way"] if one_way else []
     for _ in range(repeats):
         server = subprocess.Popen(
             [*lab.exec_prefix("c1"), *role, "serve", "--host", lab.address("c1"), *size],
@@ -141,8 +150,8 @@ def compare(
     profile: str, nbytes: int, repeats: int, stream_counts: list[int], sysctls: list[str]
 ) -> list[str]:
     """A markdown table: the TCP flow, each stream count, and one stream one way (each direction of a duplex
-    TCP flow has its own link, so it compares), in one lab of ``profile`` (``sysctls`` set in its
-    namespaces), with ÷ TCP."""
+    TCP flow has its own link, so it compares), in one lab of ``profile`` (``sysctls`` set in its namespaces),
+    with ÷ TCP."""
     from scripts.bench import tcp_flow
     from scripts.wan.lab import Lab
 
@@ -177,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         "--streams", type=int, nargs="+", default=[1], help="streams (several: one case each)"
     )
     parser.add_argument("--one-way", action="store_true", help="serve/send: the server sends nothing back")
+    parser.add_argument(
+        "--transport", choices=sorted(LISTEN), default="tcp", help="serve/send: p2pd's transport"
+    )
     parser.add_argument("--profile", default="intercontinental", help="the bench: the lab's profile")
     parser.add_argument("--repeats", type=int, default=2, help="the bench: runs of each case")
     parser.add_argument(
@@ -184,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.role == "serve":
-        asyncio.run(serve(args.host, args.bytes, args.streams[0], args.one_way))
+        asyncio.run(serve(args.host, args.bytes, args.streams[0], args.one_way, args.transport))
     elif args.role == "send":
-        asyncio.run(send(args.maddr, args.bytes, args.streams[0], args.one_way))
+        asyncio.run(send(args.maddr, args.bytes, args.streams[0], args.one_way, args.transport))
     else:
         print("\n".join(compare(args.profile, args.bytes, args.repeats, args.streams, args.sysctls)))
     return 0
