@@ -43,7 +43,8 @@ it: docs/results/wan.md), then runs the raw baseline in the same namespaces. Pri
 - ``tcp s``: one plain TCP connection between clusters 0 and 1 carrying a round's bytes (the busier
   direction's) each way at once, on the same path once the galaxy has stopped (scripts/bench/tcp_flow.py; 2
   clusters only): what any all-reduce over one connection per pair can reach there; ``ex ÷ tcp`` the exchange
-  ÷ that;
+  ÷ that; ``p2p s``: the same bytes over 2 hivemind P2P streams through p2pd, nothing reduced
+  (scripts/bench/p2p_flow.py): the transport's own figure; ``ex ÷ p2p`` the exchange ÷ that;
 - ``utilization``: Σ inner-step seconds ÷ wall seconds over the steady rounds (wall from when each metrics
   line appeared, polled every 50 ms): the share of time the cluster computes. On this CPU machine the inner
   steps of the clusters share 2 cores, so only the ratios travel to GPUs, not the seconds.
@@ -66,7 +67,7 @@ from open_diloco.local_galaxy import Galaxy, kill_tree
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) is imported as scripts.wan
 
-from scripts.bench import tcp_flow  # noqa: E402
+from scripts.bench import p2p_flow, tcp_flow  # noqa: E402
 from scripts.bench.wan_rounds import (  # noqa: E402
     link_figures,
     link_sample,
@@ -228,6 +229,7 @@ def run_case(
         whole = [r for r in seen[0].values() if r.get("galaxy_peers") == clusters == 2]
         per_direction = max(max(r["bytes_sent"], r["bytes_received"]) for r in whole) if whole else 0
         tcp = tcp_flow.measure(lab, per_direction, rounds) if per_direction else []
+        p2p = p2p_flow.measure(lab, per_direction, rounds, streams=2) if per_direction else []
         link = lab.profile
     records = seen[0]
     before, *steady = steady_rounds(seen, clusters, rounds)
@@ -253,6 +255,7 @@ def run_case(
         "allreduce_s": statistics.median(allreduce),
         "raw_s": statistics.median(raw[1:] or raw) if raw else None,
         "tcp_s": statistics.median(tcp) if tcp else None,
+        "p2p_s": statistics.median(p2p) if p2p else None,
         "wire_bound_s": statistics.median(wire),
         "ratio": statistics.median(a / w for a, w in zip(allreduce, wire, strict=True)),
         "mb_per_round": statistics.median(r["bytes_sent"] + r["bytes_received"] for r in steady) / 1e6,
@@ -275,7 +278,8 @@ def format_row(row: dict) -> str:
         f"{row['matchmaking_last_s']:>8.2f} "
         f"{row['exchange_s']:>10.2f} {row['sync_ratio']:>7.2f} {row['exchange_ratio']:>8.2f} "
         f"{row['link_mb']:>8.1f} {row['link_ratio']:>7.2f} {row['dht_link_mb']:>7.2f} "
-        f"{optional(row['tcp_s'], 6)} {optional(row['tcp_s'] and row['exchange_s'] / row['tcp_s'], 6)}"
+        f"{optional(row['tcp_s'], 6)} {optional(row['tcp_s'] and row['exchange_s'] / row['tcp_s'], 6)} "
+        f"{optional(row['p2p_s'], 6)} {optional(row['p2p_s'] and row['exchange_s'] / row['p2p_s'], 9)}"
     )
 
 
@@ -343,7 +347,8 @@ def main() -> None:
         f"{'profile':<17} {'model':>5} {'M':>2} {'codec':>6} {'MB/round':>9} {'allreduce s':>11} "
         f"{'raw s':>7} {'wire bound s':>12} {'÷ bound':>8} {'÷ fp32':>7} {'setup':>10} {'÷ direct':>8} "
         f"{'utilization':>11} {'mm s':>6} {'mm last':>8} {'exchange s':>10} {'÷ bound':>7} {'ex ÷ bd':>8} "
-        f"{'link MB':>8} {'÷ logged':>7} {'DHT MB':>7} {'tcp s':>6} {'ex ÷ tcp':>6}",
+        f"{'link MB':>8} {'÷ logged':>7} {'DHT MB':>7} {'tcp s':>6} {'ex ÷ tcp':>6} {'p2p s':>6} "
+        f"{'ex ÷ p2p':>9}",
         flush=True,
     )
     for profile in args.profiles:
