@@ -93,9 +93,7 @@ async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False, tra
     # dials the server: the connection exists before the clock starts
     p2p = await P2P.create(initial_peers=[maddr], host_maddrs=[LISTEN[transport].format(host="0.0.0.0")])
     peer = PeerID.from_base58(maddr.split("/p2p/")[1])
-    daemons = [
-        child.pid for child in psutil.Process().children()
-    ]  # reported, so a caller can check them gone
+    daemons = [child.pid for child in psutil.Process().children()]  # reported: a caller checks them gone
 
     async def one_stream() -> int:
         requests = _as_async(_messages(nbytes // streams))
