@@ -23,21 +23,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
 
-from open_diloco.local_galaxy import kill_tree
+from scripts.bench import tcp_flow
 
 if TYPE_CHECKING:
     from scripts.wan.lab import Lab
 
-REPO = Path(__file__).resolve().parents[2]
 PART_BYTES = 512 << 10
 """hivemind's all-reduce part size (``DEFAULT_PART_SIZE_BYTES``), so each message is what a round sends."""
 TIMEOUT_SECONDS = 600.0
@@ -118,31 +115,12 @@ def measure(
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way (``one_way``: from cluster 0 only) over
     ``streams`` libp2p streams between clusters 0 and 1 of ``lab``, one after another. Every process is ended
     by PID before this returns. ``transport``: a key of :data:`LISTEN`."""
-    seconds = []
-    role = [sys.executable, "-m", "scripts.bench.p2p_flow"]
     size = ["--bytes", str(nbytes), "--streams", str(streams), "--transport", transport]
     size += ["--one-way"] if one_way else []
-    for _ in range(repeats):
-        server = subprocess.Popen(
-            [*lab.exec_prefix("c1"), *role, "serve", "--host", lab.address("c1"), *size],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            maddr = json.loads(server.stdout.readline())["maddr"]
-            out = subprocess.run(
-                [*lab.exec_prefix("c0"), *role, "send", "--maddr", maddr, *size],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT_SECONDS,
-                check=True,
-            ).stdout
-            seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-        finally:
-            kill_tree(server.pid)
-    return seconds
+    serve = ["--host", lab.address("c1"), *size]
+    return tcp_flow.timed_exchanges(
+        lab, "scripts.bench.p2p_flow", serve, lambda ready: ["--maddr", ready["maddr"], *size], repeats, False
+    )
 
 
 def compare(
@@ -151,7 +129,6 @@ def compare(
     """A markdown table: the TCP flow, each stream count, and one stream one way (each direction of a duplex
     TCP flow has its own link, so it compares), in one lab of ``profile`` (``sysctls`` set in its namespaces),
     with ÷ TCP."""
-    from scripts.bench import tcp_flow
     from scripts.wan.lab import Lab
 
     with Lab(2, profile, sysctls=sysctls) as lab:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,25 +81,42 @@ def send(host: str, port: int, nbytes: int) -> None:
 def measure(lab: Lab, nbytes: int, repeats: int, port: int = 7788) -> list[float]:
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way between clusters 0 and 1 of ``lab``,
     one connection each, one after another. Every process is ended by PID before this returns."""
-    seconds = []
-    role = [sys.executable, "-m", "scripts.bench.tcp_flow"]
     where = ["--host", lab.address("c1"), "--port", str(port), "--bytes", str(nbytes)]
+    return timed_exchanges(lab, "scripts.bench.tcp_flow", where, lambda _ready: where, repeats, True)
+
+
+def timed_exchanges(
+    lab: Lab,
+    module: str,
+    serve_args: list[str],
+    send_args: Callable[[dict], list[str]],
+    repeats: int,
+    server_exits: bool,
+) -> list[float]:
+    """Seconds of ``repeats`` exchanges between ``python -m module serve`` in cluster 1 of ``lab`` and
+    ``... send`` in cluster 0, one after another (this bench's and scripts/bench/p2p_flow.py's).
+    ``send_args`` gives the sender's arguments from the server's first line (JSON: where it listens); the
+    sender's last line holds ``seconds``. ``server_exits``: the server ends on its own after one exchange and
+    is waited for. Every process is ended by PID before this returns."""
+    seconds = []
+    role = [sys.executable, "-m", module]
     for _ in range(repeats):
         server = subprocess.Popen(
-            [*lab.exec_prefix("c1"), *role, "serve", *where], cwd=REPO, stdout=subprocess.PIPE, text=True
+            [*lab.exec_prefix("c1"), *role, "serve", *serve_args], cwd=REPO, stdout=subprocess.PIPE, text=True
         )
         try:
-            server.stdout.readline()  # listening
+            ready = json.loads(server.stdout.readline())
             out = subprocess.run(
-                [*lab.exec_prefix("c0"), *role, "send", *where],
+                [*lab.exec_prefix("c0"), *role, "send", *send_args(ready)],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
                 timeout=TIMEOUT_SECONDS,
                 check=True,
             ).stdout
-            seconds.append(json.loads(out)["seconds"])
-            server.wait(timeout=30)
+            seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+            if server_exits:
+                server.wait(timeout=30)
         finally:
             kill_tree(server.pid)
     return seconds
