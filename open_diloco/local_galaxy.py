@@ -230,6 +230,11 @@ class Galaxy:
         self.wait(name, LAUNCHER_EXIT_SECONDS)
         return took
 
+    def socket_files(self, name: str) -> set[str]:
+        """The unix socket files process ``name``'s tree listens on now (p2pd's and its clients', in /tmp)."""
+        root = self.procs[name].pid
+        return processes.unix_socket_files([root, *descendants(root)])
+
     def wait_for_step(self, metrics: Path, step: int, timeout: float) -> None:
         """Wait until the cluster writing ``metrics`` logged inner step ``step``; raise if it exits first."""
         deadline = time.monotonic() + timeout

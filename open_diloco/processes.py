@@ -32,6 +32,18 @@ def alive(pids: list[int] | set[int]) -> list[int]:
     return living
 
 
+def unix_socket_files(pids: list[int] | set[int]) -> set[str]:
+    """The files of the unix sockets ``pids`` have bound (abstract sockets have none): hivemind's p2pd and
+    its clients listen on such files in /tmp, which a clean exit must leave gone."""
+    paths = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for conn in psutil.Process(pid).net_connections(kind="unix"):
+                if conn.laddr.startswith("/"):
+                    paths.add(conn.laddr)
+    return paths
+
+
 def signal_pids(pids: list[int], sig: int) -> None:
     """Send ``sig`` to each PID that still exists."""
     for pid in pids:

@@ -151,6 +151,15 @@ class CanonicalAverager(DecentralizedAverager):
             **stats,
         )
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's, then this process's P2P client (a replica of the DHT's p2pd, which the DHT ends):
+        hivemind leaves it open, and its socket file stayed in /tmp after every run, one per averager."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()
+
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
         CanonicalAverager._process_allowlist = self.allowlist

@@ -25,8 +25,14 @@ FAULTS = Path(__file__).parent / "faults"
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
     metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
+    galaxy.wait_for_step(metrics[1], 1, 120)  # in the galaxy: every hivemind process is up
+    sockets = galaxy.socket_files("cluster0") | galaxy.socket_files("cluster1")
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    # per rank: its p2pd, its DHT's and its averager's clients (and multiprocessing's listeners); a clean
+    # exit leaves none of their files
+    assert len([path for path in sockets if path.startswith("/tmp/hivemind-p2p")]) == 3 * 4, sockets
+    assert not [path for path in sockets if os.path.exists(path)]
     rounds = [outer_records(m) for m in metrics]
     assert sorted(rounds[0]) == sorted(rounds[1]) == [1, 2, 3]
     for step in (1, 2, 3):
