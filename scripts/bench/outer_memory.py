@@ -2,6 +2,8 @@
 
     python scripts/bench/outer_memory.py --trainer                        # the real trainer, 96M: every case
     python scripts/bench/outer_memory.py --trainer --cases plain --path-model configs/models/llama-25m-fresh
+    python scripts/bench/outer_memory.py --trainer --cases plain --path-model configs/models/llama-25m-fresh \
+        configs/models/llama-100m-fresh PATH_TO_A_300M_CONFIG     # three sizes: the fit's slope and constant
     python scripts/bench/outer_memory.py                  # the outer loop alone, shards of 25M and 96M values
     python scripts/bench/outer_memory.py --numel 96000000 --cases momentum
 
@@ -14,7 +16,9 @@ of H = 4) alone, then two of them as a galaxy on 127.0.0.1 with a ``hivemind-dht
 tree (torchrun, the rank, hivemind's DHT and averager processes, p2pd) is read from
 ``/proc/<pid>/smaps_rollup`` every 0.25 s. Extra = the galaxy member's peak anon + shmem PSS less the lone
 cluster's, over the fp32 shard. This is the issue's measure, and includes what does not grow with the
-model: p2pd, the DHT and averager processes' own heaps, hivemind's modules in the trainer.
+model: p2pd, the DHT and averager processes' own heaps, hivemind's modules in the trainer. With two or more
+``--path-model`` sizes it also fits extra = slope x fp32 shard + constant over every member of every size: the
+slope is what the outer loop costs a large model, the constant is what makes a small one's ratio high.
 
 Without ``--trainer``: each peer is a process with its DHT, averager and p2pd as children, and a flat
 parameter as its model; memory is the PSS of that whole tree (shared memory, e.g. the averager's buffer,
@@ -202,7 +206,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer", action="store_true", help="the real trainer (outer_memory_trainer.py)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["plain", "momentum", "int8"])
-    parser.add_argument("--path-model", default=None, help="--trainer: the model (default: the 96M config)")
+    parser.add_argument(
+        "--path-model", nargs="+", default=None, help="--trainer: the models (default: the 96M config)"
+    )
     parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 96_000_000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -228,23 +234,29 @@ def main() -> None:
 
 
 def trainer_cases(args) -> None:
-    """Every case with the real trainer (``outer_memory_trainer.py``), one after the other."""
+    """Every case with the real trainer (``outer_memory_trainer.py``), one after the other, at every size."""
     from outer_memory_trainer import MODEL_100M, measure_trainer, report, shard_numel
 
-    path_model = args.path_model or str(MODEL_100M)
-    numel = shard_numel(path_model)
     summary = []
     for case in args.cases:
         flags = [
             arg for key, value in CASES[case].items() for arg in (f"--hv.{key.replace('_', '-')}", str(value))
         ]
-        result = measure_trainer(case, flags, path_model, steps=8, local_steps=4, numel=numel)
-        report(result, numel)
-        summary.append((case, result["ratios"]))
-    print("\n| case | extra / fp32 shard (cluster 0, cluster 1) | floor |")
-    print("| --- | --- | --- |")
-    for case, ratios in summary:
-        print(f"| {case} | {', '.join(f'{r:.2f}x' for r in ratios)} | {FLOORS[case]}x |")
+        points = []  # (fp32 shard bytes, extra bytes) of every member
+        for path_model in args.path_model or [str(MODEL_100M)]:
+            numel = shard_numel(path_model)
+            result = measure_trainer(case, flags, path_model, steps=8, local_steps=4, numel=numel)
+            report(result, numel)
+            summary.append((case, result["model"], result["ratios"]))
+            points += [(4 * numel, ratio * 4 * numel) for ratio in result["ratios"]]
+        if len({shard for shard, _ in points}) >= 2:
+            slope, constant = statistics.linear_regression(*zip(*points, strict=True))
+            fit = f"{slope:.2f} x fp32 shard + {constant / 2**20:.0f} MiB"
+            print(f"\n{case}: extra = {fit} (floor: {FLOORS[case]}x)")
+    print("\n| case | model | extra / fp32 shard (cluster 0, cluster 1) | floor |")
+    print("| --- | --- | --- | --- |")
+    for case, model, ratios in summary:
+        print(f"| {case} | {model} | {', '.join(f'{r:.2f}x' for r in ratios)} | {FLOORS[case]}x |")
 
 
 if __name__ == "__main__":
