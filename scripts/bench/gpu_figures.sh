@@ -96,7 +96,8 @@ if want 6; then
   # The yardstick's processes share the GPU, one per seed and group of arms, each writing its records as its arms
   # finish (a timeout keeps what is done). YARD_SET picks the groups: 25m (the default: the ~25M quick setting
   # over 8 seeds, M=4 and the codecs of issue 16), 2m (the same arms at 2M over 16 seeds), long (the 96M quick
-  # setting, ~25M at H = 100 and 500) or custom (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
+  # setting, ~25M at H = 100 and 500), outer (~25M at H = 100: plain against Nesterov, 4 seeds) or custom
+  # (YARD_SEEDS, YARD_ARGS, YARD_ARMS).
   # These 16 processes keep one GPU busy; a 96M DiLoCo arm is slow (its rounds' work runs on the host), so
   # the 96M groups need several times a short lease (GPU_STEPS=6 with a larger GPU_BUDGET_S, or fewer groups;
   # timings in docs/results/training-quality.md and docs/LOG.md). The device returns one tarball.
@@ -141,11 +142,19 @@ diloco:M=2,H=20,codec=int2 diloco:M=2,H=20,codec=sparse"
           yard "25m_longH_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 --seeds "$seed" \
             --threads 1 --arms "diloco:M=2,H=100 diloco:M=2,H=500"
         done ;;
+      outer)  # issue 36's question at ~25M: plain averaging against the papers' Nesterov 0.7/0.9 (3 plain
+              # warm-up rounds) over 2,000 steps at H = 100, 4 seeds, DDP beside them; one process per seed and arm
+        for seed in 0 1 2 3; do
+          for named in ddp=ddp plain=diloco:M=2,H=100 nesterov=diloco:M=2,H=100,olr=0.7,mom=0.9,owarm=3; do
+            yard "25m_outer_${named%%=*}_s$seed" --model 25m --quick --steps 2000 --eval-interval 250 \
+              --seeds "$seed" --threads 1 --arms "${named#*=}"
+          done
+        done ;;
       custom)  # YARD_ARGS (convergence.py flags) and YARD_ARMS, one process per seed of YARD_SEEDS
         for seed in ${YARD_SEEDS:-0 1}; do
           yard "custom_s$seed" ${YARD_ARGS:-} --seeds "$seed" --threads 1 --arms "${YARD_ARMS:-ddp}"
         done ;;
-      *) echo "YARD_SET=${YARD_SET}: not a set (25m, 2m, long, custom)" ;;
+      *) echo "YARD_SET=${YARD_SET}: not a set (25m, 2m, long, outer, custom)" ;;
     esac
   fi
   (sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv) >"$out/yard_gpu_load.txt" 2>&1 &
