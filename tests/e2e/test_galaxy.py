@@ -25,7 +25,8 @@ FAULTS = Path(__file__).parent / "faults"
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
     metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
-    galaxy.wait_for_step(metrics[1], 1, 120)  # in the galaxy: every hivemind process is up
+    for m in metrics:  # a rank starts its hivemind processes before its first step
+        galaxy.wait_for_step(m, 1, 120)
     sockets = galaxy.socket_files("cluster0") | galaxy.socket_files("cluster1")
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
