@@ -117,9 +117,14 @@ def measure(
     by PID before this returns. ``transport``: a key of :data:`LISTEN`."""
     size = ["--bytes", str(nbytes), "--streams", str(streams), "--transport", transport]
     size += ["--one-way"] if one_way else []
-    serve = ["--host", lab.address("c1"), *size]
+    serve_args = ["--host", lab.address("c1"), *size]
     return tcp_flow.timed_exchanges(
-        lab, "scripts.bench.p2p_flow", serve, lambda ready: ["--maddr", ready["maddr"], *size], repeats, False
+        lab,
+        "scripts.bench.p2p_flow",
+        serve_args,
+        lambda ready: ["--maddr", ready["maddr"], *size],
+        repeats,
+        server_exits=False,  # it serves until ended by PID
     )
 
 

@@ -82,7 +82,9 @@ def measure(lab: Lab, nbytes: int, repeats: int, port: int = 7788) -> list[float
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way between clusters 0 and 1 of ``lab``,
     one connection each, one after another. Every process is ended by PID before this returns."""
     where = ["--host", lab.address("c1"), "--port", str(port), "--bytes", str(nbytes)]
-    return timed_exchanges(lab, "scripts.bench.tcp_flow", where, lambda _ready: where, repeats, True)
+    return timed_exchanges(
+        lab, "scripts.bench.tcp_flow", where, lambda _ready: where, repeats, server_exits=True
+    )
 
 
 def timed_exchanges(
