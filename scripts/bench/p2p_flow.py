@@ -1,11 +1,13 @@
 r"""What libp2p itself carries over a WAN lab path, without the all-reduce: the transport hivemind's
 all-reduce runs on, beside one plain TCP connection on the same path (issue 36: where a sync's seconds go).
 
-    python -m scripts.bench.p2p_flow --profile intercontinental --bytes 105000000 --repeats 2 --streams 1 2 4
+    python -m scripts.bench.p2p_flow --profile intercontinental --repeats 2 --streams 1 2 4 --connections 2 4
 
 Both ends send ``N`` bytes and receive ``N`` at once, as a 2-peer all-reduce does, over ``k`` hivemind P2P
 streams (each carries N/k both ways) in 512 KiB ``AveragingData`` messages, the all-reduce's part size and
 message type: Python, p2pd over its Unix socket, TLS, yamux and one TCP connection, the other p2pd, Python.
+``--connections k``: k p2pd on each side, one connection and one stream each, each carrying N/k both ways (a
+cluster of k ranks, each averaging its own shard over its own connection).
 Nothing is reduced, so what this takes beyond the TCP flow (``scripts/bench/tcp_flow.py``, measured in the
 same lab) is the transport's, and what the all-reduce takes beyond this is the all-reduce's. A stream ends
 once the server has read all of its bytes, so the sender's seconds cover both directions. ``serve``/``send``
@@ -14,7 +16,7 @@ loses its tail in about half the runs (the sender says so), and the lab is no ya
 (docs/results/wan.md), so the bench leaves it out.
 
     python -m scripts.bench.p2p_flow serve --host 10.77.0.11 --bytes N --streams K   # prints its multiaddr
-    python -m scripts.bench.p2p_flow send --maddr MADDR --bytes N --streams K        # prints the seconds
+    python -m scripts.bench.p2p_flow send --maddr MADDR... --bytes N --streams K     # prints the seconds
 """
 
 from __future__ import annotations
@@ -59,81 +61,113 @@ async def _as_async(messages: Iterator) -> AsyncIterator:
         yield message
 
 
-async def serve(host: str, nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp") -> None:
+async def serve(
+    host: str, nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp", connections: int = 1
+) -> None:
+    """Serve ``connections`` P2P instances (a p2pd each, so one TCP connection each), each taking
+    ``nbytes / connections`` over ``streams`` streams; prints their multiaddrs, one JSON line."""
     from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2
 
-    p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(host=host)])
+    share = nbytes // (connections * streams)
 
     async def handler(requests: AsyncIterator, _context) -> AsyncIterator:
         async def read_all() -> int:
             return sum([len(request.tensor_part.buffer) async for request in requests])
 
         reading = asyncio.create_task(read_all())  # both directions at once
-        for message in _messages(0 if one_way else nbytes // streams):
+        for message in _messages(0 if one_way else share):
             yield message
-        if (got := await reading) != nbytes // streams:
-            raise ConnectionError(f"a stream carried {got} bytes, not {nbytes // streams}")
+        if (got := await reading) != share:
+            raise ConnectionError(f"a stream carried {got} bytes, not {share}")
 
-    await p2p.add_protobuf_handler(
-        HANDLER, handler, averaging_pb2.AveragingData, stream_input=True, stream_output=True
-    )
-    maddr = str((await p2p.get_visible_maddrs())[0]).split("/p2p/")[0]  # (QUIC's come with the id already)
-    print(json.dumps({"maddr": f"{maddr}/p2p/{p2p.peer_id.to_base58()}"}), flush=True)
+    maddrs = []
+    for _ in range(connections):
+        p2p = await P2P.create(host_maddrs=[LISTEN[transport].format(host=host)])
+        await p2p.add_protobuf_handler(
+            HANDLER, handler, averaging_pb2.AveragingData, stream_input=True, stream_output=True
+        )
+        maddr = str((await p2p.get_visible_maddrs())[0]).split("/p2p/")[
+            0
+        ]  # (QUIC's come with the id already)
+        maddrs.append(f"{maddr}/p2p/{p2p.peer_id.to_base58()}")
+    print(json.dumps({"maddr": maddrs[0], "maddrs": maddrs}), flush=True)
     await asyncio.sleep(TIMEOUT_SECONDS)  # until the bench ends this process by PID
 
 
-async def send(maddr: str, nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp") -> None:
+async def send(
+    maddrs: list[str], nbytes: int, streams: int, one_way: bool = False, transport: str = "tcp"
+) -> None:
+    """Dial each of ``maddrs`` from a P2P instance of its own (one connection each) and exchange
+    ``nbytes / len(maddrs)`` over ``streams`` streams of each, all at once; prints the seconds."""
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
 
-    # dials the server: the connection exists before the clock starts
-    p2p = await P2P.create(initial_peers=[maddr], host_maddrs=[LISTEN[transport].format(host="0.0.0.0")])
-    peer = PeerID.from_base58(maddr.split("/p2p/")[1])
-    daemons = [child.pid for child in psutil.Process().children()]  # reported: a caller checks them gone
+    peers = [PeerID.from_base58(maddr.split("/p2p/")[1]) for maddr in maddrs]
+    share = nbytes // (len(maddrs) * streams)
 
-    async def one_stream() -> int:
-        requests = _as_async(_messages(nbytes // streams))
+    async def one_stream(p2p: P2P, peer: PeerID) -> int:
+        requests = _as_async(_messages(share))
         replies = await p2p.iterate_protobuf_handler(peer, HANDLER, requests, averaging_pb2.AveragingData)
         return sum([len(reply.tensor_part.buffer) async for reply in replies])
 
+    p2ps = []
     try:
+        for maddr in maddrs:  # dials the servers: the connections exist before the clock starts
+            listen = LISTEN[transport].format(host="0.0.0.0")
+            p2ps.append(await P2P.create(initial_peers=[maddr], host_maddrs=[listen]))
+        daemons = [child.pid for child in psutil.Process().children()]  # reported: a caller checks them gone
         start = time.monotonic()
-        got = await asyncio.wait_for(asyncio.gather(*(one_stream() for _ in range(streams))), TIMEOUT_SECONDS)
+        flows = [one_stream(p2p, peer) for p2p, peer in zip(p2ps, peers, strict=True) for _ in range(streams)]
+        got = await asyncio.wait_for(asyncio.gather(*flows), TIMEOUT_SECONDS)
         seconds = time.monotonic() - start
-        if sum(got) != (0 if one_way else streams * (nbytes // streams)):
-            raise ConnectionError(f"received {sum(got)} bytes, not {0 if one_way else nbytes}")
-        figures = {"seconds": seconds, "bytes": sum(got), "streams": streams, "daemons": daemons}
-        print(json.dumps(figures), flush=True)
+        if sum(got) != (0 if one_way else len(flows) * share):
+            raise ConnectionError(f"received {sum(got)} bytes, not {0 if one_way else len(flows) * share}")
+        figures = {"seconds": seconds, "bytes": sum(got), "streams": streams, "connections": len(maddrs)}
+        print(json.dumps({**figures, "daemons": daemons}), flush=True)
     finally:
-        await p2p.shutdown()
+        for p2p in p2ps:
+            await p2p.shutdown()
 
 
 def measure(
-    lab: Lab, nbytes: int, repeats: int, streams: int, one_way: bool = False, transport: str = "tcp"
+    lab: Lab,
+    nbytes: int,
+    repeats: int,
+    streams: int,
+    one_way: bool = False,
+    transport: str = "tcp",
+    connections: int = 1,
 ) -> list[float]:
     """Seconds of ``repeats`` duplex transfers of ``nbytes`` each way (``one_way``: from cluster 0 only) over
-    ``streams`` libp2p streams between clusters 0 and 1 of ``lab``, one after another. Every process is ended
-    by PID before this returns. ``transport``: a key of :data:`LISTEN`."""
+    ``streams`` libp2p streams on each of ``connections`` connections between clusters 0 and 1 of ``lab``, one
+    after another. Every process is ended by PID before this returns. ``transport``: a key of
+    :data:`LISTEN`."""
     size = ["--bytes", str(nbytes), "--streams", str(streams), "--transport", transport]
     size += ["--one-way"] if one_way else []
-    serve_args = ["--host", lab.address("c1"), *size]
+    serve_args = ["--host", lab.address("c1"), "--connections", str(connections), *size]
     return tcp_flow.timed_exchanges(
         lab,
         "scripts.bench.p2p_flow",
         serve_args,
-        lambda ready: ["--maddr", ready["maddr"], *size],
+        lambda ready: ["--maddr", *ready["maddrs"], *size],
         repeats,
         server_exits=False,  # it serves until ended by PID
     )
 
 
 def compare(
-    profile: str, nbytes: int, repeats: int, stream_counts: list[int], sysctls: list[str]
+    profile: str,
+    nbytes: int,
+    repeats: int,
+    stream_counts: list[int],
+    sysctls: list[str],
+    connection_counts: list[int] = (),
 ) -> list[str]:
-    """A markdown table: the TCP flow, each stream count, and one stream one way (each direction of a duplex
-    TCP flow has its own link, so it compares), in one lab of ``profile`` (``sysctls`` set in its namespaces),
-    with ÷ TCP."""
+    """A markdown table: the TCP flow, each stream count, one stream one way (each direction of a duplex TCP
+    flow has its own link, so it compares), and each count of connections (one stream each, as a cluster of
+    that many ranks averages its shards), in one lab of ``profile`` (``sysctls`` set in its namespaces), with
+    ÷ TCP."""
     from scripts.wan.lab import Lab
 
     with Lab(2, profile, sysctls=sysctls) as lab:
@@ -141,6 +175,10 @@ def compare(
         rows = [("one TCP connection", tcp)]
         rows += [(f"libp2p, {k} stream(s)", measure(lab, nbytes, repeats, k)) for k in stream_counts]
         rows.append(("libp2p, 1 stream, one way", measure(lab, nbytes, repeats, 1, one_way=True)))
+        rows += [
+            (f"libp2p, {k} connections", measure(lab, nbytes, repeats, 1, connections=k))
+            for k in connection_counts
+        ]
     baseline = statistics.median(tcp)
     lines = [
         f"{nbytes / 1e6:.0f} MB each way, {profile}, {repeats} run(s) each, sysctls: {sysctls or 'none'}",
@@ -161,10 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("role", nargs="?", choices=["serve", "send"], help="one end (the bench runs both)")
     parser.add_argument("--host", help="serve: the address to listen on")
-    parser.add_argument("--maddr", help="send: the server's multiaddr, as it printed it")
+    parser.add_argument("--maddr", nargs="+", help="send: the server's multiaddrs, as it printed them")
     parser.add_argument("--bytes", type=int, default=105_000_000, help="bytes each way (a 25M fp32 round)")
     parser.add_argument(
         "--streams", type=int, nargs="+", default=[1], help="streams (several: one case each)"
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        nargs="+",
+        default=[],
+        help="connections (a p2pd each, one stream each; several: one case each): serve: how many",
     )
     parser.add_argument("--one-way", action="store_true", help="serve/send: the server sends nothing back")
     parser.add_argument(
@@ -177,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.role == "serve":
-        asyncio.run(serve(args.host, args.bytes, args.streams[0], args.one_way, args.transport))
+        connections = args.connections[0] if args.connections else 1
+        asyncio.run(serve(args.host, args.bytes, args.streams[0], args.one_way, args.transport, connections))
     elif args.role == "send":
         asyncio.run(send(args.maddr, args.bytes, args.streams[0], args.one_way, args.transport))
     else:
-        print("\n".join(compare(args.profile, args.bytes, args.repeats, args.streams, args.sysctls)))
+        lines = compare(args.profile, args.bytes, args.repeats, args.streams, args.sysctls, args.connections)
+        print("\n".join(lines))
     return 0
 
 
