@@ -9,7 +9,6 @@ expects of it (raised explicitly: ``python -O`` drops ``assert`` statements).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -254,10 +253,9 @@ class Galaxy:
         return (self.workdir / f"{name}.log").read_text()
 
     def close(self) -> None:
-        """End every process by PID (the DHT last), remove the socket files the killed ones leave in /tmp,
-        and check that none of the processes ever seen is left."""
+        """End every process by PID, the DHT last (``kill_tree`` also removes the socket files the killed ones
+        leave in /tmp), and check that none of the processes ever seen is left."""
         self.track()
-        sockets = set().union(*(self.socket_files(name) for name in self.procs))
         for name, proc in self.procs.items():
             if proc.poll() is None and name != "dht":
                 kill_tree(proc.pid)
@@ -268,9 +266,6 @@ class Galaxy:
         while alive(sorted(self.seen_pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = alive(sorted(self.seen_pids))
-        for path in sockets:  # a SIGKILLed p2pd and its clients cannot remove theirs
-            with contextlib.suppress(OSError):
-                os.unlink(path)
         details = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for pid in left}
         check(not left, f"processes left behind: {details}")
 

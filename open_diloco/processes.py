@@ -8,6 +8,7 @@ parent links does. Ending a tree is always by PID, with a bounded wait.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 
@@ -62,17 +63,33 @@ def wait_gone(pids: list[int] | set[int], timeout: float) -> list[int]:
 def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout: float = 5.0) -> list[int]:
     """End ``pid``'s descendants (and ``pid`` itself with ``include_root``): SIGTERM, then SIGKILL for
     whatever is left after ``grace`` seconds. Returns what is still alive after ``timeout`` more (normally
-    nothing)."""
+    nothing). The socket files the ended processes listened on are removed (:func:`remove_socket_files`)."""
     targets = descendants(pid) + ([pid] if include_root else [])
+    sockets = unix_socket_files(targets)
     signal_pids(targets, signal.SIGTERM)
     left = wait_gone(targets, grace)
     signal_pids(left, signal.SIGKILL)
-    return wait_gone(left, timeout)
+    still = wait_gone(left, timeout)
+    remove_socket_files(sockets, still)
+    return still
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> list[int]:
     """Send ``sig`` to ``pid`` and all its descendants at once; return what is still alive after
-    ``timeout``."""
+    ``timeout``. The socket files the tree listened on are removed once it is gone
+    (:func:`remove_socket_files`)."""
     targets = [pid, *descendants(pid)]
+    sockets = unix_socket_files(targets)
     signal_pids(targets, sig)
-    return wait_gone(targets, timeout)
+    left = wait_gone(targets, timeout)
+    remove_socket_files(sockets, left)
+    return left
+
+
+def remove_socket_files(paths: set[str], alive_pids: list[int]) -> None:
+    """Unlink ``paths`` (from :func:`unix_socket_files` of processes since ended) but those that
+    ``alive_pids`` still listen on. A killed p2pd and its hivemind clients cannot remove their socket files
+    in /tmp, and nothing else ever will: every killed galaxy member, test and bench run would leave them."""
+    for path in paths - unix_socket_files(alive_pids):
+        with contextlib.suppress(OSError):
+            os.unlink(path)

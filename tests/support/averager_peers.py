@@ -229,6 +229,7 @@ class Galaxy:
         self.seen: dict[int, str] = {}
         self.messages: list[tuple] = []
         self.barriers: list = []
+        self.sockets: set[str] = set()  # the socket files the peers' processes listened on, removed at close
 
     def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
         if barrier is not None and barrier not in self.barriers:
@@ -249,20 +250,17 @@ class Galaxy:
         return got
 
     def snapshot(self) -> None:
-        """Record every process our peers started (not multiprocessing's own resource tracker)."""
+        """Record every process our peers started (not multiprocessing's own resource tracker), and the socket
+        files they listen on."""
         for worker in self.workers:
             if worker.pid is not None:
                 self.seen.update({worker.pid: "worker", **descendants_named(worker.pid)})
+        self.sockets |= processes.unix_socket_files(processes.alive(self.seen))
 
     def kill_tree(self, worker) -> None:
         """SIGKILL a peer and everything it started, by PID: a crashed machine."""
-        tree = {worker.pid: "worker", **descendants_named(worker.pid)}
-        self.seen.update(tree)
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.seen.update({worker.pid: "worker", **descendants_named(worker.pid)})
+        processes.kill_tree(worker.pid, timeout=10)  # and the socket files it leaves in /tmp
         worker.join(10)
 
     def close(self) -> None:
@@ -284,6 +282,8 @@ class Galaxy:
         for pid in processes.alive(self.seen):
             leftovers[pid] = self.seen[pid]
             os.kill(pid, signal.SIGKILL)
+        # a crashed (SIGKILLed) peer's p2pd and clients could not remove theirs
+        processes.remove_socket_files(self.sockets, processes.wait_gone(self.seen, 10))
         assert not leftovers, f"processes left behind: {leftovers}"
 
 
