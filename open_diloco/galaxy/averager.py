@@ -17,7 +17,14 @@ from open_diloco.errors import GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist
 from open_diloco.galaxy.canonical_averager import GRACE_SECONDS, STATE_NUMELS, CanonicalAverager
 from open_diloco.galaxy.cut_off import CutOffWatch
-from open_diloco.galaxy.dht import DHT_PIPE_LOCK, REBOOTSTRAP_SECONDS, GalaxyDHT, rebootstrap, shutdown_dht
+from open_diloco.galaxy.dht import (
+    DHT_PIPE_LOCK,
+    REBOOTSTRAP_SECONDS,
+    GalaxyDHT,
+    forget_finished_searches,
+    rebootstrap,
+    shutdown_dht,
+)
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
@@ -139,6 +146,7 @@ class HivemindAverager:
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
+        forget_finished_searches(self.dht)  # the last round's key, among others
         self.averager.set_group_bits(round_key_bits(round_id, attempt))
         control = self.averager.step(
             gather=metadata,

@@ -103,6 +103,27 @@ async def answers_ping(node, peer: PeerID, seconds: float) -> bool:
     )
 
 
+def forget_finished_searches(dht: DHT) -> None:
+    """Drop, in the DHT's process, the empty entries hivemind's ``DHTNode`` keeps for every key it ever looked
+    up; returns at once.
+
+    Why: ``DHTNode.pending_get_requests`` is a defaultdict that gains an entry (an empty ``SortedSet`` once
+    the lookup ends) per key and never loses one, and every round's matchmaking key is new
+    (:func:`~open_diloco.galaxy.round_wait.round_key_bits`). A cluster's DHT process grew ~4 KiB per round
+    for as long as it ran: ~40 MiB per 10,000 rounds (``scripts/bench/memory_soak.py``,
+    docs/results/memory-soak.md). An empty entry means nothing to hivemind (its lookups go through the
+    defaultdict), so removing one changes no lookup."""
+    with DHT_PIPE_LOCK:
+        dht.run_coroutine(_forget_finished_searches, return_future=True)
+
+
+async def _forget_finished_searches(_dht: DHT, node) -> int:
+    finished = [key_id for key_id, searches in node.pending_get_requests.items() if not searches]
+    for key_id in finished:
+        del node.pending_get_requests[key_id]
+    return len(finished)
+
+
 _DROPPED: set[PeerID] = set()
 """Peers whose connections this DHT process closed and that have not answered a ping since (lives in the DHT's
 process, where the coroutines below run)."""
