@@ -45,6 +45,15 @@ def unix_socket_files(pids: list[int] | set[int]) -> set[str]:
     return paths
 
 
+def hivemind_socket_files(pids: list[int] | set[int]) -> set[str]:
+    """The socket files of hivemind's p2pd daemons and P2P clients among :func:`unix_socket_files`: each is
+    made by the one process that listens on it (p2pd is exec'd, the clients are made after hivemind's forks),
+    so once that process is gone the file is garbage. Other listeners can be inherited across a fork
+    (multiprocessing's, from a trainer to hivemind's processes): a child that held one says nothing about its
+    owner."""
+    return {path for path in unix_socket_files(pids) if os.path.basename(path).startswith("hivemind-")}
+
+
 def signal_pids(pids: list[int], sig: int) -> None:
     """Send ``sig`` to each PID that still exists."""
     for pid in pids:
@@ -63,9 +72,10 @@ def wait_gone(pids: list[int] | set[int], timeout: float) -> list[int]:
 def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout: float = 5.0) -> list[int]:
     """End ``pid``'s descendants (and ``pid`` itself with ``include_root``): SIGTERM, then SIGKILL for
     whatever is left after ``grace`` seconds. Returns what is still alive after ``timeout`` more (normally
-    nothing). The socket files the ended processes listened on are removed (:func:`remove_socket_files`)."""
+    nothing). The hivemind socket files the ended processes listened on are removed
+    (:func:`hivemind_socket_files`)."""
     targets = descendants(pid) + ([pid] if include_root else [])
-    sockets = unix_socket_files(targets)
+    sockets = hivemind_socket_files(targets)
     signal_pids(targets, signal.SIGTERM)
     left = wait_gone(targets, grace)
     signal_pids(left, signal.SIGKILL)
@@ -76,10 +86,10 @@ def end_tree(pid: int, *, include_root: bool = True, grace: float = 3.0, timeout
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> list[int]:
     """Send ``sig`` to ``pid`` and all its descendants at once; return what is still alive after
-    ``timeout``. The socket files the tree listened on are removed once it is gone
-    (:func:`remove_socket_files`)."""
+    ``timeout``. The hivemind socket files the tree listened on are removed once it is gone
+    (:func:`hivemind_socket_files`)."""
     targets = [pid, *descendants(pid)]
-    sockets = unix_socket_files(targets)
+    sockets = hivemind_socket_files(targets)
     signal_pids(targets, sig)
     left = wait_gone(targets, timeout)
     remove_socket_files(sockets, left)
@@ -87,7 +97,7 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> lis
 
 
 def remove_socket_files(paths: set[str], alive_pids: list[int]) -> None:
-    """Unlink ``paths`` (from :func:`unix_socket_files` of processes since ended) but those that
+    """Unlink ``paths`` (from :func:`hivemind_socket_files` of processes since ended) but those that
     ``alive_pids`` still listen on. A killed p2pd and its hivemind clients cannot remove their socket files
     in /tmp, and nothing else ever will: every killed galaxy member, test and bench run would leave them."""
     for path in paths - unix_socket_files(alive_pids):

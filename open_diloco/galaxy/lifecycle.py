@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 
-from open_diloco.processes import end_tree, remove_socket_files, unix_socket_files
+from open_diloco.processes import end_tree, hivemind_socket_files, remove_socket_files
 
 
 def become_galaxy_child(parent_pid: int) -> None:
@@ -58,7 +58,7 @@ def _exit_with_children(exit_code: int) -> None:
     """End p2pd (``end_tree`` removes its socket file) and exit at once. hivemind removes its P2P client's
     socket file only in an orderly shutdown, which this is not: remove it here, or every SIGKILLed trainer
     and every SIGTERM would leave one per hivemind process in /tmp."""
-    p2p_clients = {path for path in unix_socket_files([os.getpid()]) if "/hivemind-" in path}
+    p2p_clients = hivemind_socket_files([os.getpid()])
     end_tree(os.getpid(), include_root=False, grace=1.0, timeout=1.0)
     remove_socket_files(p2p_clients, [])
     os._exit(exit_code)

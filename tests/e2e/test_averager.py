@@ -267,7 +267,7 @@ def test_trainer_killed_alone_takes_dht_averager_and_p2pd_along(galaxy):
     environ = Path(f"/proc/{p2pd}/environ").read_bytes().split(b"\0")
     assert b"LIBP2P_TCP_REUSEPORT=false" in environ, [e for e in environ if b"LIBP2P" in e]
     # p2pd's socket file, and the DHT's and the averager's P2P clients' (multiprocessing's are the trainer's)
-    sockets = {path for path in processes.unix_socket_files(children) if "/hivemind-" in path}
+    sockets = processes.hivemind_socket_files(children)
     assert len(sockets) == 3, sockets
     os.kill(galaxy.workers[0].pid, signal.SIGKILL)  # only the trainer process, as the OOM killer would
     deadline = time.monotonic() + 10

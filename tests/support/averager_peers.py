@@ -255,7 +255,7 @@ class Galaxy:
         for worker in self.workers:
             if worker.pid is not None:
                 self.seen.update({worker.pid: "worker", **descendants_named(worker.pid)})
-        self.sockets |= processes.unix_socket_files(processes.alive(self.seen))
+        self.sockets |= processes.hivemind_socket_files(processes.alive(self.seen))
 
     def kill_tree(self, worker) -> None:
         """SIGKILL a peer and everything it started, by PID: a crashed machine."""
