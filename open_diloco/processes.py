@@ -34,14 +34,25 @@ def alive(pids: list[int] | set[int]) -> list[int]:
 
 
 def unix_socket_files(pids: list[int] | set[int]) -> set[str]:
-    """The files of the unix sockets ``pids`` have bound (abstract sockets have none): hivemind's p2pd and
-    its clients listen on such files in /tmp, which a clean exit must leave gone."""
+    """The files of the unix sockets ``pids`` hold (abstract sockets have none): hivemind's p2pd and its
+    clients listen on such files in /tmp, which a clean exit must leave gone. Read from each process's own
+    ``/proc/<pid>/net/unix``, the table of its network namespace: a process of the WAN lab lives in a
+    namespace of its own, whose sockets the caller's table does not list."""
     paths = set()
     for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            for conn in psutil.Process(pid).net_connections(kind="unix"):
-                if conn.laddr.startswith("/"):
-                    paths.add(conn.laddr)
+        with contextlib.suppress(OSError):
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+            with open(f"/proc/{pid}/net/unix") as table:
+                next(table)  # Num RefCount Protocol Flags Type St Inode Path
+                for line in table:
+                    fields = line.split()
+                    if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+                        paths.add(fields[7])
     return paths
 
 
