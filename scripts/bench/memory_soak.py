@@ -92,6 +92,10 @@ def growth(samples: list[dict], warmup_rounds: int) -> list[dict]:
             for s in samples
             if s[step_of]["outer_step"] > warmup_rounds and all(ROLES <= s[c].keys() for c in clusters)
         ]
+        if not warm:
+            raise SystemExit(
+                "no sample of a training galaxy after the warm-up: more --rounds, or a shorter --interval"
+            )
         roles = ["hivemind-dht"] if name == "bootstrap" else sorted(ROLES)
         for role in roles:
 

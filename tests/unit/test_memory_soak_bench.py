@@ -43,3 +43,8 @@ def test_growth_fits_each_role_after_the_warm_up_and_while_every_process_is_up()
     assert set(rows) == {
         f"cluster{c} {r}" for c in (0, 1) for r in ("averager", "dht", "p2pd", "trainer")
     } | {"hivemind-dht"}
+
+
+def test_a_run_too_short_to_fit_says_so():
+    with pytest.raises(SystemExit, match="more --rounds"):
+        growth([sample(step, 20 << 20) for step in range(0, 50, 10)], warmup_rounds=100)
