@@ -109,8 +109,8 @@ def forget_finished_searches(dht: DHT) -> None:
 
     Why: ``DHTNode.pending_get_requests`` is a defaultdict that gains an entry (an empty ``SortedSet`` once
     the lookup ends) per key and never loses one, and every round's matchmaking key is new
-    (:func:`~open_diloco.galaxy.round_wait.round_key_bits`). A cluster's DHT process grew ~4 KiB per round
-    for as long as it ran: ~40 MiB per 10,000 rounds (``scripts/bench/memory_soak.py``,
+    (:func:`~open_diloco.galaxy.round_wait.round_key_bits`). A cluster's DHT process grew ~1.5 KiB per round
+    (~2 KiB per key) for as long as it ran: ~15 MiB per 10,000 rounds (``scripts/bench/memory_soak.py``,
     docs/results/memory-soak.md). An empty entry means nothing to hivemind (its lookups go through the
     defaultdict), so removing one changes no lookup."""
     with DHT_PIPE_LOCK:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -70,13 +71,10 @@ class Sampler:
 
 
 def slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of y over x (0 for fewer than 2 distinct x)."""
-    n = len(points)
-    if n < 2:
+    """Least-squares slope of y over x (0 for fewer than 2 distinct x, where there is no line)."""
+    if len({x for x, _ in points}) < 2:
         return 0.0
-    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    var = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    return statistics.linear_regression(*zip(*points, strict=True)).slope
 
 
 def growth(samples: list[dict], warmup_rounds: int) -> list[dict]:

@@ -27,7 +27,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import psutil
@@ -87,11 +87,9 @@ async def serve(
         await p2p.add_protobuf_handler(
             HANDLER, handler, averaging_pb2.AveragingData, stream_input=True, stream_output=True
         )
-        maddr = str((await p2p.get_visible_maddrs())[0]).split("/p2p/")[
-            0
-        ]  # (QUIC's come with the id already)
-        maddrs.append(f"{maddr}/p2p/{p2p.peer_id.to_base58()}")
-    print(json.dumps({"maddr": maddrs[0], "maddrs": maddrs}), flush=True)
+        visible = str((await p2p.get_visible_maddrs())[0])  # (QUIC's come with the id already)
+        maddrs.append(f"{visible.split('/p2p/')[0]}/p2p/{p2p.peer_id.to_base58()}")
+    print(json.dumps({"maddrs": maddrs}), flush=True)
     await asyncio.sleep(TIMEOUT_SECONDS)  # until the bench ends this process by PID
 
 
@@ -111,10 +109,9 @@ async def send(
         replies = await p2p.iterate_protobuf_handler(peer, HANDLER, requests, averaging_pb2.AveragingData)
         return sum([len(reply.tensor_part.buffer) async for reply in replies])
 
-    p2ps = []
+    p2ps, listen = [], LISTEN[transport].format(host="0.0.0.0")
     try:
         for maddr in maddrs:  # dials the servers: the connections exist before the clock starts
-            listen = LISTEN[transport].format(host="0.0.0.0")
             p2ps.append(await P2P.create(initial_peers=[maddr], host_maddrs=[listen]))
         daemons = [child.pid for child in psutil.Process().children()]  # reported: a caller checks them gone
         start = time.monotonic()
@@ -162,7 +159,7 @@ def compare(
     repeats: int,
     stream_counts: list[int],
     sysctls: list[str],
-    connection_counts: list[int] = (),
+    connection_counts: Sequence[int] = (),
 ) -> list[str]:
     """A markdown table: the TCP flow, each stream count, one stream one way (each direction of a duplex TCP
     flow has its own link, so it compares), and each count of connections (one stream each, as a cluster of
