@@ -6,6 +6,8 @@ starts ranks without torchrun), so every other module asks a :class:`World` inst
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -248,6 +250,8 @@ def join_process_group(world: World, timeout_s: float = PROCESS_GROUP_FLOOR_SECO
     and collectives run the same code path with one rank as with many."""
     if dist.is_initialized():
         return
+    atexit.unregister(_release_device_meshes)  # once, however often a process joins
+    atexit.register(_release_device_meshes)
     if world.device.type == "cuda":
         torch.cuda.set_device(world.device)
     timeout = timedelta(seconds=timeout_s)
@@ -302,6 +306,36 @@ def leave_process_group(synchronize: bool = False) -> None:
         dist.barrier()
         _store_barrier("open_diloco/teardown", dist.get_world_size())
     dist.destroy_process_group()
+
+
+def _release_device_meshes() -> None:
+    """Free the process group while the interpreter is whole, not during its teardown.
+
+    ``destroy_process_group`` unregisters the group, but DTensor keeps module-level caches (sharding
+    propagation, redistribution plans, mesh topology) whose entries hold the device mesh, and the mesh holds
+    the group. So the gloo backend and its worker threads lived on into interpreter finalization, where a
+    worker thread that let go of a tensor could not take the GIL and aborted the process after a clean run
+    ("terminate called without an active exception", SIGABRT: a 1-rank probe in CI). Registered as an exit
+    hook by :func:`join_process_group`: at exit the trainer's model is unreachable, so emptying those caches
+    and collecting FSDP's module cycles lets the group's destructor join its threads while Python still
+    runs. The caches are private to torch: each is emptied only where this torch has it, and
+    tests/dist/test_teardown.py watches the threads."""
+    if dist.is_initialized():
+        return  # the group is still in use
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    for owner, path in (
+        (debug, "_clear_sharding_prop_cache"),
+        (_redistribute, "clear_redistribute_planner_cache"),
+        (_redistribute, "_gen_transform_infos.cache_clear"),
+        (_collective_utils, "MeshTopoInfo.build_from_mesh.cache_clear"),
+    ):
+        clear = owner
+        for name in path.split("."):
+            clear = getattr(clear, name, None)
+        if callable(clear):
+            clear()
+    gc.collect()  # FSDP's modules and hooks form cycles: the mesh is unreachable only once they are collected
 
 
 def _store_barrier(key: str, world_size: int) -> None:
