@@ -68,13 +68,16 @@ class MembersPace:
 
 async def _ask_to_lead(_dht: DHT, node: DHTNode, prefix: str, peer: str) -> str:
     """Ask ``peer``'s averager, from this DHT's process and its p2pd, to lead our group, as hivemind's
-    matchmaking does (``Matchmaking._request_join_group``); the code of its first answer."""
+    matchmaking does (``Matchmaking._request_join_group``); the code of its first answer, within
+    :data:`ASK_SECONDS` (dialling it included)."""
+    return await asyncio.wait_for(_first_answer(node, prefix, peer), ASK_SECONDS)
+
+
+async def _first_answer(node: DHTNode, prefix: str, peer: str) -> str:
     stub = CanonicalAverager.get_stub(node.p2p, PeerID.from_base58(peer), namespace=prefix)
-    request = averaging_pb2.JoinRequest(expiration=get_dht_time() + ASK_SECONDS)
-    stream = await stub.rpc_join_group(request)
+    stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(expiration=get_dht_time() + ASK_SECONDS))
     try:
-        message = await asyncio.wait_for(anext(stream), ASK_SECONDS)
-        return averaging_pb2.MessageCode.Name(message.code)
+        return averaging_pb2.MessageCode.Name((await anext(stream)).code)
     finally:
         await stream.aclose()
 

@@ -26,6 +26,9 @@ needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not all(map(__import__("shutil").which, ("ip", "tc"))),
     reason="the WAN lab needs root and iproute2",
 )
+HEAL_SECONDS = 12.0
+"""The heal's fixed seconds after a partition (a new connection a round trip after the link is back, a
+heartbeat, a read at a round's end, a state download): 5-8 s measured, with a margin."""
 
 
 def lab_pids(lab: Lab) -> list[int]:
@@ -139,22 +142,28 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
     _print_timeline(rounds, cut_at, apart, healed, healed_after, back_wall)
     # one model again within 2 rounds of the link's return: the round in flight at the return (the first outer
     # step after it) or the next one ends with equal hashes on both sides (averaged together, or one side took
-    # the other's state). Averaging together may take a round more where rounds are shorter than the heal's
-    # few fixed seconds: seen at rounds of ~4 s, in flight 10, re-synced at 11, together at 12 (11.6 s); the
-    # bound in seconds below holds that
+    # the other's state). Where rounds are shorter than the heal's few fixed seconds, that takes more rounds
+    # but no more seconds: seen at rounds of ~4 s, in flight 10, re-synced at 11, together at 12 (11.6 s); and
+    # on an unloaded machine, rounds of 2.6 s, in flight 12, equal hashes at 14, 8.3 s after the return. So:
+    # within 2 rounds or within HEAL_SECONDS, and the bound in seconds below in every case
     in_flight = max(min(r for r in rounds[side] if rounds[side][r]["time"] > back_wall) for side in (0, 1))
     repaired = next(
         r
         for r in sorted(set(rounds[0]) & set(rounds[1]))
         if r > max(apart) and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
     )
-    assert repaired <= in_flight + 1, (repaired, healed, in_flight, healed_after)
+    pace = _median_round_seconds(rounds, before=apart)
+    assert repaired <= in_flight + 1 or healed_after <= HEAL_SECONDS, (
+        repaired,
+        in_flight,
+        healed_after,
+        pace,
+    )
     # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see):
     # the round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one
     # more round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in
     # rounds of this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs),
     # and 32.2 s at rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
-    pace = _median_round_seconds(rounds, before=apart)
     assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
     assert any(rounds[side][r].get("resynced") for side in (0, 1) for r in rounds[side] if r > min(apart))
 
