@@ -62,8 +62,11 @@ def trainer_env() -> dict[str, str]:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The per-step records of a jsonl metrics file (the `start` record excluded)."""
-    return [rec for rec in map(json.loads, Path(path).read_text().splitlines()) if "step" in rec]
+    """The per-step records of a jsonl metrics file (the `start` record excluded), whole lines only: a
+    read while the trainer writes can see the first part of its last line (a WAN test read 54 characters)."""
+    text = Path(path).read_text()
+    whole_lines = text[: text.rfind("\n") + 1]
+    return [rec for rec in map(json.loads, whole_lines.splitlines()) if "step" in rec]
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 20.0) -> None:

@@ -153,12 +153,7 @@ def test_a_partition_heals_into_one_galaxy(tmp_path):
         if r > max(apart) and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
     )
     pace = _median_round_seconds(rounds, before=apart)
-    assert repaired <= in_flight + 1 or healed_after <= HEAL_SECONDS, (
-        repaired,
-        in_flight,
-        healed_after,
-        pace,
-    )
+    assert repaired <= in_flight + 1 or healed_after <= HEAL_SECONDS, (repaired, in_flight, healed_after)
     # a bound in seconds as well, against a round that stalls (which the count of rounds above cannot see):
     # the round in flight at the return may wait --hv.averaging-timeout for the side that re-syncs, then one
     # more round of compute, plus a few seconds of heal (a new connection, a heartbeat, a state download), in
