@@ -25,7 +25,6 @@ v2's ``cpu.max`` is used where that is what the machine has). Every process is e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from open_diloco.local_galaxy import Galaxy
+from open_diloco.local_galaxy import Galaxy, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: the lab (scripts/wan) is imported as scripts.wan
@@ -88,15 +87,6 @@ class Placement:
         return prefix
 
 
-def read_records(path: Path) -> list[dict]:
-    records = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "step" in record:
-            records.append(record)
-    return records
-
-
 def run_galaxy(placement: Placement, workdir: Path, flags: list[str], timeout: float) -> list:
     """Both clusters with ``flags``; their records."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +100,7 @@ def run_galaxy(placement: Placement, workdir: Path, flags: list[str], timeout: f
             assert code == 0, galaxy.log(f"cluster{rank}")[-3000:]
     finally:
         galaxy.close()
-    return [read_records(path) for path in metrics]
+    return [read_metrics(path) for path in metrics]
 
 
 def steady(records: list[dict]) -> dict:

@@ -4,14 +4,13 @@ what the links carried against the bytes it logged."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from open_diloco.local_galaxy import Galaxy
+from open_diloco.local_galaxy import Galaxy, read_metrics
 
 if TYPE_CHECKING:
     from scripts.wan.lab import Lab
@@ -34,12 +33,8 @@ def watch(
         galaxy.track()
         for records, path in zip(seen, metrics, strict=True):
             if path.exists():
-                for line in path.read_text().splitlines():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:  # a line still being written
-                        continue
-                    if "step" in record and record["step"] not in records:  # (an evaluation record has none)
+                for record in read_metrics(path):  # (whole lines: the last may still be being written)
+                    if record["step"] not in records:
                         extra = sample() if sample is not None and records is seen[0] else {}
                         records[record["step"]] = {**record, "seen": time.monotonic(), **extra}
         time.sleep(0.05)
