@@ -7,7 +7,7 @@ Commands import what they run inside their body: ``open-diloco --help`` loads ne
 
 from __future__ import annotations
 
-from open_diloco.cli import check_config, export, identity, preflight, prepare_data, status, train
+from open_diloco.cli import check_config, export, identity, preflight, prepare_data, report, status, train
 from open_diloco.cli.app import FLAG_PANELS, app, main, parse, run
 
 app.default(train.train)
@@ -17,5 +17,6 @@ app.command(export.export, name="export")
 app.command(preflight.preflight, name="preflight")
 app.command(identity.identity, name="identity")
 app.command(status.status, name="status")
+app.command(report.report, name="report")
 
 __all__ = ["FLAG_PANELS", "app", "main", "parse", "run"]

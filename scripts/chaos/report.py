@@ -1,5 +1,6 @@
-"""The soak's output: ``summary.json`` (every figure) and ``summary.md`` (the tables a person reads, printed
-too), in the soak's output directory beside the clusters' logs and metrics and ``events.log``."""
+"""The soak's output: ``summary.json`` (every figure), ``summary.md`` (the tables a person reads, printed
+too) and ``report.html`` (``open-diloco report``'s page of the clusters' metrics: the rounds, splits and heals
+to look at), in the soak's output directory beside the clusters' logs and metrics and ``events.log``."""
 
 from __future__ import annotations
 
@@ -108,8 +109,26 @@ def markdown(summary: dict) -> str:
 
 
 def write(out: Path, summary: dict) -> str:
-    """Write both files; returns the markdown."""
+    """Write the three files; returns the markdown."""
     text = markdown(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "summary.md").write_text(text)
+    write_page(out, len(summary["clusters"]))
     return text
+
+
+def write_page(out: Path, clusters: int) -> None:
+    """``report.html`` of the clusters' metrics; a page that cannot be made (a metrics file cut by a kill -9)
+    is said in one line, and the soak's verdict stands without it."""
+    from open_diloco.errors import ConfigError
+    from open_diloco.report.page import render
+    from open_diloco.report.runs import read_run
+    from open_diloco.report.story import tell
+
+    paths = [out / f"cluster{c}.jsonl" for c in range(clusters)]
+    try:
+        clusters_read = read_run([path for path in paths if path.exists()])
+    except ConfigError as err:
+        print(f"no report.html: {err}")
+        return
+    (out / "report.html").write_text(render(tell(clusters_read), [p.name for p in paths]), encoding="utf-8")
