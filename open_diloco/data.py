@@ -11,8 +11,9 @@ way in every process, with no communication):
 
 * The packed corpus (see :mod:`open_diloco.corpus`) holds N = num_tokens // seq_length samples.
 * Validation: the last ``max(1, N // 100)`` samples, always held out (whether or not eval runs, so turning
-  eval on never changes training). Every cluster evaluates the same held-out batches, so val_loss compares
-  across clusters and steps; a pass wanting more samples than are held out reads some twice.
+  eval on never changes training). Every evaluation reads the first ``--eval-samples`` of them, whatever the
+  batch size and rank count, so val_loss compares across clusters, steps and runs; a pass wanting more
+  samples than are held out reads some twice.
 * Training: the other samples, shuffled by a permutation seeded by --seed; cluster c of a galaxy of G takes
   every G-th of them starting at c. The clusters' parts are disjoint and together cover the training set.
 * Inside a cluster: position p reads the part's sample ``p mod n``; each pass over the part (an epoch) is
@@ -31,7 +32,6 @@ import hashlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -247,15 +247,20 @@ def build_train_loader(
 
 
 def build_eval_loader(
-    plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, steps: int
+    plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, samples: int
 ) -> DataLoader:
-    """``steps`` held-out micro-batches for this rank, the same ones on every iteration (read in-process: a
-    validation pass is short, and worker start-up would cost more than it saves)."""
+    """This rank's share of the validation set, in batches of at most ``per_device_batch``, the same every
+    time (read in-process: a validation pass is short, and worker start-up would cost more than it saves).
+
+    The validation set is the first ``samples`` held-out positions, rounded up to a multiple of
+    ``world_size`` so that every rank runs as many forward passes (FSDP's all-gathers must pair up); rank r
+    reads positions r, r + W, … . It depends on neither the batch size nor (beyond that rounding) the rank
+    count: a cluster of batch 4 and one of batch 8, or a run resumed on other ranks, report val_loss on the
+    same samples."""
     if plan.corpus is None:
         dataset: Dataset = FakeSequences(plan.seed, FAKE_VAL_STREAM, plan.vocab_size, plan.seq_length)
     else:
         dataset = PackedSamples(plan.corpus, plan.seq_length, plan.val_ids, reshuffle_seed=None)
-    positions = list(
-        islice(iter(ClusterSampler(per_device_batch, rank, world_size)), steps * per_device_batch)
-    )
+    per_rank = -(-samples // world_size)
+    positions = range(rank, per_rank * world_size, world_size)
     return DataLoader(dataset, batch_size=per_device_batch, sampler=positions, num_workers=0)

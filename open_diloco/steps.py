@@ -107,19 +107,20 @@ def inner_step(
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], world: World) -> float:
-    """Mean loss over the held-out batches, averaged over the cluster's ranks (the same batches every time, so
-    values compare across steps and clusters)."""
+    """Mean loss per held-out sample over the cluster's ranks (the same samples every time, whatever the batch
+    size: ``data.build_eval_loader``), so values compare across steps, clusters and runs. A batch weighs as
+    many samples as it holds: the last one of a rank may be short."""
     was_training = model.training
     model.eval()
-    loss_sum, count = torch.zeros((), device=world.device), 0
+    totals = torch.zeros(2, dtype=torch.float64, device=world.device)  # Σ loss × samples, Σ samples
     for batch in batches:
         input_ids = batch["input_ids"].to(world.device, non_blocking=True)
-        loss_sum += model(input_ids=input_ids, labels=input_ids).loss
-        count += 1
+        totals[0] += model(input_ids=input_ids, labels=input_ids).loss.double() * len(input_ids)
+        totals[1] += len(input_ids)
     model.train(was_training)
     if world.world_size > 1:
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / (count * world.world_size)
+        dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
 
 
 def _memory_gib(device: torch.device) -> float:

@@ -197,7 +197,7 @@ def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[Statefu
         per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
     )
     loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
-    eval_loader = build_eval_loader(data, **batch_args, steps=config.eval_steps)
+    eval_loader = build_eval_loader(data, **batch_args, samples=config.eval_samples)
     return loader, eval_loader
 
 

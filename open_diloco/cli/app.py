@@ -49,7 +49,7 @@ FLAG_PANELS: dict[str, tuple[str, ...]] = {
         "data_cache_dir",
         "num_workers",
         "eval_interval",
-        "eval_steps",
+        "eval_samples",
     ),
     "Performance": (
         "precision",

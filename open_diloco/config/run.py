@@ -107,8 +107,10 @@ class Config(BaseModel):
     eval_interval: Annotated[int, Field(ge=1)] | None = None
     """Compute validation loss every N inner steps (on held-out samples never trained on). Unset: never."""
 
-    eval_steps: Annotated[int, Field(ge=1)] = 10
-    """Batches per validation."""
+    eval_samples: Annotated[int, Field(ge=1)] = 256
+    """Held-out samples per validation: the first N of the held-out part, the same ones whatever the batch
+    size and rank count (rounded up to a multiple of the ranks), so val_loss compares across runs, resumes
+    and clusters."""
 
     # performance
     precision: Precision = "auto"

@@ -165,7 +165,11 @@ def main() -> None:
     parser.add_argument("--arms", default=None, help="default: the setting's arms (see SETTINGS)")
     parser.add_argument("--extra-arms", default="", help="arms run after the setting's")
     parser.add_argument("--path-model", default=None, help="overrides --model's directory")
-    parser.add_argument("--dataset-path", default=STDLIB)
+    parser.add_argument(
+        "--dataset-path",
+        default=STDLIB,
+        help="a corpus (the trainer's flag), or 'fake' for the fake-data stream",
+    )
     parser.add_argument("--data-cache-dir", default=str(REPO / "outputs/data_cache"))
     parser.add_argument("--seq-length", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="DDP's batch; clusters get batch/M")
@@ -185,8 +189,10 @@ def main() -> None:
         "(SEEDS). Ratios are taken per seed, then averaged: one seed moves val_loss by several %% here",
     )
     parser.add_argument("--jobs", type=int, default=None, help="seeds run at once (default: one per core)")
-    parser.add_argument("--eval-steps", type=int, default=8)
-    parser.add_argument("--eval-batch", type=int, default=16)
+    parser.add_argument(
+        "--eval-samples", type=int, default=128, help="held-out samples per validation (the trainer's flag)"
+    )
+    parser.add_argument("--eval-batch", type=int, default=16, help="samples per validation forward pass")
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
@@ -197,6 +203,17 @@ def main() -> None:
         "the GPU); the outer state stays in host memory, as in the trainer",
     )
     parser.add_argument("--out", default=None, help="JSON lines, one per arm and seed")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a galaxy arm misses its target (TARGET ratio to DDP, below the 1/M-token cluster)",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="the ratio to DDP every galaxy arm must meet (default: TARGET)",
+    )
     parser.add_argument(
         "--ddp-val", type=float, default=None, help="DDP's final val_loss when no ddp arm runs (every seed)"
     )
@@ -211,6 +228,8 @@ def main() -> None:
             setattr(args, key, value)
     args.arms = f"{args.arms} {args.extra_arms}".strip()
     args.path_model = args.path_model or str(MODELS[args.model])
+    if args.dataset_path == "fake":
+        args.dataset_path = None  # the trainer's --fake-data: each cluster its own stream
     seeds = [int(seed) for seed in (args.seeds or SEEDS[(args.model, size)]).split(",")]
     arms = [parse_arm(text, args) for text in args.arms.split()]  # bad arms fail before any run starts
     if len(seeds) == 1:
@@ -219,7 +238,11 @@ def main() -> None:
         results = run_seeds_in_processes(seeds, args.jobs or min(len(seeds), os.cpu_count() or 1))
         if args.out:
             append_records(args.out, results)
-    report(results, args.steps, args.ddp_val, args.half_val)
+    if args.target:
+        TARGET.update(dict.fromkeys(TARGET, args.target))
+    missed = report(results, args.steps, args.ddp_val, args.half_val)
+    if args.check and missed:
+        raise SystemExit(f"quality yardstick: {', '.join(missed)} missed the target (see the table)")
 
 
 def append_records(path: str, records: list[dict]) -> None:
@@ -246,15 +269,14 @@ def run_seed(
         1,
     )
     eval_loader = build_eval_loader(
-        eval_plan, per_device_batch=args.eval_batch, rank=0, world_size=1, steps=args.eval_steps
+        eval_plan, per_device_batch=args.eval_batch, rank=0, world_size=1, samples=args.eval_samples
     )
-    if args.eval_steps * args.eval_batch > len(eval_plan.val_ids):
-        print(
-            f"note: validation reads {args.eval_steps * args.eval_batch} samples of {len(eval_plan.val_ids)}"
-        )
+    if eval_plan.val_ids is not None and args.eval_samples > len(eval_plan.val_ids):
+        print(f"note: validation reads {args.eval_samples} samples of {len(eval_plan.val_ids)}")
     defaults = HvConfig()
     print(
-        f"{time.strftime('%Y-%m-%d')}: model {args.path_model}; corpus {eval_plan.corpus.num_tokens} tokens; "
+        f"{time.strftime('%Y-%m-%d')}: model {args.path_model}; "
+        f"{f'corpus {eval_plan.corpus.num_tokens} tokens' if eval_plan.corpus else 'fake data'}; "
         f"seq {args.seq_length}, DDP batch {args.batch}, {args.steps} steps, lr {args.lr}, "
         f"wd {args.weight_decay}, warm-up {args.warmup_steps}, seed {seed}; shipped outer: lr "
         f"{defaults.outer_lr}, momentum {defaults.outer_momentum}, nesterov {defaults.outer_nesterov}, "
@@ -324,9 +346,11 @@ def final_val(record: dict) -> float:
 
 def report(
     results: list[dict], steps: int, ddp_val: float | None = None, half_val: float | None = None
-) -> None:
+) -> list[str]:
     """One row per arm: its val_loss per seed, and its ratio to DDP's taken per seed (the same init and data
-    order), averaged over seeds, ± its standard error."""
+    order), averaged over seeds, ± its standard error. Returns the galaxy arms that missed their target
+    (ratio to DDP above TARGET, or not below the cluster alone with 1/M of the tokens)."""
+    missed = []
     ddp = {r["seed"]: final_val(r) for r in results if r["arm"] == "ddp"}
     arms: dict[str, list[dict]] = {}
     for r in results:
@@ -354,6 +378,8 @@ def report(
             target = f"{TARGET[m]:.2f}"
             half = halves.get(m, half_val if m == 2 else None)
             ok = "yes" if ratio <= TARGET[m] and (half is None or val < half) else "no"
+            if ok == "no":
+                missed.append(name)
         rounds = [x for r in runs for x in r["rounds"]]
         norms = [r["rounds"] for r in runs if r["rounds"]]
         first = mean(x[0]["pseudo_grad_norm"] for x in norms) if norms else math.nan
@@ -371,6 +397,7 @@ def report(
             f"{last:8.2f} {ratio_bytes:9.1f} {PAPER.get(m, '') if galaxy else '':>14}  {per_seed}; "
             f"{'disjoint, no repeats, val unseen' if checks else 'DATA CHECK FAILED'}"
         )
+    return missed
 
 
 if __name__ == "__main__":

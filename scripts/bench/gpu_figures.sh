@@ -29,7 +29,7 @@ blake3|mmh3)=="); do
   for pkg in hivemind varint.py prefetch_generator baseconv.py; do cp -r "$site/$pkg" "$wheels/site/"; done
   # the yardstick's corpus (this machine's CPython standard library), packed here: the GPU trains on the same
   # tokens, and its image lacks `datasets`, which packing raw text needs
-  .venv/bin/python scripts/bench/convergence.py --arms ddp --steps 1 --eval-steps 1 --seeds 0 >/dev/null \
+  .venv/bin/python scripts/bench/convergence.py --arms ddp --steps 1 --eval-samples 16 --seeds 0 >/dev/null \
     && rm -rf "$wheels/packed" && cp -r outputs/data_cache/py-*/ "$wheels/packed"
   find "$wheels/site" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$wheels"
@@ -109,7 +109,7 @@ if want 6; then
       --data-cache-dir /tmp/yard_cache --out "$out/yard/$name.jsonl" "$@" >"$out/yard/$name.log" 2>&1 &
   }
   if ! $py scripts/bench/convergence.py --device cuda --quick --model 2m --arms "ddp diloco:M=2,H=1" --steps 2 \
-    --eval-steps 1 --dataset-path "$wheels/packed" --data-cache-dir /tmp/yard_cache --seeds 0 \
+    --eval-samples 16 --dataset-path "$wheels/packed" --data-cache-dir /tmp/yard_cache --seeds 0 \
     >"$out/yard_smoke.log" 2>&1; then
     echo "yardstick smoke run failed:"; tail -20 "$out/yard_smoke.log"
   else

@@ -216,11 +216,42 @@ def test_eval_batches_are_held_out_and_repeat(tmp_path: Path) -> None:
     plan = plan_data(
         _config(tmp_path, text_dir(tmp_path, DOCS)), 2048, world_size=1, galaxy_rank=0, galaxy_size=1
     )
-    loader = build_eval_loader(plan, per_device_batch=2, rank=0, world_size=1, steps=2)
+    loader = build_eval_loader(plan, per_device_batch=2, rank=0, world_size=1, samples=4)
     first = [b["sample_id"].tolist() for b in loader]
     assert first == [b["sample_id"].tolist() for b in loader] and len(first) == 2
     assert set(sum(first, [])) <= set(plan.val_ids.tolist())
     assert set(plan.val_ids.tolist()).isdisjoint(plan.train_ids.tolist())
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_the_validation_set_depends_on_neither_batch_size_nor_rank_count(tmp_path: Path, fake: bool) -> None:
+    """val_loss of runs with other batches or rank counts (DDP against a galaxy's clusters of half the batch,
+    a resume on more ranks) is measured on the same samples: the first ``samples`` positions, every rank
+    running as many batches (FSDP pairs their all-gathers), the last one short where the batch does not
+    divide the rank's share."""
+    config = (
+        Config(fake_data=True, seq_length=64, per_device_train_batch_size=2, total_batch_size=4, seed=3)
+        if fake
+        else _config(tmp_path, text_dir(tmp_path, DOCS))
+    )
+    plan = plan_data(config, 2048, world_size=1, galaxy_rank=0, galaxy_size=1)
+
+    def read(batch: int, ranks: int) -> list[list[torch.Tensor]]:
+        loaders = [
+            build_eval_loader(plan, per_device_batch=batch, rank=r, world_size=ranks, samples=12)
+            for r in range(ranks)
+        ]
+        return [[b["input_ids"] for b in loader] for loader in loaders]
+
+    def samples(ranks_batches: list[list[torch.Tensor]]) -> list[list[int]]:
+        return sorted(row.tolist() for batches in ranks_batches for batch in batches for row in batch)
+
+    one = read(batch=12, ranks=1)
+    for batch, ranks in ((4, 1), (5, 1), (3, 2), (8, 2), (2, 3), (4, 4)):
+        seen = read(batch, ranks)
+        assert samples(seen) == samples(one), (batch, ranks)
+        assert len({len(batches) for batches in seen}) == 1, "every rank runs as many forward passes"
+    assert [len(b) for b in read(batch=5, ranks=1)[0]] == [5, 5, 2]
 
 
 def test_packed_dir_is_used_directly_and_checks_the_tokenizer(tmp_path: Path) -> None:
