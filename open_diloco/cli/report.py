@@ -26,18 +26,12 @@ def report(
     output
         The page to write. Default: report.html in the run's directory (beside the first file given).
     """
-    from open_diloco.report.page import render
-    from open_diloco.report.runs import read_run
-    from open_diloco.report.story import tell
+    from open_diloco.report.page import write_page
 
-    clusters = read_run(inputs)
-    story = tell(clusters)
     first = inputs[0]
     target = output or (first if first.is_dir() else first.parent) / "report.html"
-    html = render(story, [_shown(c.path) for c in clusters])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(html, encoding="utf-8")
-    print(f"{target} ({len(html.encode()) / 1e6:.2f} MB): {story.summary[0]}")
+    story, size = write_page(inputs, target, name=_shown)
+    print(f"{target} ({size / 1e6:.2f} MB): {story.summary[0]}")
 
 
 def _shown(path: Path) -> str:

@@ -7,11 +7,13 @@ charts are SVG text (:mod:`~open_diloco.report.svg`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from html import escape
+from pathlib import Path
 from statistics import fmean
 
-from open_diloco.report.runs import ClusterMetrics
-from open_diloco.report.story import Story
+from open_diloco.report.runs import ClusterMetrics, read_run
+from open_diloco.report.story import Story, tell
 from open_diloco.report.svg import Series, cluster_color, line_chart
 from open_diloco.report.timeline import timeline
 
@@ -54,6 +56,17 @@ document.querySelectorAll('.who').forEach(function (chip) {
   });
 });
 """
+
+
+def write_page(inputs: list[Path], target: Path, name: Callable[[Path], str] = str) -> tuple[Story, int]:
+    """Read the run of ``inputs`` (a one-line ConfigError for what is not one whole run), judge it and write
+    its page to ``target``, each metrics file named by ``name``; returns the story and the page's bytes."""
+    clusters = read_run(inputs)
+    story = tell(clusters)
+    html = render(story, [name(cluster.path) for cluster in clusters])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(html, encoding="utf-8")
+    return story, len(html.encode())
 
 
 def render(story: Story, sources: list[str]) -> str:

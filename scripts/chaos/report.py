@@ -121,14 +121,12 @@ def write_page(out: Path, clusters: int) -> None:
     """``report.html`` of the clusters' metrics; a page that cannot be made (a metrics file cut by a kill -9)
     is said in one line, and the soak's verdict stands without it."""
     from open_diloco.errors import ConfigError
-    from open_diloco.report.page import render
-    from open_diloco.report.runs import read_run
-    from open_diloco.report.story import tell
+    from open_diloco.report.page import write_page as write_report_page
 
     paths = [out / f"cluster{c}.jsonl" for c in range(clusters)]
     try:
-        clusters_read = read_run([path for path in paths if path.exists()])
+        write_report_page(
+            [path for path in paths if path.exists()], out / "report.html", name=lambda p: p.name
+        )
     except ConfigError as err:
         print(f"no report.html: {err}")
-        return
-    (out / "report.html").write_text(render(tell(clusters_read), [p.name for p in paths]), encoding="utf-8")
