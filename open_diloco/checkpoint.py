@@ -11,9 +11,9 @@ What a checkpoint holds, and why that is enough for an exact resume:
   local progress. Then θ_outer is stored too (``outer_params``), and a round in flight is recorded, not waited
   for (``sync_start``: the fragment's θ_local when the round started), so the save costs training nothing and
   a resume sends the same round again and lands it where the straight run did;
-- step counters, each rank's RNG states, and the config and model config it was made with.
-The data position and the learning-rate schedule are pure functions of the step, so they are derived on
-resume rather than stored (the same derivation serves late joiners).
+- step counters, each rank's RNG states, the config and model config it was made with, θ_outer's
+  ``param_hash`` and the galaxy's ledger (``ledger.jsonl``, ``outer/ledger.py``). The data position and the
+  learning-rate schedule are pure functions of the step: derived on resume (as for late joiners), not stored.
 
 Atomicity: every rank writes into ``step_<N>.tmp``; after a barrier rank 0 writes ``metadata.json`` last
 and renames the directory to ``step_<N>``. A kill at any point leaves either the old set of checkpoints or
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from open_diloco.config import CkptConfig
 from open_diloco.errors import ConfigError
+from open_diloco.outer.ledger import read_checkpoint_ledger, write_checkpoint_ledger
 from open_diloco.outer.protocols import OuterLoop
 from open_diloco.outer.stateful import zeros_placed_like_params
 
@@ -50,15 +51,9 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 # Model-config keys that must match for a checkpoint to fit the model being built.
-_SHAPE_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "tie_word_embeddings",
+_SHAPE_KEYS = tuple(
+    "model_type vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
+    "num_key_value_heads tie_word_embeddings".split()
 )
 
 
@@ -71,11 +66,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [
-        p
-        for p in root.glob("step_*")
-        if p.is_dir() and not p.name.endswith(".tmp") and (p / METADATA).is_file()
-    ]
+    found = [p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / METADATA).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -130,7 +121,7 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 # names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
 # them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
 # own name. ``pace`` (--hv.round-steps by-speed's step counts, one per cluster) is null with equal steps.
-_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1, "pace": None}
+_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1, "pace": None, "param_hash": None}
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
@@ -152,10 +143,11 @@ def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         "streaming": [key for key in ("outer_params", "sync_start") if key in outer_state],
         "fragments": int(outer_state.get("fragments", _OUTER_COUNTERS["fragments"])),
         "pace": outer_state.get("pace"),
+        "param_hash": outer_state.get("param_hash"),
     }
     entries = {key: outer_state[key] for key in _outer_pieces(fields)}
     per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}
-    unplaced = set(outer_state) - set(_OUTER_COUNTERS) - set(entries) - set(per_rank)
+    unplaced = set(outer_state) - set(_OUTER_COUNTERS) - set(entries) - set(per_rank) - {"ledger"}
     if unplaced:
         raise RuntimeError(f"checkpoint format {FORMAT_VERSION} has no place for outer {sorted(unplaced)}")
     return fields, entries, per_rank
@@ -210,7 +202,10 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=self._group)
-        outer_fields, outer_entries, outer_per_rank = _outer_parts(outer.state_dict())
+        outer_state = outer.state_dict()
+        outer_fields, outer_entries, outer_per_rank = _outer_parts(outer_state)
+        if rank == 0 and outer_state.get("ledger"):
+            write_checkpoint_ledger(tmp, outer_state["ledger"])
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, **outer_entries}
         metadata = {
@@ -244,9 +239,8 @@ class CheckpointSaver:
         except BaseException as err:  # CheckpointException is a BaseException
             if self._abandoned:
                 return None
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             log.error(
-                "checkpoint %s failed (%s): the previous checkpoints are intact", final.name, first[:300]
+                "checkpoint %s failed (%s): the previous checkpoints are intact", final.name, _first_line(err)
             )
             return None
         if self._abandoned or metadata is None:
@@ -311,6 +305,11 @@ class CheckpointSaver:
         self._writer.shutdown(wait=False)
 
 
+def _first_line(err: BaseException) -> str:
+    """What a person needs of a DCP error: its first line (DCP's run to pages of per-rank tracebacks)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
 def _host_copy(state: Any) -> Any:
     """A copy of ``state`` in host memory that training cannot touch: every tensor copied (a DTensor keeps its
     mesh and placements around a copy of its local shard), everything else deep-copied. (DCP's own stager
@@ -354,9 +353,8 @@ def load(
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException: name it
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
-            f"checkpoint {path} could not be loaded ({first[:200]}): it is corrupt or from another "
+            f"checkpoint {path} could not be loaded ({_first_line(err)}): it is corrupt or from another "
             "model; resume from another checkpoint"
         ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -371,6 +369,7 @@ def load(
     for key in _OUTER_PER_RANK:
         if (file := Path(path) / f"{key}_rank{dist.get_rank()}.pt").is_file():
             outer_state[key] = torch.load(file, weights_only=True)
+    outer_state["ledger"] = read_checkpoint_ledger(Path(path))
     outer.load_state_dict(outer_state)
     return int(metadata["step"])
 
@@ -392,8 +391,7 @@ def export_pretrained(path: Path, out_dir: Path) -> Path:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=Path(path))
     except (Exception, CheckpointException) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"checkpoint {path} could not be read for export ({first[:200]})") from None
+        raise ConfigError(f"checkpoint {path} could not be read for export ({_first_line(err)})") from None
     model.load_state_dict(state["model"])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -50,6 +50,8 @@ class CatchingUp:
     bad_rounds: int
     _catch_up_step: int
     _step_seconds: float | None
+    _take_state: Any
+    held_entry: Any
 
     def join_galaxy(self) -> int:
         """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late
@@ -84,7 +86,7 @@ class CatchingUp:
             if ahead:
                 got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
                 if got is not None:
-                    self.state.adopt(got.metadata, got.tensors)
+                    self._take_state(got)
                 return got
             if known or not self.cluster.all_true(time.monotonic() + 1.0 < deadline):
                 return None
@@ -150,14 +152,14 @@ class CatchingUp:
             and got.step == round_no
             and self.galaxy_rank in got.metadata.get("committed_group", ())
         ):
-            self.state.adopt_round(got.metadata, got.tensors)
+            self._take_state(got, own_round=True)
             self.state.land()
             self.warn(
                 f"outer step {round_no}: took the round as cluster {got.source} committed it (our Δ is in it)"
             )
             outcome = "adopted"
         elif got is not None:
-            self.state.adopt(got.metadata, got.tensors)
+            self._take_state(got)
             self.warn(
                 f"outer step {round_no - 1}: took cluster {got.source}'s state at outer step {got.step}"
             )
@@ -186,6 +188,7 @@ class CatchingUp:
             state_source=None if got is None else got.source,
             galaxy_complete=view.whole,
             in_sync=in_sync,
+            ledger=self.held_entry(),
         )
 
     @torch.no_grad()
@@ -238,6 +241,7 @@ class CatchingUp:
             "resynced" if taken is not None else "sat_out",
             flight,
             state_source=None if taken is None else taken.source,
+            ledger=self.held_entry() if taken is not None else None,
         )
 
     def _catch_up(self) -> None:
@@ -257,7 +261,7 @@ class CatchingUp:
         got = self.adoption.download(at_least, self.hv.join_timeout)
         if got is not None:
             previous = self.outer_step
-            self.state.adopt(got.metadata, got.tensors)
+            self._take_state(got)
             self.warn(
                 f"outer step {previous}: {why}: adopted cluster {got.source}'s state at outer step {got.step}"
             )
@@ -299,7 +303,7 @@ class CatchingUp:
                 f"galaxy ({sides}), and cluster {chosen}'s could not be downloaded"
             )
             return None
-        self.state.adopt(got.metadata, got.tensors)
+        self._take_state(got)
         self.state.scatter_into_model()
         self.state.local_at_start = None
         self.warn(
@@ -314,6 +318,7 @@ class CatchingUp:
             param_checksum=self.cluster.sum_float(self.state.sq_norm()),
             galaxy_alive=last.galaxy_alive,
             state_source=got.source,
+            ledger=self.held_entry(),
         )
 
     def _serve_until_taken(self, verdict: FinalVerdict) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,6 +39,12 @@ class ClusterComm:
         if self._group_active():
             dist.all_reduce(tensor)
         return float(tensor.item())
+
+    def norm(self, local_sq: float) -> float | None:
+        """The whole cluster's norm from each rank's squared norm of its shard (a ‖Δ‖, a bound on it);
+        ``None`` when not finite or never computed (JSON has no NaN)."""
+        total = self.sum_float(local_sq)
+        return total**0.5 if math.isfinite(total) else None
 
     def gather_strings(self, value: str) -> list[str]:
         """Every rank's ``value``, in rank order."""

@@ -48,6 +48,10 @@ class Committing:
     _alive_before: int
     _round_weight: float
     _fastest_seconds: float | None
+    changing_state: Any  # DiLoCo's, as the three below
+    cluster_hash: Any
+    _record_commit: Any
+    own_round_metadata: Any
 
     @torch.no_grad()
     def start_round(self, attempts: int = 0) -> RoundInFlight:
@@ -97,7 +101,7 @@ class Committing:
             "delta_norm": claim,
             "theta_norm": theta_norm,
             "committed_by": len(self.state.committed_group),
-            "weight": self._round_weight,
+            **self.own_round_metadata(),
         }
         try:
             if alive == 1 < self.hv.galaxy_size:  # everyone else is gone: waiting could only time out
@@ -279,6 +283,7 @@ class Committing:
                 f"outer step {round_no}: {alone}: this cluster applies its own pseudo-gradient alone (the "
                 "next round's hash check re-syncs it)"
             )
+        before = self.cluster_hash(flight.own_hash)
         with contextlib.ExitStack() as held:
             averaged = self._locked_buffer(held)
             if averaged is None:
@@ -294,15 +299,19 @@ class Committing:
                 )
             if not (galaxy_average and finite):  # our own Δ again, never a partial or poisoned average
                 self.state.pseudo_grad_for_wire_into(averaged)
+            held.enter_context(self.changing_state())
             self.state.apply(averaged)
-        averaged_over = (
-            view.group - set(view.rejected) - set(view.stale)
-            if galaxy_average and finite
-            else {self.galaxy_rank}
-        )
-        self.state.committed_group = sorted(averaged_over)
-        fragment = self.state.fragment
-        self.state.land()
+            averaged_over = (
+                view.group - set(view.rejected) - set(view.stale)
+                if galaxy_average and finite
+                else {self.galaxy_rank}
+            )
+            self.state.committed_group = sorted(averaged_over)
+            fragment = self.state.fragment
+            self.state.land()
+            entry = self._record_commit(
+                flight, report, fragment, before, averaged_over, alone=not (galaxy_average and finite)
+            )
         in_sync = (
             view.in_sync
             and galaxy_average
@@ -320,6 +329,7 @@ class Committing:
             galaxy_complete=view.whole,
             rejected_peers=view.rejected,
             fragment=fragment,
+            ledger=entry,
         )
 
     def _note_alive(self, round_no: int, alive: int) -> None:
@@ -357,22 +367,12 @@ class Committing:
             galaxy_alive=flight.alive,
             pseudo_grad_finite=not flight.diverged,
             pseudo_grad_in_bound=not flight.out_of_bound,
-            pseudo_grad_bound=self._cluster_bound(flight.bound),
-            pseudo_grad_norm=self._cluster_norm(flight.local_sq),  # None when not finite (JSON has no NaN)
+            pseudo_grad_bound=self.cluster.norm(flight.bound**2 if flight.bound is not None else math.nan),
+            pseudo_grad_norm=self.cluster.norm(flight.local_sq),  # None when not finite (JSON has no NaN)
             param_checksum=self.cluster.sum_float(self.state.sq_norm()),
             param_hash=combine_hashes(self.cluster.gather_strings(self.state.hash())),
             **fields,
         )
-
-    def _cluster_norm(self, local_sq: float) -> float | None:
-        """‖Δ‖ of the whole cluster (every shard); ``None`` when not finite (or never computed)."""
-        total = self.cluster.sum_float(local_sq)
-        return total**0.5 if math.isfinite(total) else None
-
-    def _cluster_bound(self, bound: float | None) -> float | None:
-        """The sender-side bound for the whole cluster's ‖Δ‖ (each shard's bound, combined like norms)."""
-        total = self.cluster.sum_float(bound**2 if bound is not None else float("nan"))
-        return total**0.5 if math.isfinite(total) else None
 
     def _wait(self, flight: RoundInFlight, round_no: int) -> tuple[RoundReport, bool]:
         """The round's report, or a group of one (``failed``) when it produced no result."""

@@ -10,23 +10,30 @@ every shard of a cluster follows the same path, through the same collectives.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from open_diloco.errors import ConfigError
-from open_diloco.outer.adoption import StateAdoption
+from open_diloco.outer.adoption import Downloaded, StateAdoption
 from open_diloco.outer.catching_up import CatchingUp
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.codecs import build_compressor
+from open_diloco.outer.codecs import build_compressor, codec_label
 from open_diloco.outer.committing import Committing
+from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import NormHistory
+from open_diloco.outer.ledger import Ledger, LedgerEntry, round_entry
 from open_diloco.outer.pacing import Pace
 from open_diloco.outer.policy import RoundPolicy
 from open_diloco.outer.protocols import (
     Averager,
     NullStatusBoard,
+    RoundReport,
     StatusBoard,
 )
 from open_diloco.outer.round import RoundInFlight, RoundResult
@@ -35,6 +42,9 @@ from open_diloco.outer.streaming import SyncSchedule
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
+
+LEDGER_LOCK_SECONDS = 10.0
+"""The most a state download waits for a commit in progress to write its ledger entry."""
 
 
 class DiLoCo(Committing, CatchingUp):
@@ -73,6 +83,8 @@ class DiLoCo(Committing, CatchingUp):
         """The least seconds per inner step a live cluster published, as the last round's start read it."""
         self._round_weight = 1.0
         """The weight of the sync being started (retries of it send the same)."""
+        self._round_inner_steps: int | None = None
+        """The inner steps behind the sync being started (its ledger entry names them)."""
         self._sync_pace: dict[int, tuple[int, float]] = {}
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: RoundInFlight | None = None
@@ -97,6 +109,11 @@ class DiLoCo(Committing, CatchingUp):
             fragments=hv.fragments,
             sync_alpha=hv.sync_alpha,
         )
+        self.ledger = Ledger()
+        """The chain of committed rounds this cluster's θ_outer went through (``outer/ledger.py``)."""
+        self._ledger_lock = threading.Lock()
+        """Held while θ_outer and the ledger change together (a commit, an adoption), so a served state
+        always carries the chain that ends at its θ (:meth:`_served_state`)."""
         self.averager.serve_state(self._served_state)
         self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
         self._last_round: RoundResult | None = None
@@ -113,8 +130,87 @@ class DiLoCo(Committing, CatchingUp):
         return self.hv.fragments
 
     def _served_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        metadata, tensors = self.state.snapshot()
-        return {**metadata, "galaxy_rank": self.galaxy_rank}, tensors
+        """What a peer downloads (the averager's thread): the shard's outer state and the ledger's tail that
+        ends at it. A commit in progress holds the ledger lock from θ_outer's change to its entry; a download
+        waits for it (bounded), else it serves no chain rather than one that does not end at its θ."""
+        held = self._ledger_lock.acquire(timeout=LEDGER_LOCK_SECONDS)
+        try:
+            metadata, tensors = self.state.snapshot()
+            tail = self.ledger.tail() if held else []
+        finally:
+            if held:
+                self._ledger_lock.release()
+        return {**metadata, "galaxy_rank": self.galaxy_rank, "ledger": tail}, tensors
+
+    @contextlib.contextmanager
+    def changing_state(self) -> Iterator[None]:
+        """Around a change of θ_outer and the ledger together (see :meth:`_served_state`)."""
+        with self._ledger_lock:
+            yield
+
+    def own_round_metadata(self) -> dict[str, Any]:
+        """What this cluster says of itself in every round's metadata, for the members' ledger entries."""
+        hv = self.hv
+        return {
+            "weight": self._round_weight,
+            "inner_steps": self._round_inner_steps,
+            "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule),
+            "outer_optimizer": (
+                f"sgd lr={hv.outer_lr:g} momentum={hv.outer_momentum:g} nesterov={hv.outer_nesterov} "
+                f"warmup_rounds={hv.outer_warmup_rounds}"
+            ),
+        }
+
+    def cluster_hash(self, shard_hash: str | None = None) -> str:
+        """``param_hash`` of the whole cluster's θ_outer (every shard's hash, combined), from this shard's
+        ``shard_hash`` (default: its θ_outer now). Collective."""
+        return combine_hashes(self.cluster.gather_strings(shard_hash or self.state.hash()))
+
+    # -- the ledger ----------------------------------------------------------------------------------------
+    def _record_commit(
+        self,
+        flight: RoundInFlight,
+        report: RoundReport,
+        fragment: int,
+        before: str,
+        members: set[int],
+        alone: bool,
+    ) -> LedgerEntry:
+        """The committed round's ledger entry, appended to this cluster's chain: rank 0's, on every rank (its
+        shard's report names the members' metadata; every rank holds the same ``before`` and ``after``)."""
+        peers = {**report.peers, self.galaxy_rank: self.own_round_metadata()}
+        entry = round_entry(
+            round_no=self.outer_step,
+            attempt=flight.attempts,
+            fragment=fragment,
+            before=before,
+            after=self.cluster_hash(),
+            peers=peers,
+            members=members,
+            alone=alone,
+        )
+        (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
+        entry = LedgerEntry.from_wire(json.loads(wire))
+        if broken := self.ledger.append(entry):
+            self.warn(broken)
+        return entry
+
+    def _take_state(self, got: Downloaded, own_round: bool = False) -> None:
+        """θ_outer and the chain that ends at it, from one download, together (``outer/ledger.py``):
+        ``own_round``: the round this cluster sent its Δ to, taken as its own commit
+        (:meth:`OuterState.adopt_round`), else a re-sync onto the source's trajectory."""
+        with self.changing_state():
+            if own_round:
+                self.state.adopt_round(got.metadata, got.tensors)
+            else:
+                self.state.adopt(got.metadata, got.tensors)
+            self.ledger.take(got.metadata.get("ledger"))
+
+    def held_entry(self) -> LedgerEntry | None:
+        """The ledger entry of the θ_outer this cluster holds now (``None``: its chain does not reach it, e.g.
+        a source of an older version served none)."""
+        last = self.ledger.last
+        return last if last is not None and last.round == self.outer_step else None
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -123,6 +219,9 @@ class DiLoCo(Committing, CatchingUp):
         state = self.state.checkpoint_state(streaming=self.schedule.streaming)
         if (pace := self.pace.state_dict()) is not None:
             state["pace"] = pace
+        state["param_hash"] = self.cluster_hash()
+        if self.ledger.entries:
+            state["ledger"] = self.ledger.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -142,6 +241,7 @@ class DiLoCo(Committing, CatchingUp):
             )
         self.state.load_checkpoint_state(state_dict)
         self.pace.load_state_dict(state_dict.get("pace"))
+        self.ledger.load_state_dict(state_dict.get("ledger"))
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False, trained: bool = True) -> dict[str, Any]:
@@ -216,6 +316,7 @@ class DiLoCo(Committing, CatchingUp):
         delay = 0 if last else self.schedule.sync_delay
         fragment = self.schedule.fragment_of(self.outer_step)
         self._round_weight = self.pace.weight_of(fragment)
+        self._round_inner_steps = self.pace.since_sync[fragment]
         self._sync_pace[self.outer_step + 1] = (self.pace.since_sync[fragment], self._round_weight)
         self.pace.synced(fragment)
         self.state.begin_round(fragment, keep_local=delay > 0)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.ledger import LedgerEntry
 from open_diloco.outer.protocols import PendingRound, RoundReport
 
 
@@ -160,6 +161,10 @@ class RoundResult:
     round_weight: float | None = None
     """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
     ÷ H)."""
+    ledger: LedgerEntry | None = None
+    """The ledger entry of the round this cluster's θ_outer now ends at: its own commit (``applied``), the
+    committer's (``adopted``), or the last of the chain it took (``resynced``); ``None`` when it holds no
+    entry (``sat_out``, or a source that served no chain)."""
 
     @property
     def diverged(self) -> bool:
@@ -175,6 +180,7 @@ class RoundResult:
 
     def metrics(self) -> dict[str, Any]:
         record = asdict(self)
+        record["ledger"] = self.ledger.to_wire() if self.ledger is not None else None
         record["round_outcome"] = record.pop("outcome")
         record["retries"] = self.attempt
         record["resynced"] = self.outcome == "resynced"
@@ -185,6 +191,7 @@ class RoundResult:
             "compute_utilization",
             "round_inner_steps",
             "round_weight",
+            "ledger",
         ):
             if record[optional] is None:
                 del record[optional]

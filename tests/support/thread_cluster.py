@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from open_diloco.outer.cluster import ClusterComm
+
 BARRIER_SECONDS = 20.0
 
 
@@ -54,10 +56,12 @@ class ThreadCluster:
         return results
 
 
-class ThreadComm:
-    """One rank's ``ClusterComm`` (same methods, same meaning)."""
+class ThreadComm(ClusterComm):
+    """One rank's ``ClusterComm`` (same methods, same meaning; what ClusterComm derives from its collectives,
+    such as ``norm``, it inherits)."""
 
     def __init__(self, cluster: ThreadCluster, rank: int):
+        super().__init__("cpu")
         self.cluster, self.rank = cluster, rank
 
     def min_int(self, value: int) -> int:
@@ -71,3 +75,6 @@ class ThreadComm:
 
     def gather_strings(self, value: str) -> list[str]:
         return self.cluster.gather(self.rank, value)
+
+    def broadcast_strings(self, values: list[str]) -> list[str]:
+        return self.cluster.gather(self.rank, values)[0]
