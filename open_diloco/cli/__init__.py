@@ -7,7 +7,17 @@ Commands import what they run inside their body: ``open-diloco --help`` loads ne
 
 from __future__ import annotations
 
-from open_diloco.cli import check_config, export, identity, preflight, prepare_data, report, status, train
+from open_diloco.cli import (
+    check_config,
+    export,
+    identity,
+    ledger,
+    preflight,
+    prepare_data,
+    report,
+    status,
+    train,
+)
 from open_diloco.cli.app import FLAG_PANELS, app, main, parse, run
 
 app.default(train.train)
@@ -18,5 +28,6 @@ app.command(preflight.preflight, name="preflight")
 app.command(identity.identity, name="identity")
 app.command(status.status, name="status")
 app.command(report.report, name="report")
+app.command(ledger.ledger, name="ledger")
 
 __all__ = ["FLAG_PANELS", "app", "main", "parse", "run"]

@@ -28,6 +28,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from open_diloco.galaxy.dht import DHT_PIPE_LOCK, shutdown_dht, start_dht
+from open_diloco.galaxy.ledger_mirror import store_entries
 from open_diloco.galaxy.record_ages import PUBLISH_DELAY_SECONDS, RecordAges
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ class StatusPublisher:
     def __init__(
         self, dht: DHT, run_id: str, identity: dict[str, Any], heartbeat_seconds: float, expiry_seconds: float
     ):
-        self.dht, self.key = dht, status_key(run_id)
+        self.dht, self.key, self.run_id = dht, status_key(run_id), run_id
+        self._ledger: list[dict[str, Any]] = []
+        """Ledger entries of rounds this cluster committed, not yet mirrored (``galaxy/ledger_mirror.py``)."""
         self.heartbeat_seconds = heartbeat_seconds
         self._record: dict[str, Any] = {
             **identity,
@@ -105,6 +108,8 @@ class StatusPublisher:
         if "state" in step_record:
             fields["state"] = step_record["state"]
         with self._lock:
+            if isinstance(entry := step_record.get("ledger"), dict):
+                self._ledger.append(entry)
             if "outer_step" in step_record:
                 now = get_dht_time()
                 previous = self._record.get("round_ended_at")
@@ -137,6 +142,10 @@ class StatusPublisher:
         with self._lock:
             self._seq += 1
             record = {**self._record, "published_at": get_dht_time(), "seq": self._seq}
+            entries, self._ledger = self._ledger, []
+        if entries and not store_entries(self.dht, self.run_id, entries, STORE_TIMEOUT):
+            with self._lock:  # kept for the next publication (the newest last; a mirror: bounded)
+                self._ledger = (entries + self._ledger)[-1024:]
         try:
             with DHT_PIPE_LOCK:
                 stored = self.dht.store(

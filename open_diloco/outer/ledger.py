@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from open_diloco.errors import ConfigError
+from open_diloco.errors import OpenDilocoError
 
 KEEP = 4096
 """Entries a cluster keeps (and checkpoints): at one round a second, over an hour of rounds, longer than the
@@ -38,7 +38,7 @@ SERVED = 256
 to replace whatever the taker's own chain held since a partition of that many rounds."""
 
 
-class LedgerBroken(ConfigError):
+class LedgerBroken(OpenDilocoError):
     """An entry whose content does not match its hash, or a chain that does not continue: the one line
     ``open-diloco ledger --verify`` exits with."""
 

@@ -11,6 +11,7 @@ import torch
 
 from open_diloco.local_galaxy import outer_records
 from tests.conftest import kill_tree, read_metrics
+from tests.support.ledger_checks import assert_one_chain, assert_verifies_and_refuses_an_altered_hash
 
 pytestmark = pytest.mark.e2e
 
@@ -53,6 +54,9 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
         losses = [r["loss"] for r in read_metrics(m)]
         assert losses[-1] < 0.8 * losses[0]
     assert rounds[0][1]["pseudo_grad_norm"] != rounds[1][1]["pseudo_grad_norm"]
+    # the ledger: one entry per round, made by each cluster alone, the same in both; a chain; verified
+    assert_one_chain(metrics, [1, 2, 3], members=[0, 1])
+    assert_verifies_and_refuses_an_altered_hash(metrics, galaxy.workdir / "ledger")
 
 
 def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
@@ -94,6 +98,8 @@ def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):
     # round without this cluster while it looked for a group" in the retry: either way, a commit of the same
     # round
     assert "outer step 2: took the round as cluster 0 committed it" in galaxy.log("cluster1")
+    # the adopted round is cluster 0's entry, both clusters' Δ in it
+    assert_one_chain(metrics, [1, 2, 3], members=[0, 1])
 
 
 def test_a_last_round_that_came_short_is_taken_from_the_cluster_that_finished(galaxy):

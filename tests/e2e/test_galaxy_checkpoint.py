@@ -8,6 +8,7 @@ import pytest
 
 from open_diloco.local_galaxy import Galaxy, round_was_clean
 from tests.conftest import read_metrics
+from tests.support.ledger_checks import ledger_command
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +83,13 @@ def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
         assert a["galaxy_peers"] == b["galaxy_peers"] == 2 and a["in_sync"] and b["in_sync"]
         assert a["param_hash"] == b["param_hash"] == reference[0][step]["param_hash"]
         assert a["param_checksum"] == b["param_checksum"] == reference[0][step]["param_checksum"]
+    # the ledger resumes too: the resumed rounds' entries are the straight run's, chained to the checkpoint's
+    for step in (3, 4):
+        assert rounds[0][step]["ledger"] == rounds[1][step]["ledger"] == reference[0][step]["ledger"]
+    verified = ledger_command(
+        *checkpoints, tmp_path / "resumed0.jsonl", tmp_path / "resumed1.jsonl", "--verify"
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     for rank in (0, 1):  # fp32 on CPU, two-peer averages are order-free: every loss matches bit for bit
         after = {r["step"]: r["loss"] for r in resumed[rank]}
         assert sorted(after) == list(range(11, 21))
