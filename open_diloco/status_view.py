@@ -1,7 +1,7 @@
 """How ``open-diloco status`` judges and shows the galaxy's status records (pure: no DHT, no torch).
 
-A record is what one cluster's rank 0 published (:mod:`open_diloco.galaxy.status`). Judging adds the flags an
-on-call engineer acts on:
+A record (:class:`~open_diloco.membership_record.MemberRecord`) is what one cluster's rank 0 published
+(:mod:`open_diloco.galaxy.status`). Judging adds the flags an on-call engineer acts on:
 
 - ``stopped``: the cluster said it ended (finished, stopped by a signal, failed), with how;
 - ``silent``: it still claims to train but has not refreshed its record for longer than its
@@ -16,47 +16,46 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-
-def silent_after(record: dict[str, Any]) -> float:
-    """Seconds without a refresh after which ``record``'s cluster counts as silent: its own
-    ``--hv.member-expiry``, the same rule by which the galaxy's rounds stop waiting for it."""
-    return float(record.get("member_expiry_seconds") or 3 * float(record.get("heartbeat_seconds", 5.0)))
+from open_diloco.membership_record import MemberRecord
 
 
-def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of ``records`` with ``flags`` (a list of short strings, empty when all is well) and
-    ``behind_by`` (outer steps behind the most advanced training cluster)."""
-    rows = [dict(record) for record in records]
-    training = [row for row in rows if row.get("state") == "training"]
-    for row in training:
-        row["silent"] = row["last_seen_seconds"] > silent_after(row)
-    live = [row for row in training if not row["silent"]]
-    lead = max((row["outer_step"] for row in live), default=None)
-    majority = _majority_hash_per_outer_step(rows)
-    for row in rows:
+def judge(records: list[MemberRecord]) -> list[dict[str, Any]]:
+    """One row per record: what it published (:meth:`MemberRecord.to_wire`), its ``last_seen_seconds``,
+    ``flags`` (a list of short strings, empty when all is well) and ``behind_by`` (outer steps behind the most
+    advanced training cluster)."""
+    live = [record for record in records if record.training and not _silent(record)]
+    lead = max((record.outer_step for record in live), default=None)
+    majority = _majority_hash_per_outer_step(records)
+    rows = []
+    for record in records:
         flags: list[str] = []
-        if row.get("state") != "training":
-            flags.append(str(row.get("state", "stopped")))
-        elif row["silent"]:
-            flags.append(f"silent {row['last_seen_seconds']:.0f}s")
-        row["behind_by"] = max(0, lead - row["outer_step"]) if lead is not None else 0
-        if row["behind_by"] and row.get("state") == "training":  # a stopped cluster is flagged as such
-            flags.append(f"behind {row['behind_by']} round(s)")
-        expected = majority.get(row["outer_step"])
-        if row.get("param_hash") is not None and row["param_hash"] != expected:
+        if not record.training:
+            flags.append(str(record.state or "stopped"))
+        elif _silent(record):
+            flags.append(f"silent {record.last_seen_seconds:.0f}s")
+        behind_by = max(0, lead - record.outer_step) if lead is not None else 0
+        if behind_by and record.training:  # a stopped cluster is flagged as such
+            flags.append(f"behind {behind_by} round(s)")
+        if record.param_hash is not None and record.param_hash != majority.get(record.outer_step):
             flags.append("hash differs")
-        row["flags"] = flags
-        row.pop("silent", None)
+        row = {**record.to_wire(), "last_seen_seconds": record.last_seen_seconds}
+        rows.append({**row, "behind_by": behind_by, "flags": flags})
     return rows
 
 
-def _majority_hash_per_outer_step(rows: list[dict[str, Any]]) -> dict[int, str | None]:
+def _silent(record: MemberRecord) -> bool:
+    """The cluster has not refreshed its record for longer than its own ``--hv.member-expiry``: the galaxy's
+    rounds no longer wait for it (:attr:`MemberRecord.silent_after`)."""
+    return record.last_seen_seconds > record.silent_after
+
+
+def _majority_hash_per_outer_step(records: list[MemberRecord]) -> dict[int, str | None]:
     """The hash most clusters at each outer step agree on; ``None`` where there is no strict majority (two
     clusters that disagree are both flagged: the board cannot tell which one split off)."""
     by_step: dict[int, Counter[str]] = {}
-    for row in rows:
-        if row.get("param_hash") is not None:
-            by_step.setdefault(row["outer_step"], Counter())[row["param_hash"]] += 1
+    for record in records:
+        if record.param_hash is not None:
+            by_step.setdefault(record.outer_step, Counter())[record.param_hash] += 1
     majority: dict[int, str | None] = {}
     for step, counts in by_step.items():
         (top, votes), *_ = counts.most_common(1)

@@ -28,20 +28,17 @@ from open_diloco.galaxy.dht import (
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
-from open_diloco.galaxy.status import (
+from open_diloco.galaxy.status import read_records, status_key
+from open_diloco.membership_record import (
     departed,
-    finished_and_serving,
     lead_outer_step,
     lead_progress,
     never_heard,
     no_reachable_cluster,
     past_round,
     previous_lives,
-    read_records,
     schema_conflict,
-    shard_peer,
     silent,
-    status_key,
 )
 from open_diloco.outer.codecs import wire_codecs
 from open_diloco.outer.guard import wire_norm
@@ -102,7 +99,7 @@ class HivemindAverager:
         self.record_ages = RecordAges(self.member_expiry)
         """Ages of the records on this machine's clock, kept across reads (``galaxy/record_ages.py``)."""
         self.schema = schema
-        """What this cluster must share with the others to average (``galaxy.status.SCHEMA_KEYS``)."""
+        """What this cluster must share with the others to average (``membership_record.SCHEMA_KEYS``)."""
         self.allowlist = allowlist
         self.compression = hv.compression
         self.initial_peers = list(initial_peers)
@@ -112,7 +109,8 @@ class HivemindAverager:
         self.cut_off = CutOffWatch(dht, hv.world_rank, shard_index, hv.member_expiry)
         """Whether this cluster sits behind a NAT from another that does too (``galaxy/cut_off.py``)."""
         self._seen_training: set[int] = set()
-        """Galaxy ranks whose record this process read saying "training" (``status.previous_lives``)."""
+        """Galaxy ranks whose record this process read saying "training"
+        (``membership_record.previous_lives``)."""
         self.peer_id = dht.peer_id.to_base58()
         """This peer's libp2p PeerID (base58): how other peers' reports and errors name it."""
         self._closed = False
@@ -165,7 +163,7 @@ class HivemindAverager:
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
         # a stranger's record (say, a mismatched schema) must not stop or stall us
         if self.allowlist is not None:
-            records = [record for record in records if self.allowlist.admits(str(record.get("peer_id", "")))]
+            records = [record for record in records if self.allowlist.admits(record.peer_id or "")]
         # every record, ended ones too: a cluster that stopped on the mismatch must not hide it from this one
         conflict = schema_conflict(records, self.galaxy_rank, self.schema, self.member_expiry)
         if conflict is not None:
@@ -176,9 +174,9 @@ class HivemindAverager:
                 "that the others can dial (it reduces their spans); start one cluster without it, reachable "
                 "at its --hv.announce-maddrs"
             )
-        self._seen_training.update(r["galaxy_rank"] for r in records if r.get("state") == "training")
+        self._seen_training.update(record.galaxy_rank for record in records if record.training)
         earlier_runs = previous_lives(records, self._seen_training)
-        records = [record for record in records if record["galaxy_rank"] not in earlier_runs]
+        records = [record for record in records if record.galaxy_rank not in earlier_runs]
         gone = frozenset(departed(records, self.member_expiry))
         if time.monotonic() - self._started > NOT_HEARD_SECONDS:  # not coming soon: it will join late
             gone |= never_heard(records, self.galaxy_size, self.galaxy_rank)
@@ -187,10 +185,9 @@ class HivemindAverager:
             raise GalaxyMismatch(cut_off)
         if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
             peers = {
-                rank: peer
+                record.galaxy_rank: peer
                 for record in records
-                if (rank := record["galaxy_rank"]) != self.galaxy_rank
-                and (peer := shard_peer(record, self.shard_index))
+                if record.galaxy_rank != self.galaxy_rank and (peer := record.shard_peer(self.shard_index))
             }
             self._find_the_others_again(
                 [peer for rank, peer in peers.items() if rank in quiet],
@@ -198,38 +195,28 @@ class HivemindAverager:
             )
         lead = lead_outer_step(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
-        live = [record for record in records if record["galaxy_rank"] not in gone]
-        serving = live + [record for record in records if finished_and_serving(record, self.member_expiry)]
+        live = [record for record in records if record.galaxy_rank not in gone]
+        serving = live + [record for record in records if record.finished_and_serving(self.member_expiry)]
         return Membership(
             departed=gone,
             lead=lead,
             silent=quiet,
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,
-            steps={record["galaxy_rank"]: int(record.get("outer_step", -1)) for record in serving},
+            steps={record.galaxy_rank: record.outer_step for record in serving},
             sources={  # a client-mode cluster cannot be dialled: it serves no state
-                record["galaxy_rank"]: peer
+                record.galaxy_rank: peer
                 for record in serving
-                if (peer := shard_peer(record, self.shard_index)) and not record.get("client_mode")
+                if (peer := record.shard_peer(self.shard_index)) and not record.client_mode
             },
             attempts={
-                record["galaxy_rank"]: (int(attempt[0]), int(attempt[1]))
-                for record in live
-                if isinstance(attempt := record.get("round_attempt"), list) and len(attempt) == 2
+                record.galaxy_rank: attempt for record in live if (attempt := record.attempt) is not None
             },
             step_seconds={
-                record["galaxy_rank"]: float(seconds)
-                for record in live
-                if isinstance(seconds := record.get("inner_step_seconds"), (int, float))
-                and not isinstance(seconds, bool)
-                and seconds > 0
+                record.galaxy_rank: seconds for record in live if (seconds := record.step_seconds) is not None
             },
             reported={
-                record["galaxy_rank"]: (
-                    int(record.get("outer_step", -1)),
-                    record.get("param_hash"),
-                    record["galaxy_rank"] not in gone,
-                )
+                record.galaxy_rank: (record.outer_step, record.param_hash, record.galaxy_rank not in gone)
                 for record in records
             },
         )
@@ -344,7 +331,7 @@ class HivemindAverager:
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def _past_round(self, round_id: int, ranks: frozenset[int], timeout: float) -> bool:
-        """``galaxy.status.past_round`` over the records read now (nothing to read when ``ranks`` is
+        """``membership_record.past_round`` over the records read now (nothing to read when ``ranks`` is
         empty)."""
         if not ranks:
             return True

@@ -69,8 +69,8 @@ class ClusterShard:
         )
 
     def schema(self, hv: HvConfig) -> dict[str, Any]:
-        """What this cluster must share with every other to average (``galaxy.status.SCHEMA_KEYS``, compared
-        at every round), and the model fields a mismatch is explained with."""
+        """What this cluster must share with every other to average (``membership_record.SCHEMA_KEYS``,
+        compared at every round), and the model fields a mismatch is explained with."""
         return {
             "model_fingerprint": self.model_fingerprint,
             "ranks": self.ranks,

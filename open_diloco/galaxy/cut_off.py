@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import time
-from typing import Any
 
 from hivemind import DHT
 from hivemind.dht.node import DHTNode
@@ -27,7 +26,7 @@ from hivemind.p2p import PeerID
 
 from open_diloco.galaxy.dht import DHT_PIPE_LOCK, answers_ping
 from open_diloco.galaxy.reachability import CHECK_SECONDS
-from open_diloco.galaxy.status import shard_peer
+from open_diloco.membership_record import MemberRecord
 
 CUT_OFF = "cannot reach each other"
 """In the line of a cluster that stops here, and so in its record's final state: the other side, which may not
@@ -55,7 +54,7 @@ class CutOffWatch:
         self._unanswered_since: dict[str, float] = {}
         self._pinged = float("-inf")
 
-    def line(self, records: list[dict[str, Any]], gone: frozenset[int], averaged: bool) -> str | None:
+    def line(self, records: list[MemberRecord], gone: frozenset[int], averaged: bool) -> str | None:
         """Why this cluster stops, or None. ``averaged``: it has had a round with another cluster (a later
         loss of contact is a partition, which heals). A cluster that stopped for this same reason counts as
         out of reach if it was before it stopped."""
@@ -63,13 +62,13 @@ class CutOffWatch:
             return None
         now, live, stopped = time.monotonic(), {}, {}
         for record in records:
-            rank, peer = record["galaxy_rank"], shard_peer(record, self.shard_index)
+            rank, peer = record.galaxy_rank, record.shard_peer(self.shard_index)
             if rank == self.galaxy_rank or peer is None:
                 continue
             if rank not in gone:
                 if now - self._first_seen.setdefault(peer, now) > KNOWN_SECONDS:
                     live[rank] = peer
-            elif CUT_OFF in str(record.get("state")):
+            elif CUT_OFF in str(record.state):
                 stopped[rank] = peer
         for peer in set(self._unanswered_since) - set(live.values()) - set(stopped.values()):
             del self._unanswered_since[peer]  # gone quiet (a partition, an exit): not this

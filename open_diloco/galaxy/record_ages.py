@@ -1,14 +1,18 @@
 """How old each cluster's status record is, on the reader's own clock (:class:`RecordAges`): the galaxy's
 membership (who counts as gone, :mod:`open_diloco.galaxy.status`) must not depend on two sites' clocks
-agreeing. No hivemind here: the records come in as dicts, with the reader's wall clock at the read."""
+agreeing. No hivemind here: the records come in as :class:`~open_diloco.membership_record.MemberRecord`, with
+the reader's wall clock at the read."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from open_diloco.membership_record import MemberRecord
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +62,23 @@ class RecordAges:
         self._incarnations: dict[int, set[Any]] = {}  # rank: every started_at read (a restart is news once)
         self._warned: set[int] = set()
 
-    def stamp(self, records: list[dict[str, Any]], wall_now: float) -> list[dict[str, Any]]:
-        """Set each record's ``last_seen_seconds`` and return ``records``; ``wall_now``: this machine's
-        ``get_dht_time()`` at the read (what a first sighting's ``published_at`` is compared with)."""
+    def stamp(self, records: list[MemberRecord], wall_now: float) -> list[MemberRecord]:
+        """``records`` with each one's ``last_seen_seconds`` set (new records: they are frozen);
+        ``wall_now``: this machine's ``get_dht_time()`` at the read (what a first sighting's ``published_at``
+        is compared with)."""
         now = self._clock()
+        stamped = []
         with self._lock:
             for record in records:
-                clock_age = wall_now - float(record.get("published_at", wall_now))
-                record["last_seen_seconds"] = max(0.0, now - self._published(record, clock_age, now))
-        return records
+                published_at = wall_now if record.published_at is None else record.published_at
+                age = max(0.0, now - self._published(record, wall_now - float(published_at), now))
+                stamped.append(dataclasses.replace(record, last_seen_seconds=age))
+        return stamped
 
-    def _published(self, record: dict[str, Any], clock_age: float, now: float) -> float:
+    def _published(self, record: MemberRecord, clock_age: float, now: float) -> float:
         """When the record's current version was published, on this reader's clock; notes this read."""
-        rank = record["galaxy_rank"]
-        version = {key: record.get(key) for key in ("started_at", "seq", "published_at")}
+        rank = record.galaxy_rank
+        version = {"started_at": record.started_at, "seq": record.seq, "published_at": record.published_at}
         known = self._known.get(rank)
         incarnations = self._incarnations.setdefault(rank, set())
         if known is None:
@@ -91,12 +98,12 @@ class RecordAges:
         incarnations.add(version["started_at"])
         return published
 
-    def _first_age(self, record: dict[str, Any], clock_age: float) -> float:
+    def _first_age(self, record: MemberRecord, clock_age: float) -> float:
         """The age of a record never read before: by its publisher's clock, capped (with ``expiry``) so that
         it counts as live for one more heartbeat at least."""
         if self._expiry is None:
             return max(0.0, clock_age)
-        grace = min(self._expiry, float(record.get("heartbeat_seconds") or 0.0) + PUBLISH_DELAY_SECONDS)
+        grace = min(self._expiry, float(record.heartbeat_seconds or 0.0) + PUBLISH_DELAY_SECONDS)
         return min(max(0.0, clock_age), self._expiry - grace)
 
     def _check_skew(self, rank: int, clock_age: float, youngest: float, oldest: float) -> None:

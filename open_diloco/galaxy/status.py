@@ -1,6 +1,9 @@
 """The galaxy's membership and status board: every cluster's rank 0 keeps one small record about its cluster
-in the DHT. Rounds read them to know which clusters are gone (:func:`departed`: a round waits only for the
-others), and ``open-diloco status`` reads them all (:mod:`open_diloco.status_view` judges them).
+in the DHT. Rounds read them to know which clusters are gone (a round waits only for the others), and
+``open-diloco status`` reads them all (:mod:`open_diloco.status_view` judges them). This module is the I/O
+alone: what a record holds, and the rules that judge records, are :mod:`open_diloco.membership_record`'s
+(no hivemind there); the publisher writes a plain dict of its fields, which readers get back as a
+``MemberRecord``.
 
 Why the DHT: it is the one place every site of a galaxy already reaches, so the question "which cluster is
 behind, and by how much?" needs no login anywhere and no central server. The records live under
@@ -30,6 +33,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from open_diloco.galaxy.dht import DHT_PIPE_LOCK, shutdown_dht, start_dht
 from open_diloco.galaxy.ledger_mirror import store_entries
 from open_diloco.galaxy.record_ages import PUBLISH_DELAY_SECONDS, RecordAges
+from open_diloco.membership_record import SCHEMA_KEYS, MemberRecord
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +167,6 @@ class StatusPublisher:
             log.debug("status record not stored (no DHT peer took it)")
 
 
-SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments", "round_steps")
-"""What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
-tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs
-(codec)."""
-
-
 def cluster_identity(
     galaxy_rank: int, schema: dict[str, Any], local_steps: int, version: str, shard_peer_ids: Sequence[str]
 ) -> dict[str, Any]:
@@ -190,54 +188,6 @@ def cluster_identity(
     }
 
 
-def shard_peer(record: dict[str, Any], shard_index: int) -> str | None:
-    """The PeerID of the averager of shard ``shard_index`` in the cluster of ``record``; ``None`` when the
-    record does not name it (a record of a version before ``shard_peer_ids`` names rank 0's only)."""
-    peers = record.get("shard_peer_ids") or [record.get("peer_id")]
-    peer = peers[shard_index] if shard_index < len(peers) else None
-    return str(peer) if peer else None
-
-
-def schema_conflict(
-    records: list[dict[str, Any]], galaxy_rank: int, schema: dict[str, Any], expiry: float
-) -> str | None:
-    """A line naming the first cluster whose record says it cannot average with this one, and what differs;
-    ``None`` when all can. Only clusters heard from within ``expiry`` count (also one that just stopped over
-    the same conflict, so that both sides are told): an old run's records under the same run id are no
-    conflict."""
-    for record in records:
-        if record["galaxy_rank"] == galaxy_rank or record["last_seen_seconds"] > expiry:
-            continue
-        for key in SCHEMA_KEYS:
-            if key in record and record[key] != schema[key]:
-                fields = model_difference(schema.get("model_config"), record.get("model_config"))
-                if key == "model_fingerprint" and fields:
-                    what = f"its model differs ({fields})"
-                else:
-                    what = f"its {key} is {record[key]!r}, here {schema[key]!r}"
-                who = f"cluster {record['galaxy_rank']} (host {record.get('host', '?')})"
-                return (
-                    f"{who} cannot average with this one: {what}; every cluster of a galaxy must train the "
-                    "same model with the same number of ranks, --hv.compression, --hv.fragments and "
-                    "--hv.round-steps (with `by-speed`, the same tokens per inner step)"
-                )
-    return None
-
-
-def model_difference(here: dict[str, Any] | None, there: dict[str, Any] | None) -> str | None:
-    """The model config fields that differ between this cluster (``here``) and another (``there``), as
-    ``num_hidden_layers 3 here, 2 there``; ``None`` when either side published none (a record of an older
-    version) or they agree (then the fingerprint is all that tells the models apart)."""
-    if not here or not there:
-        return None
-    differ = [
-        f"{key} {here.get(key, 'unset')} here, {there.get(key, 'unset')} there"
-        for key in sorted(set(here) | set(there))
-        if here.get(key) != there.get(key)
-    ]
-    return "; ".join(differ) or None
-
-
 class StatusReader:
     """A DHT client (it never takes part in a round) that reads every cluster's record of one run; a context
     manager, so that ``--watch`` joins the DHT once and every exit leaves it.
@@ -257,15 +207,15 @@ class StatusReader:
     def __exit__(self, *exc_info: object) -> None:
         shutdown_dht(self.dht)
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[MemberRecord]:
         """Every cluster's latest record, by galaxy rank (see :func:`read_records`)."""
         return read_records(self.dht, self.key, self.timeout, self.ages)
 
 
-def read_records(dht: DHT, key: str, timeout: float, ages: RecordAges | None = None) -> list[dict[str, Any]]:
+def read_records(dht: DHT, key: str, timeout: float, ages: RecordAges | None = None) -> list[MemberRecord]:
     """Every cluster's latest record under ``key``, by galaxy rank; empty when none is found in ``timeout``.
-    Each gains ``last_seen_seconds``: how long ago its cluster last refreshed it, measured by ``ages``, which
-    a caller that reads again and again keeps across its reads (then on this machine's clock alone, see
+    Each carries ``last_seen_seconds``: how long ago its cluster last refreshed it, measured by ``ages``,
+    which a caller that reads again and again keeps across its reads (then on this machine's clock alone, see
     :class:`RecordAges`). Without ``ages`` every record is a first sighting: aged by the publisher's clock."""
     try:
         with DHT_PIPE_LOCK:
@@ -276,99 +226,11 @@ def read_records(dht: DHT, key: str, timeout: float, ages: RecordAges | None = N
         return []
     if found is None or not isinstance(found.value, dict):
         return []
-    records = []
-    for entry in found.value.values():
-        if not isinstance(entry.value, dict) or not isinstance(entry.value.get("galaxy_rank"), int):
-            continue  # not one of ours (another program under a key of the same name)
-        records.append(dict(entry.value))
-    (ages if ages is not None else RecordAges()).stamp(records, get_dht_time())
-    return sorted(records, key=lambda record: record["galaxy_rank"])
-
-
-def is_live(record: dict[str, Any], expiry: float) -> bool:
-    """The record's cluster still trains and refreshed it within ``expiry`` seconds."""
-    return record.get("state") == "training" and record["last_seen_seconds"] <= expiry
-
-
-def previous_lives(records: list[dict[str, Any]], seen_training: set[int]) -> set[int]:
-    """Galaxy ranks whose record says their run ended but that this process never saw training: the record a
-    cluster left at the end of an earlier run (a galaxy stopped and resumed, a run id used again). Counted as
-    gone, it let the first cluster back train its rounds alone while the others were still starting (seen in
-    a resume test under load); until that cluster writes again it counts as having no record: alive, not yet
-    heard from, serving nothing."""
-    return {
-        record["galaxy_rank"]
-        for record in records
-        if record.get("state") != "training" and record["galaxy_rank"] not in seen_training
-    }
-
-
-def no_reachable_cluster(records: list[dict[str, Any]], galaxy_size: int, expiry: float) -> bool:
-    """Whether every cluster of the galaxy has a record (heard from within ``expiry``) and every one runs with
-    ``--hv.client-mode``: then nobody can reduce a span, and matchmaking would never form a group (hivemind's
-    client peers only join groups a reachable peer leads). Ended clusters count, as for
-    :func:`schema_conflict`: the first to see it stops, and its record must not hide it from the others."""
-    recent = [record for record in records if record["last_seen_seconds"] <= expiry]
-    ranks = {record["galaxy_rank"] for record in recent}
-    return len(ranks) >= galaxy_size and all(record.get("client_mode") for record in recent)
-
-
-def finished_and_serving(record: dict[str, Any], expiry: float) -> bool:
-    """The record's cluster finished its run within ``expiry`` seconds: it still serves its final state (its
-    averager drains until the others are past its last round), so a cluster whose last average never came can
-    take that round from it."""
-    return record.get("state") == "finished" and record["last_seen_seconds"] <= expiry
-
-
-def past_round(records: list[dict[str, Any]], round_id: int, ranks: frozenset[int], expiry: float) -> bool:
-    """Every cluster in ``ranks`` has a record that shows an outer step past ``round_id`` (it holds that
-    round's result, whole or partial), or says it stopped training, or is older than ``expiry``. A cluster
-    without a record is not past it: the DHT may just not have answered."""
-    by_rank = {record["galaxy_rank"]: record for record in records}
-    return all(
-        rank in by_rank
-        and (int(by_rank[rank].get("outer_step", -1)) > round_id or not is_live(by_rank[rank], expiry))
-        for rank in ranks
-    )
-
-
-def lead_outer_step(records: list[dict[str, Any]], expiry: float) -> int:
-    """The highest outer step a live cluster's record shows (-1: none)."""
-    return max((int(r.get("outer_step", -1)) for r in records if is_live(r, expiry)), default=-1)
-
-
-def lead_progress(
-    records: list[dict[str, Any]], expiry: float, galaxy_rank: int, lead: int
-) -> tuple[int, float]:
-    """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after
-    the lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
-    at_lead = [
-        r
-        for r in records
-        if is_live(r, expiry) and int(r.get("outer_step", -1)) == lead and r["galaxy_rank"] != galaxy_rank
+    # None: not one of ours (another program under a key of the same name)
+    records = [
+        record
+        for entry in found.value.values()
+        if (record := MemberRecord.from_wire(entry.value)) is not None
     ]
-    furthest = max(at_lead, key=lambda r: int(r.get("inner_step", -1)), default=None)
-    if furthest is None:
-        return -1, 0.0
-    return int(furthest.get("inner_step", -1)), float(furthest["last_seen_seconds"])
-
-
-def silent(records: list[dict[str, Any]], expiry: float) -> set[int]:
-    """Galaxy ranks gone by silence alone: their record still says training but is older than ``expiry``."""
-    return {
-        record["galaxy_rank"]
-        for record in records
-        if record.get("state") == "training" and not is_live(record, expiry)
-    }
-
-
-def never_heard(records: list[dict[str, Any]], galaxy_size: int, galaxy_rank: int) -> set[int]:
-    """Galaxy ranks other than ``galaxy_rank`` with no record among ``records``: clusters not started yet, or
-    never coming."""
-    return set(range(galaxy_size)) - {record["galaxy_rank"] for record in records} - {galaxy_rank}
-
-
-def departed(records: list[dict[str, Any]], expiry: float) -> set[int]:
-    """Galaxy ranks whose cluster is gone by its record: it said it ended, or it has been silent for longer
-    than ``expiry``. A cluster with no record at all is not known to be gone (it may not have started yet)."""
-    return {record["galaxy_rank"] for record in records if not is_live(record, expiry)}
+    records = (ages if ages is not None else RecordAges()).stamp(records, get_dht_time())
+    return sorted(records, key=lambda record: record.galaxy_rank)

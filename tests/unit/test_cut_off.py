@@ -7,6 +7,7 @@ import pytest
 
 from open_diloco.galaxy import cut_off
 from open_diloco.galaxy.cut_off import CUT_OFF, KNOWN_SECONDS, CutOffWatch
+from open_diloco.membership_record import MemberRecord
 
 
 class Clock:
@@ -25,8 +26,8 @@ def world(monkeypatch):
     return clock, answering
 
 
-def record(rank: int, state: str = "training") -> dict:
-    return {"galaxy_rank": rank, "shard_peer_ids": [f"peer{rank}"], "state": state}
+def record(rank: int, state: str = "training") -> MemberRecord:
+    return MemberRecord(galaxy_rank=rank, shard_peer_ids=[f"peer{rank}"], state=state)
 
 
 def watch_for(watch: CutOffWatch, clock: Clock, records, seconds: float, gone=frozenset(), step: float = 2.0):

@@ -1,26 +1,27 @@
-"""Membership records (galaxy/status.py): who a cluster is, which peer each of its shards averages over, and
-who counts as gone (pure functions over the records the DHT returns), and what a peer still looking for a
-group makes of them."""
+"""Membership records (galaxy/status.py publishes them, membership_record.py judges them): who a cluster is,
+which peer each of its shards averages over, and who counts as gone (pure functions over the records the DHT
+returns), and what a peer still looking for a group makes of them."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
 from open_diloco.errors import RoundFailed
-from open_diloco.galaxy.status import (
-    cluster_identity,
+from open_diloco.galaxy.status import cluster_identity
+from open_diloco.membership_record import (
+    MemberRecord,
     departed,
-    finished_and_serving,
     lead_outer_step,
     lead_progress,
     never_heard,
+    no_reachable_cluster,
     past_round,
     previous_lives,
     schema_conflict,
-    shard_peer,
     silent,
 )
 from open_diloco.model import load_model_config, model_fingerprint, shape_fields
@@ -30,19 +31,24 @@ from tests.conftest import REPO, TINY_MODEL
 SCHEMA = {"model_fingerprint": "abc", "ranks": 3, "codec": "none", "fragments": 1}
 
 
+def read(wire: dict, seen: float = 1.0) -> MemberRecord:
+    """``wire`` as a reader gets it: typed, last seen ``seen`` seconds ago."""
+    return dataclasses.replace(MemberRecord.from_wire(wire), last_seen_seconds=seen)
+
+
 def test_a_record_names_every_shards_peer_and_rank_zeros_as_the_clusters():
-    record = cluster_identity(1, SCHEMA, 20, "open-diloco test", ["QmRank0", "QmRank1", "QmRank2"])
-    assert record["peer_id"] == "QmRank0"  # status and the allowlist read this key, as before
-    assert record["shard_peer_ids"] == ["QmRank0", "QmRank1", "QmRank2"]
-    assert [shard_peer(record, shard) for shard in range(3)] == ["QmRank0", "QmRank1", "QmRank2"]
-    assert shard_peer(record, 3) is None  # a cluster of another size: no counterpart (and a schema conflict)
+    record = read(cluster_identity(1, SCHEMA, 20, "open-diloco test", ["QmRank0", "QmRank1", "QmRank2"]))
+    assert record.peer_id == "QmRank0"  # status and the allowlist read this key, as before
+    assert record.shard_peer_ids == ["QmRank0", "QmRank1", "QmRank2"]
+    assert [record.shard_peer(shard) for shard in range(3)] == ["QmRank0", "QmRank1", "QmRank2"]
+    assert record.shard_peer(3) is None  # a cluster of another size: no counterpart (and a schema conflict)
 
 
 def test_a_record_without_shard_peers_names_rank_zero_only():
-    old = {"galaxy_rank": 0, "peer_id": "QmOld"}  # written before shard_peer_ids existed
-    assert shard_peer(old, 0) == "QmOld"
-    assert shard_peer(old, 1) is None
-    assert shard_peer({"galaxy_rank": 0}, 0) is None
+    old = read({"galaxy_rank": 0, "peer_id": "QmOld"})  # written before shard_peer_ids existed
+    assert old.shard_peer(0) == "QmOld"
+    assert old.shard_peer(1) is None
+    assert MemberRecord(galaxy_rank=0).shard_peer(0) is None
 
 
 def _schema_of(path_model) -> dict:
@@ -60,7 +66,7 @@ def _schema_of(path_model) -> dict:
 
 def test_a_model_mismatch_names_the_fields_that_differ():
     here, there = _schema_of(TINY_MODEL), _schema_of(REPO / "configs/models/llama-25m-fresh")
-    record = {**cluster_identity(1, there, 20, "test", ["QmRank0"]), "last_seen_seconds": 1.0}
+    record = read(cluster_identity(1, there, 20, "test", ["QmRank0"]))
     line = schema_conflict([record], 0, here, expiry=15.0)
     assert "cluster 1 (host " in line and "cannot average with this one: its model differs (" in line, line
     assert "num_hidden_layers 6 here, 8 there" in line and "hidden_size 128 here, 512 there" in line, line
@@ -71,24 +77,22 @@ def test_a_model_mismatch_names_the_fields_that_differ():
 def test_a_model_mismatch_with_a_record_of_no_model_config_names_the_fingerprints():
     here = {**SCHEMA, "model_config": {"num_hidden_layers": 3}}
     # a record of an older version: no model_config
-    old = {"galaxy_rank": 1, **SCHEMA, "model_fingerprint": "def", "last_seen_seconds": 1.0}
+    old = read({"galaxy_rank": 1, **SCHEMA, "model_fingerprint": "def"})
     line = schema_conflict([old], 0, here, expiry=15.0)
     assert "its model_fingerprint is 'def', here 'abc'" in line, line
-    same_fields = {**old, "model_config": {"num_hidden_layers": 3}}  # the fields agree, the layouts do not
+    # the fields agree, the layouts do not
+    same_fields = dataclasses.replace(old, model_config={"num_hidden_layers": 3})
     line = schema_conflict([same_fields], 0, here, expiry=15.0)
     assert "its model_fingerprint is 'def', here 'abc'" in line, line
 
 
 def test_gone_by_silence_is_told_apart_from_said_it_ended():
     records = [
-        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 1.0, "outer_step": 7},
-        {
-            "galaxy_rank": 1,
-            "state": "training",
-            "last_seen_seconds": 30.0,
-            "outer_step": 9,
-        },  # cut off or crashed
-        {"galaxy_rank": 2, "state": "finished", "last_seen_seconds": 0.5, "outer_step": 8},
+        MemberRecord(galaxy_rank=0, state="training", last_seen_seconds=1.0, outer_step=7),
+        MemberRecord(
+            galaxy_rank=1, state="training", last_seen_seconds=30.0, outer_step=9
+        ),  # cut off, crashed
+        MemberRecord(galaxy_rank=2, state="finished", last_seen_seconds=0.5, outer_step=8),
     ]
     assert departed(records, expiry=15) == {1, 2}
     assert silent(records, expiry=15) == {1}
@@ -98,18 +102,18 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     # a finished cluster is gone from the rounds but still serves its final state (its averager drains), so a
     # cluster whose last average never came can take that round from it; a silent or stopped one serves
     # nothing
-    assert [finished_and_serving(record, expiry=15) for record in records] == [False, False, True]
-    assert not finished_and_serving({**records[2], "last_seen_seconds": 20.0}, expiry=15)
-    assert not finished_and_serving({**records[2], "state": "stopped (SIGINT)"}, expiry=15)
+    assert [record.finished_and_serving(expiry=15) for record in records] == [False, False, True]
+    assert not dataclasses.replace(records[2], last_seen_seconds=20.0).finished_and_serving(expiry=15)
+    assert not dataclasses.replace(records[2], state="stopped (SIGINT)").finished_and_serving(expiry=15)
 
 
 def test_a_record_left_by_an_earlier_run_is_no_record_until_that_cluster_writes_again():
     # a galaxy stopped and resumed: cluster 1's record still says its last run finished. Counted as gone, the
     # first cluster back trained its rounds alone; never seen training by this process, it is an earlier run's
     records = [
-        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 1.0, "outer_step": 2},
-        {"galaxy_rank": 1, "state": "finished", "last_seen_seconds": 1.0, "outer_step": 2},
-        {"galaxy_rank": 2, "state": "stopped (SIGINT)", "last_seen_seconds": 1.0, "outer_step": 2},
+        MemberRecord(galaxy_rank=0, state="training", last_seen_seconds=1.0, outer_step=2),
+        MemberRecord(galaxy_rank=1, state="finished", last_seen_seconds=1.0, outer_step=2),
+        MemberRecord(galaxy_rank=2, state="stopped (SIGINT)", last_seen_seconds=1.0, outer_step=2),
     ]
     assert previous_lives(records, seen_training={0}) == {1, 2}
     # a cluster seen training that says it ended is gone, as before (it finished or stopped while we ran)
@@ -118,7 +122,7 @@ def test_a_record_left_by_an_earlier_run_is_no_record_until_that_cluster_writes_
 
 def test_a_cluster_never_heard_from_is_every_other_rank_without_a_record():
     # the averager counts these as gone once NOT_HEARD_SECONDS have passed since its start
-    records = [{"galaxy_rank": 0, "state": "training"}, {"galaxy_rank": 2, "state": "finished"}]
+    records = [MemberRecord(galaxy_rank=0, state="training"), MemberRecord(galaxy_rank=2, state="finished")]
     assert never_heard(records, galaxy_size=4, galaxy_rank=0) == {1, 3}
     assert never_heard(records, galaxy_size=4, galaxy_rank=1) == {3}
     assert never_heard([], galaxy_size=1, galaxy_rank=0) == set()
@@ -128,7 +132,7 @@ def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
     # this cluster's last round with clusters 1 and 2 had id 4 (their records show 5 once they hold its
     # result)
     def record(rank, outer_step, state="training", age=1.0):
-        return {"galaxy_rank": rank, "state": state, "last_seen_seconds": age, "outer_step": outer_step}
+        return MemberRecord(galaxy_rank=rank, state=state, last_seen_seconds=age, outer_step=outer_step)
 
     ranks = frozenset({1, 2})
     assert past_round([record(1, 5), record(2, 6)], 4, ranks, expiry=10.0)
@@ -147,17 +151,16 @@ def test_a_finished_cluster_leaves_once_its_last_rounds_peers_are_past_it():
 
 def test_the_lead_progress_is_the_furthest_live_cluster_at_the_lead_round_other_than_this_one():
     records = [
-        {"galaxy_rank": 0, "state": "training", "last_seen_seconds": 0.2, "outer_step": 5, "inner_step": 430},
-        {"galaxy_rank": 1, "state": "training", "last_seen_seconds": 0.7, "outer_step": 5, "inner_step": 418},
-        {"galaxy_rank": 2, "state": "training", "last_seen_seconds": 0.1, "outer_step": 4, "inner_step": 470},
-        {
-            "galaxy_rank": 3,
-            "state": "training",
-            "last_seen_seconds": 30.0,
-            "outer_step": 5,
-            "inner_step": 479,
-        },  # silent
-    ]
+        MemberRecord(
+            galaxy_rank=rank, state="training", last_seen_seconds=seen, outer_step=outer, inner_step=inner
+        )
+        for rank, seen, outer, inner in (
+            (0, 0.2, 5, 430),
+            (1, 0.7, 5, 418),
+            (2, 0.1, 4, 470),
+            (3, 30.0, 5, 479),
+        )
+    ]  # rank 3 is silent
     assert lead_progress(records, expiry=15, galaxy_rank=2, lead=5) == (
         430,
         0.2,
@@ -234,27 +237,26 @@ def test_a_step_hivemind_ended_cancelled_is_a_failed_round_not_a_crash(monkeypat
 def test_clusters_that_disagree_on_the_round_steps_refuse_in_one_line():
     here = {**SCHEMA, "round_steps": "by-speed, 1024 tokens per inner step"}
     for there in ("equal", "by-speed, 2048 tokens per inner step"):
-        other = {"galaxy_rank": 1, **SCHEMA, "round_steps": there, "last_seen_seconds": 1.0}
+        other = read({"galaxy_rank": 1, **SCHEMA, "round_steps": there})
         line = schema_conflict([other], 0, here, expiry=15.0)
         assert f"its round_steps is '{there}', here 'by-speed, 1024 tokens per inner step'" in line, line
         assert "--hv.round-steps" in line and "\n" not in line
-    older = {"galaxy_rank": 1, **SCHEMA, "last_seen_seconds": 1.0}  # a version before round steps: no key
+    older = read({"galaxy_rank": 1, **SCHEMA})  # a version before round steps: no key
     assert schema_conflict([older], 0, {**SCHEMA, "round_steps": "equal"}, expiry=15.0) is None
 
 
 def test_a_galaxy_needs_one_cluster_that_is_not_in_client_mode():
-    from open_diloco.galaxy.status import no_reachable_cluster
-
-    client = {"galaxy_rank": 0, "client_mode": True, "last_seen_seconds": 1.0}
-    other_client = {**client, "galaxy_rank": 1}
-    reachable = {"galaxy_rank": 1, "client_mode": False, "last_seen_seconds": 1.0}
-    old = {"galaxy_rank": 1, "last_seen_seconds": 1.0}  # a record of a version before client mode: reachable
+    client = read({"galaxy_rank": 0, "client_mode": True})
+    other_client = dataclasses.replace(client, galaxy_rank=1)
+    reachable = read({"galaxy_rank": 1, "client_mode": False})
+    old = read({"galaxy_rank": 1})  # a record of a version before client mode: reachable
     assert no_reachable_cluster([client, other_client], 2, expiry=15.0)
-    assert no_reachable_cluster(
-        [client, {**other_client, "state": "failed"}], 2, expiry=15.0
-    )  # stopped on it
+    stopped_on_it = dataclasses.replace(other_client, state="failed")
+    assert no_reachable_cluster([client, stopped_on_it], 2, expiry=15.0)
     assert not no_reachable_cluster([client, reachable], 2, expiry=15.0)
     assert not no_reachable_cluster([client, old], 2, expiry=15.0)
     assert not no_reachable_cluster([client], 2, expiry=15.0)  # cluster 1 not in yet: it may be reachable
     # an old run's record of cluster 1 does not count
-    assert not no_reachable_cluster([client, {**other_client, "last_seen_seconds": 60.0}], 2, expiry=15.0)
+    assert not no_reachable_cluster(
+        [client, read({"galaxy_rank": 1, "client_mode": True}, seen=60.0)], 2, 15.0
+    )

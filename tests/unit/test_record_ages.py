@@ -1,5 +1,5 @@
-"""Membership ages on the reader's own clock (galaxy/status.py ``RecordAges``): whether a cluster counts as
-alive must not depend on two sites' clocks agreeing (issue 34, point 8)."""
+"""Membership ages on the reader's own clock (galaxy/record_ages.py ``RecordAges``): whether a cluster counts
+as alive must not depend on two sites' clocks agreeing (issue 34, point 8)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from open_diloco.galaxy import record_ages, status
 from open_diloco.galaxy.record_ages import RecordAges
-from open_diloco.galaxy.status import StatusPublisher, departed, is_live, read_records
+from open_diloco.galaxy.status import StatusPublisher, read_records
+from open_diloco.membership_record import MemberRecord, departed
 
 EXPIRY = 15.0
 WALL = 1_000_000.0  # the reader's wall clock (get_dht_time) when its monotonic clock reads 0
@@ -25,9 +26,10 @@ class Reader:
         self.now = 0.0
         self.ages = RecordAges(expiry, clock=lambda: self.now)
 
-    def read(self, *records: dict) -> dict[int, dict]:
-        stamped = self.ages.stamp([dict(record) for record in records], wall_now=WALL + self.now)
-        return {record["galaxy_rank"]: record for record in stamped}
+    def read(self, *records: dict) -> dict[int, MemberRecord]:
+        typed = [MemberRecord.from_wire(record) for record in records]
+        stamped = self.ages.stamp(typed, wall_now=WALL + self.now)
+        return {record.galaxy_rank: record for record in stamped}
 
 
 class Publisher:
@@ -58,26 +60,24 @@ def test_a_record_that_keeps_changing_stays_live_whatever_its_publishers_clock_s
     for second in range(120):  # eight times the expiry, a fresh version before every read
         reader.now = float(second)
         seen = reader.read(cluster.publish(at=second - 0.5))[2]
-        assert is_live(seen, EXPIRY), (second, seen)  # from the first read on (a first sighting is capped)
-        assert seen["last_seen_seconds"] <= 1.0 or second == 0
+        assert seen.is_live(EXPIRY), (second, seen)  # from the first read on (a first sighting is capped)
+        assert seen.last_seen_seconds <= 1.0 or second == 0
     one_shot = Reader(expiry=None)  # what read_records(..., ages=None) makes of it: the old rule
     one_shot.now = reader.now
-    assert (one_shot.read(cluster.record)[2]["last_seen_seconds"] > EXPIRY) == (
-        skew < -EXPIRY
-    )  # gone for good
+    assert (one_shot.read(cluster.record)[2].last_seen_seconds > EXPIRY) == (skew < -EXPIRY)  # gone for good
 
 
 def test_a_first_sighting_gets_one_heartbeat_to_show_it_is_alive():
     dead = Publisher(skew=0.0).publish(at=-3600.0)  # a cluster that died an hour ago (its record lingers)
     rounds, status_board = Reader(), Reader(expiry=None)
-    assert is_live(rounds.read(dead)[2], EXPIRY)  # might be a live cluster whose clock is an hour behind
+    assert rounds.read(dead)[2].is_live(EXPIRY)  # might be a live cluster whose clock is an hour behind
     rounds.now = (
         1.0 + record_ages.PUBLISH_DELAY_SECONDS + 0.1
     )  # its heartbeat (1 s) and the publish delay passed
     assert departed([rounds.read(dead)[2]], EXPIRY) == {2}
     assert departed([status_board.read(dead)[2]], EXPIRY) == {2}  # open-diloco status: silent at once
     just_now = Publisher(skew=0.0).publish(at=-2.0)
-    assert Reader().read(just_now)[2]["last_seen_seconds"] == pytest.approx(
+    assert Reader().read(just_now)[2].last_seen_seconds == pytest.approx(
         2.0
     )  # clocks agree: exact, as before
 
@@ -103,9 +103,7 @@ def test_a_cluster_that_died_just_after_a_read_is_gone_on_time_however_far_apart
     reader.now = 60.0  # one round later; cluster 1 published twice more (heartbeats at 5 s) and died
     dead.publish(at=5.0)
     seen = reader.read(dead.publish(at=10.0), live.publish(at=59.0))
-    assert seen[1]["last_seen_seconds"] == pytest.approx(
-        50.0
-    )  # by the publisher's clock differences: no skew
+    assert seen[1].last_seen_seconds == pytest.approx(50.0)  # by the publisher's clock differences: no skew
     assert departed(list(seen.values()), EXPIRY) == {1}
 
 
@@ -118,7 +116,7 @@ def test_an_older_copy_served_again_does_not_revive_a_dead_cluster():
     ):  # two DHT nodes answer in turn, one of them lagging: the cluster itself is gone
         reader.now = float(second)
         seen = reader.read(newer if second % 2 else older)[2]
-    assert seen["last_seen_seconds"] == pytest.approx(38.0) and departed([seen], EXPIRY) == {2}
+    assert seen.last_seen_seconds == pytest.approx(38.0) and departed([seen], EXPIRY) == {2}
 
 
 def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
@@ -129,9 +127,9 @@ def test_a_cluster_restarted_on_a_host_whose_clock_is_behind_is_news():
         skew=-100.0, started_at=25.0
     )  # another host; its record's dates are older than the last
     seen = reader.read(restarted.publish(at=29.0))[2]
-    assert seen["last_seen_seconds"] <= 30.0  # not older than the read that did not show it yet
+    assert seen.last_seen_seconds <= 30.0  # not older than the read that did not show it yet
     reader.now = 31.0
-    assert reader.read(restarted.publish(at=30.5))[2]["last_seen_seconds"] == pytest.approx(0.0)
+    assert reader.read(restarted.publish(at=30.5))[2].last_seen_seconds == pytest.approx(0.0)
 
 
 def test_a_skewed_publisher_is_named_in_one_warning_line(caplog):
@@ -193,20 +191,22 @@ def test_a_publishers_records_are_aged_by_the_reader_that_keeps_its_ages():
         ages = RecordAges()  # as open-diloco status keeps it: the first read by the publisher's clock
         assert dht.stored.wait(5.0)
         first = read_records(dht, status.status_key("run"), 1.0, ages)
-        assert first[0]["last_seen_seconds"] > EXPIRY  # a first sighting: by the publisher's clock
-        seqs = [first[0]["seq"]]
+        assert first[0].last_seen_seconds > EXPIRY  # a first sighting: by the publisher's clock
+        seqs = [first[0].seq]
         for _ in range(3):
             while dht.values[1].value["seq"] == seqs[-1]:
                 threading.Event().wait(0.01)
             (record,) = read_records(dht, status.status_key("run"), 1.0, ages)
-            seqs.append(record["seq"])
-            assert record["last_seen_seconds"] < 1.0 and is_live(record, EXPIRY), record
+            seqs.append(record.seq)
+            assert record.last_seen_seconds < 1.0 and record.is_live(EXPIRY), record
         assert seqs == sorted(set(seqs))  # a counter per publication
+        published = record.to_wire()
         assert {"started_at", "published_at", "heartbeat_seconds", "member_expiry_seconds", "peer_id"} <= set(
-            record
+            published
         )
+        assert record.extra == {}  # every key the publisher writes is a field of the record
         assert (
-            read_records(dht, status.status_key("run"), 1.0)[0]["last_seen_seconds"] > EXPIRY
+            read_records(dht, status.status_key("run"), 1.0)[0].last_seen_seconds > EXPIRY
         )  # no ages: as before
     finally:
         publisher.close()

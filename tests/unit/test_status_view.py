@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, judge, silent_after
+from open_diloco.membership_record import MemberRecord
+from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, judge
 
 
-def record(rank: int, outer: int, phash: str, *, seen: float = 1.0, state: str = "training", **extra) -> dict:
-    return {
-        "galaxy_rank": rank,
-        "outer_step": outer,
-        "inner_step": outer * 10,
-        "param_hash": phash,
-        "state": state,
-        "last_seen_seconds": seen,
-        "heartbeat_seconds": 5.0,
+def record(
+    rank: int, outer: int, phash: str, *, seen: float = 1.0, state: str = "training", **extra
+) -> MemberRecord:
+    return MemberRecord(
+        galaxy_rank=rank,
+        outer_step=outer,
+        inner_step=outer * 10,
+        param_hash=phash,
+        state=state,
+        last_seen_seconds=seen,
+        heartbeat_seconds=5.0,
         **extra,
-    }
+    )
 
 
 def flags(rows: list[dict]) -> dict[int, list[str]]:
@@ -35,8 +38,8 @@ def test_behind_counts_rounds_against_the_most_advanced_training_cluster():
 
 
 def test_silent_after_the_clusters_own_member_expiry():
-    assert silent_after(record(0, 1, "aa")) == 15.0  # no expiry in the record: 3 heartbeats
-    assert silent_after(record(0, 1, "aa", member_expiry_seconds=40.0)) == 40.0
+    assert record(0, 1, "aa").silent_after == 15.0  # no expiry in the record: 3 heartbeats
+    assert record(0, 1, "aa", member_expiry_seconds=40.0).silent_after == 40.0
     rows = judge(
         [
             record(0, 3, "aa", seen=2.0),
@@ -67,6 +70,7 @@ def test_json_rows_keep_the_contract_keys_and_the_table_renders_every_cluster():
     out = as_json_rows(rows)
     assert [list(row) for row in out] == [list(JSON_KEYS)] * 2
     assert out[1]["flags"] == ["stopped (SIGTERM)"] and out[1]["behind_by"] == 1
+    assert out[0]["host"] == "site-a" and out[0]["last_seen_seconds"] == 1.0 and out[0]["loss"] is None
 
     from rich.console import Console
 
