@@ -93,7 +93,7 @@ def _mirrored(initial_peers: list[str], run_id: str, timeout: float) -> list:
             "address (the line hivemind-dht printed) and that the galaxy's DHT runs"
         ) from None
     with reader:
-        top = max((int(record.get("outer_step", 0)) for record in reader.read()), default=0)
+        top = max((record.outer_step for record in reader.read()), default=0)
         values = read_mirror(reader.dht, run_id, top, timeout)
     return ledger_view.entries_from_wire(values, f"an entry of run {run_id!r}'s DHT mirror")
 

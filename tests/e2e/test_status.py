@@ -13,6 +13,7 @@ import pytest
 
 from open_diloco.processes import alive, descendants
 from tests.conftest import REPO, free_port, kill_tree, read_metrics, trainer_env
+from tests.support.ledger_checks import entries_by_round, ledger_command
 
 pytestmark = pytest.mark.e2e
 
@@ -85,6 +86,15 @@ def test_status_shows_each_cluster_and_flags_the_stopped_and_the_silent(galaxy):
         assert row["outer_step"] >= 2 and row["last_seen_seconds"] < 10, row
         assert row["peer_id"] and row["shard_peer_ids"] == [row["peer_id"]], row  # one rank: one shard peer
         agrees_with_metrics(row, metrics[rank])
+    # the ledger's DHT mirror shows the rounds the clusters committed, each entry as their records have it
+    mirrored = ledger_command("--initial-peers", galaxy.maddr, "--json", "--verify")
+    assert mirrored.returncode == 0, mirrored.stdout + mirrored.stderr
+    entries = [json.loads(line) for line in mirrored.stdout.splitlines() if line.startswith("{")]
+    by_round = {entry["round"]: entry for entry in entries}
+    assert {1, 2} <= set(by_round), entries
+    logged = entries_by_round(metrics[0])
+    assert by_round[1] == logged[1] and by_round[2] == logged[2], (by_round, logged)
+    assert [m["rank"] for m in by_round[1]["members"]] == [0, 1, 2]
 
     # cluster 2 is stopped the way an operator does it (SIGTERM to its torchrun), cluster 1 dies outright
     galaxy.procs["cluster2"].send_signal(signal.SIGTERM)
