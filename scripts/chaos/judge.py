@@ -7,6 +7,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from open_diloco.ledger_view import read_cluster, verify
 from scripts.chaos.analysis import (
     REPAIR_LIMIT,
     RESYNC_SHARE_LIMIT,
@@ -79,12 +80,25 @@ def judge(
         "clusters": clusters,
         "faults": fault_rows,
         "log_lines": [{"count": n, "line": line} for line, n in kinds.most_common(25)],
-        "acceptance": targets(clusters, fault_rows, hung, left_running),
+        "acceptance": targets(clusters, fault_rows, hung, left_running, ledger_breaks(out, len(syncs))),
     }
 
 
-def targets(clusters: list[dict], fault_rows: list[dict], hung: bool, left_running: list[dict]) -> list[dict]:
-    """Issue 34's acceptance targets, each ``{"target", "value", "passed"}``."""
+def ledger_breaks(out: Path, clusters: int) -> list[str]:
+    """What ``open-diloco ledger --verify`` refuses in the clusters' metrics: a chain that breaks, a round
+    or final θ that is not its entry's (``open_diloco/ledger_view.py``)."""
+    files = [out / f"cluster{c}.jsonl" for c in range(clusters)]
+    return verify([read_cluster(path) for path in files if path.exists()], [])
+
+
+def targets(
+    clusters: list[dict],
+    fault_rows: list[dict],
+    hung: bool,
+    left_running: list[dict],
+    ledger: list[str] = (),
+) -> list[dict]:
+    """Issue 34's acceptance targets and issue 48's ledger, each ``{"target", "value", "passed"}``."""
     finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
     free = sum(c["syncs_without_fault"] for c in clusters)
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
@@ -123,6 +137,11 @@ def targets(clusters: list[dict], fault_rows: list[dict], hung: bool, left_runni
             f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame",
             f"{share:.2%} of {free}",
             share <= RESYNC_SHARE_LIMIT,
+        ),
+        (
+            "every cluster's ledger chain continuous, ending at its final θ",
+            f"{len(ledger)} breaks" + (f": {ledger[0]}" if ledger else ""),
+            not ledger,
         ),
         ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
         ("nothing left running", f"{len(left_running)} processes", not left_running),
