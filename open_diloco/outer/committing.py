@@ -265,13 +265,7 @@ class Committing:
         galaxy_average = alone is None
         self._say_who_was_left_out(round_no, view)
         if galaxy_average:
-            self.norm_history.record(
-                claim / (valid_weight(meta.get("weight")) or 1.0)
-                for rank, meta in report.peers.items()
-                if rank not in view.rejected
-                and rank not in view.stale
-                and (claim := valid_claim(meta.get("delta_norm"))) is not None
-            )
+            self._record_claims(report, view)
         self._note_alive(round_no, flight.alive)
         if clusters < flight.alive and galaxy_average:
             retried = f" after {flight.attempts} retries" if flight.attempts else ""
@@ -330,6 +324,16 @@ class Committing:
             rejected_peers=view.rejected,
             fragment=fragment,
             ledger=entry,
+        )
+
+    def _record_claims(self, report: RoundReport, view: RoundView) -> None:
+        """The averaged clusters' claimed ‖Δ‖ per unit of weight into the guard's history (its bound)."""
+        self.norm_history.record(
+            claim / (valid_weight(meta.get("weight")) or 1.0)
+            for rank, meta in report.peers.items()
+            if rank not in view.rejected
+            and rank not in view.stale
+            and (claim := valid_claim(meta.get("delta_norm"))) is not None
         )
 
     def _note_alive(self, round_no: int, alive: int) -> None:

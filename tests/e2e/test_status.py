@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from open_diloco.local_galaxy import outer_records
 from open_diloco.processes import alive, descendants
 from tests.conftest import REPO, free_port, kill_tree, read_metrics, trainer_env
 from tests.support.ledger_checks import entries_by_round, ledger_command
@@ -94,7 +95,9 @@ def test_status_shows_each_cluster_and_flags_the_stopped_and_the_silent(galaxy):
     assert {1, 2} <= set(by_round), entries
     logged = entries_by_round(metrics[0])
     assert by_round[1] == logged[1] and by_round[2] == logged[2], (by_round, logged)
-    assert [m["rank"] for m in by_round[1]["members"]] == [0, 1, 2]
+    for round_no in (1, 2):  # a round's members as its records say (a late cluster may miss round 1)
+        members = [m["rank"] for m in by_round[round_no]["members"]]
+        assert len(members) == outer_records(metrics[0])[round_no]["galaxy_peers"], by_round[round_no]
 
     # cluster 2 is stopped the way an operator does it (SIGTERM to its torchrun), cluster 1 dies outright
     galaxy.procs["cluster2"].send_signal(signal.SIGTERM)
@@ -139,8 +142,9 @@ def test_status_of_an_unknown_run_or_an_unreachable_dht_is_one_line(galaxy):
     started = time.monotonic()
     gone = run_status("--initial-peers", f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{peer_id}", "--timeout", "3")
     # --timeout bounds the wait for the DHT (3 s); the command's own start (torch and hivemind imports, a
-    # p2pd daemon: ~4 CPU-s) took 21 s once with both cores busy with a galaxy test (run_status stops at 60)
-    assert gone.returncode == 2 and time.monotonic() - started < 30
+    # p2pd daemon: ~4 CPU-s) took 21 s once, and 31 s on 2026-12-01's slower VM, with both cores busy with a
+    # galaxy test (run_status stops at 60): the bound says "no hang", not "fast"
+    assert gone.returncode == 2 and time.monotonic() - started < 45
     assert gone.stderr.strip().startswith("open-diloco: error: no DHT peer answered at --initial-peers")
     assert len(gone.stderr.strip().splitlines()) == 1, gone.stderr
 
