@@ -97,8 +97,11 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
     every rank exit on its own). Refuses a checkpoint of another model shape."""
     if ckpt.resume is None:
         return None
-    if ckpt.resume == "latest":
+    if ckpt.resume in ("latest", "auto"):
         found = list_checkpoints(ckpt.path)
+        if not found and ckpt.resume == "auto":  # a first start, or a restart before the first save
+            log.info("--ckpt.resume auto: no checkpoint under %s yet: starting fresh", ckpt.path)
+            return None
         if not found:
             raise ConfigError(
                 f"--ckpt.resume latest: no complete checkpoint under {ckpt.path}: check --ckpt.path"

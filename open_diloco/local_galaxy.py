@@ -161,9 +161,11 @@ class Galaxy:
         nproc: int = 2,
         name: str | None = None,
         env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = (),
     ) -> Path:
         """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path. ``env``: added to the
-        trainers' environment (a fault injected into one cluster, say)."""
+        trainers' environment (a fault injected into one cluster, say); ``launcher``: torchrun's own flags
+        (``--max-restarts=2``)."""
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
         identity = [
@@ -188,6 +190,7 @@ class Galaxy:
             *TORCHRUN,
             "--standalone",
             f"--nproc_per_node={nproc}",
+            *launcher,
             str(TRAIN_SCRIPT),
             *flags,
             *identity,

@@ -115,14 +115,21 @@ def keep_run_id(checkpoints: Path, run_id: str) -> None:
     partial.replace(checkpoints / WANDB_RUN_FILE)
 
 
-def build_metrics(config: Config, is_main: bool, run_name: str, resumed_from: Path | None) -> Metrics:
+def build_metrics(
+    config: Config, is_main: bool, run_name: str, resumed_from: Path | None, restarts: int = 0
+) -> Metrics:
     """The sink for this rank (``--metric-logger-type`` on rank 0, nothing on the others). ``run_name`` names
     the run in the jsonl file's start record; ``resumed_from``: the checkpoint this run resumed from (if
-    any)."""
+    any), and ``restarts``: torchrun's restarts of the cluster so far, both in that record too."""
     if not is_main or config.metric_logger_type == "dummy":
         return DummyMetrics()
     if config.metric_logger_type == "jsonl":
-        run_info = {"run_name": run_name, "config": config.model_dump(mode="json")}
+        run_info = {
+            "run_name": run_name,
+            "config": config.model_dump(mode="json"),
+            "resumed_from": None if resumed_from is None else str(resumed_from),
+            "restarts": restarts,
+        }
         return JsonlMetrics(config.metrics_path, run_info)
     from open_diloco.world import env_flag
 

@@ -67,7 +67,12 @@ def train(config: Config) -> None:
     guard = StopGuard().install()
     gc_schedule = GcSchedule(config.gc_interval)  # collections between steps, not inside them
     join_process_group(world, process_group_timeout(config.hv))
-    metrics = build_metrics(config, world.is_main, run_name, resumed_from=resume[0] if resume else None)
+    metrics = build_metrics(
+        config, world.is_main, run_name, resumed_from=resume[0] if resume else None, restarts=world.restarts
+    )
+    if world.restarts:
+        where = f"resuming from {resume[0]}" if resume else "no checkpoint to resume from: starting fresh"
+        _say(world, f"torchrun restarted this cluster (restart {world.restarts}): {where}")
     outer: OuterLoop = NullOuterLoop()
     saver = checkpoint.CheckpointSaver(
         config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config

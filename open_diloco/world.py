@@ -30,6 +30,9 @@ class World:
     local_world_size: int
     device: torch.device
     backend: str
+    restarts: int = 0
+    """How many times torchrun restarted this cluster's ranks so far (``--max-restarts``; 0 on the first
+    start): a restarted cluster says so in its log and its metrics' start record."""
 
     @property
     def is_main(self) -> bool:
@@ -209,6 +212,7 @@ def describe_world(device: str = "auto", backend: str = "auto") -> World:
         local_world_size=int(env["local_world_size"]),
         device=dev,
         backend=choose_backend(backend, dev),
+        restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
     )
 
 

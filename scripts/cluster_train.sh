@@ -29,6 +29,9 @@ Environment:
   MASTER_WAIT        seconds node_rank > 0 waits for node 0 to listen (default 60)
   RDZV_ID            rendezvous id shared by the nodes (default: SLURM/PBS job id, else open_diloco)
   RDZV_TIMEOUT       seconds torchrun waits for all nodes to join (default 600)
+  MAX_RESTARTS       times torchrun restarts the cluster's ranks after one dies (default 0). With it, pass
+                     --ckpt.resume auto (and a --ckpt.interval): a restart resumes from the newest checkpoint,
+                     or starts fresh and joins from the galaxy's peers when there is none yet
   LOCAL_ADDR         address other nodes reach this one at (default: MASTER_ADDR on node 0, else this
                      host's address on the route to MASTER_ADDR)
 
@@ -98,6 +101,8 @@ gpus="$(visible_gpus)"
 nproc_per_node="${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}"
 backend="${BACKEND:-$([[ "$gpus" -gt 0 ]] && echo nccl || echo gloo)}"
 [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE must be a positive integer, got '$nproc_per_node'"
+max_restarts="${MAX_RESTARTS:-0}"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a whole number, got '$max_restarts'"
 [[ "$backend" == nccl || "$backend" == gloo ]] || die "BACKEND must be nccl or gloo, got '$backend'"
 
 log_level="${LOG_LEVEL:-INFO}"
@@ -156,7 +161,7 @@ print(s.getsockname()[0])' "$master_addr")"
 fi
 status=0
 logged torchrun --nnodes="$num_nodes" --nproc_per_node="$nproc_per_node" --node_rank="$node_rank" \
-  --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" \
+  --max-restarts="$max_restarts" --rdzv_backend=c10d --rdzv_endpoint="$master_addr:$master_port" \
   --rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-${PBS_JOBID:-open_diloco}}}" \
   --rdzv_conf="is_host=$is_host,join_timeout=${RDZV_TIMEOUT:-600}" --local_addr="$local_addr" \
   "$repo_root/open_diloco/train_fsdp.py" "${trainer_args[@]}" || status=$?

@@ -29,7 +29,9 @@ class CkptConfig(BaseModel):
     """How many of the newest checkpoints to keep."""
 
     resume: str | None = None
-    """Resume from a checkpoint directory, or `latest` for the newest one under --ckpt.path."""
+    """Resume from a checkpoint directory; `latest`: the newest one under --ckpt.path (an error when there is
+    none); `auto`: the newest one if there is any, else start fresh and join the galaxy from its peers: the
+    value to pass always, e.g. under `torchrun --max-restarts` (docs/operations.md, When a rank dies)."""
 
 
 Precision = Literal["auto", "bf16-mixed", "fp16-mixed", "32-true"]
