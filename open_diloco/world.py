@@ -271,8 +271,30 @@ def join_process_group(world: World, timeout_s: float = PROCESS_GROUP_FLOOR_SECO
         os.environ.setdefault("MASTER_ADDR", default_master_addr(launcher, world))
         os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(
-        world.backend, timeout=timeout, device_id=world.device if world.device.type == "cuda" else None
+        world.backend,
+        timeout=timeout,
+        device_id=world.device if world.device.type == "cuda" else None,
+        **restart_safe_store(world, timeout),
     )
+
+
+def restart_safe_store(world: World, timeout: timedelta) -> dict[str, object]:
+    """Under a torchrun that restarted the cluster (``--max-restarts``), the process group's store, with keys
+    of their own for this restart; otherwise nothing (torch's env:// rendezvous).
+
+    Why: torchrun's agent hosts one store for every restart, and torch 2.13's env:// rendezvous no longer
+    prefixes its keys per restart ("a new TCPStore for every retry", its comment says, but the agent's is
+    reused), so restarted gloo ranks read the dead ranks' addresses and fail to connect ("connectFullMesh
+    failed ... Connection refused"; reproduced with a 10-line gloo script). A prefix per restart count keeps
+    each restart's keys apart."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not world.restarts:
+        return {}
+    agent_store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world.world_size, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"/open_diloco/restart_{world.restarts}", agent_store)
+    return {"store": store, "rank": world.rank, "world_size": world.world_size}
 
 
 def default_master_addr(launcher: str, world: World, env: dict[str, str] | None = None) -> str:
