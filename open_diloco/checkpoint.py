@@ -15,9 +15,8 @@ What a checkpoint holds, and why that is enough for an exact resume:
   ``param_hash`` and the galaxy's ledger (``ledger.jsonl``, ``outer/ledger.py``). The data position and the
   learning-rate schedule are pure functions of the step: derived on resume (as for late joiners), not stored.
 
-Atomicity: every rank writes into ``step_<N>.tmp``; after a barrier rank 0 writes ``metadata.json`` last
-and renames the directory to ``step_<N>``. A kill at any point leaves either the old set of checkpoints or
-the new one, never a directory that looks complete but is not.
+Atomicity: every rank writes into ``step_<N>.tmp``; after a barrier rank 0 writes ``metadata.json`` last and
+renames the directory to ``step_<N>``. A kill leaves the old set of checkpoints or the new one, never a half.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ def read_metadata(path: Path, checked_by: str = "--ckpt.resume (or use `latest`)
 
 
 def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
-    """Find and vet the checkpoint to resume from, before any rank talks to another (so a bad one makes
-    every rank exit on its own). Refuses a checkpoint of another model shape."""
+    """The checkpoint to resume from, vetted before any rank talks to another (a bad one makes every rank exit
+    on its own); one of another model shape is refused."""
     if ckpt.resume is None:
         return None
     if ckpt.resume in ("latest", "auto"):

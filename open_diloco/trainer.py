@@ -67,12 +67,7 @@ def train(config: Config) -> None:
     guard = StopGuard().install()
     gc_schedule = GcSchedule(config.gc_interval)  # collections between steps, not inside them
     join_process_group(world, process_group_timeout(config.hv))
-    metrics = build_metrics(
-        config, world.is_main, run_name, resumed_from=resume[0] if resume else None, restarts=world.restarts
-    )
-    if world.restarts:
-        where = f"resuming from {resume[0]}" if resume else "no checkpoint to resume from: starting fresh"
-        _say(world, f"torchrun restarted this cluster (restart {world.restarts}): {where}")
+    metrics = start_metrics(config, world, run_name, resume)
     outer: OuterLoop = NullOuterLoop()
     saver = checkpoint.CheckpointSaver(
         config.ckpt.path, config.ckpt.keep, config.model_dump(mode="json"), model_config
@@ -180,6 +175,18 @@ def build_optimizer_and_schedule(
     return optimizer, build_scheduler(
         optimizer, config.warmup_steps, config.schedule_steps, config.min_lr_ratio
     )
+
+
+def start_metrics(
+    config: Config, world: World, run_name: str, resume: tuple[Path, dict[str, Any]] | None
+) -> Metrics:
+    """The run's metrics sink, its start record saying what it resumed from and how often torchrun restarted
+    the cluster; a restarted cluster says so in its log too (what an operator looks for after a rank died)."""
+    resumed_from = resume[0] if resume else None
+    if world.restarts:
+        where = f"resuming from {resumed_from}" if resume else "no checkpoint to resume from: starting fresh"
+        _say(world, f"torchrun restarted this cluster (restart {world.restarts}): {where}")
+    return build_metrics(config, world.is_main, run_name, resumed_from=resumed_from, restarts=world.restarts)
 
 
 def resume_from(

@@ -77,22 +77,11 @@ def ledger(
 
 def _mirrored(initial_peers: list[str], run_id: str, timeout: float) -> list:
     """The entries a live galaxy's DHT mirrors, up to the furthest outer step a cluster's record shows."""
-    from open_diloco.addresses import peer_address
-
-    for maddr in initial_peers:
-        peer_address(maddr, "--initial-peers")
     from open_diloco import ledger_view
+    from open_diloco.cli.status import open_reader
     from open_diloco.galaxy.ledger_mirror import read_mirror
-    from open_diloco.galaxy.status import StatusReader
 
-    try:
-        reader = StatusReader(initial_peers, run_id, timeout)
-    except ConfigError:
-        raise ConfigError(
-            f"no DHT peer answered at --initial-peers {' '.join(initial_peers)} within {timeout}s: check the "
-            "address (the line hivemind-dht printed) and that the galaxy's DHT runs"
-        ) from None
-    with reader:
+    with open_reader(initial_peers, run_id, timeout) as reader:
         top = max((record.outer_step for record in reader.read()), default=0)
         values = read_mirror(reader.dht, run_id, top, timeout)
     return ledger_view.entries_from_wire(values, f"an entry of run {run_id!r}'s DHT mirror")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from cyclopts import Parameter, validators
 
 from open_diloco.errors import ConfigError, OpenDilocoError
+
+if TYPE_CHECKING:
+    from open_diloco.galaxy.status import StatusReader
 
 
 def status(
@@ -46,22 +49,11 @@ def status(
     galaxy_size
         The galaxy's --hv.galaxy-size, to show how many clusters are missing. [range: ≥ 1]
     """
-    from open_diloco.addresses import peer_address
-
-    for maddr in initial_peers:
-        peer_address(maddr, "--initial-peers")
+    reader = open_reader(initial_peers, run_id, timeout)
     from rich.console import Console
 
-    from open_diloco.galaxy.status import StatusReader
     from open_diloco.status_view import as_json_rows, build_table, judge
 
-    try:
-        reader = StatusReader(initial_peers, run_id, timeout)
-    except ConfigError:
-        raise ConfigError(
-            f"no DHT peer answered at --initial-peers {' '.join(initial_peers)} within {timeout}s: check the "
-            "address (the line hivemind-dht printed) and that the galaxy's DHT runs"
-        ) from None
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a log or a pipe: cut no column
     with reader:
         while True:
@@ -80,6 +72,24 @@ def status(
             f"no cluster of run {run_id!r} has a status record in this DHT: check --run-id (the galaxy's "
             "--hv.run-id) and that its clusters have started"
         )
+
+
+def open_reader(initial_peers: list[str], run_id: str, timeout: float) -> StatusReader:
+    """A DHT client reading run ``run_id``'s records (``status``, ``ledger --initial-peers``): the addresses
+    checked first, and one line naming them when no peer answers within ``timeout``."""
+    from open_diloco.addresses import peer_address
+
+    for maddr in initial_peers:
+        peer_address(maddr, "--initial-peers")
+    from open_diloco.galaxy.status import StatusReader
+
+    try:
+        return StatusReader(initial_peers, run_id, timeout)
+    except ConfigError:
+        raise ConfigError(
+            f"no DHT peer answered at --initial-peers {' '.join(initial_peers)} within {timeout}s: check the "
+            "address (the line hivemind-dht printed) and that the galaxy's DHT runs"
+        ) from None
 
 
 class StatusEmpty(OpenDilocoError):

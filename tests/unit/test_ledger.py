@@ -21,8 +21,8 @@ from tests.support.tiny_outer import linear_model, outer_hv
 META = {"weight": 1.0, "inner_steps": 5, "codec": "none", "outer_optimizer": "sgd lr=1 momentum=0"}
 
 
-def entry(round_no: int, before: str, after: str, members=(0, 1), **meta) -> LedgerEntry:
-    peers = {rank: {**META, **meta} for rank in members}
+def entry(round_no: int, before: str, after: str, members=(0, 1), peers=None) -> LedgerEntry:
+    peers = peers if peers is not None else {rank: META for rank in members}
     return round_entry(
         round_no=round_no, attempt=0, fragment=0, before=before, after=after, peers=peers, members=members
     )
@@ -30,26 +30,11 @@ def entry(round_no: int, before: str, after: str, members=(0, 1), **meta) -> Led
 
 def test_an_entry_is_the_same_whoever_computes_it_and_names_a_misconfigured_member():
     ours = entry(1, "a", "b")
-    theirs = round_entry(
-        round_no=1,
-        attempt=0,
-        fragment=0,
-        before="a",
-        after="b",
-        peers={1: META, 0: dict(META)},  # gathered in another order, with extra keys in the metadata
-        members={1, 0},
-    )
+    # gathered in another order, with extra keys in the metadata
+    theirs = entry(1, "a", "b", members={1, 0}, peers={1: META, 0: {**META, "delta_norm": 0.5}})
     assert ours == theirs and ours.hash == theirs.hash
     assert LedgerEntry.from_wire(json.loads(json.dumps(ours.to_wire()))) == ours
-    mixed = round_entry(
-        round_no=1,
-        attempt=0,
-        fragment=0,
-        before="a",
-        after="b",
-        peers={0: META, 1: {**META, "codec": "int8"}},
-        members=[0, 1],
-    )
+    mixed = entry(1, "a", "b", peers={0: META, 1: {**META, "codec": "int8"}})
     assert mixed.codec == "int8|none" and mixed.hash != ours.hash
 
 
