@@ -143,13 +143,17 @@ class StatusPublisher:
             self._publish_now.clear()
 
     def _publish(self) -> None:
+        """The record first (membership reads its age), then the ledger entries since the last one."""
         with self._lock:
             self._seq += 1
             record = {**self._record, "published_at": get_dht_time(), "seq": self._seq}
             entries, self._ledger = self._ledger, []
+        self._store_record(record)
         if entries and not store_entries(self.dht, self.run_id, entries, STORE_TIMEOUT):
             with self._lock:  # kept for the next publication (the newest last; a mirror: bounded)
                 self._ledger = (entries + self._ledger)[-1024:]
+
+    def _store_record(self, record: dict[str, Any]) -> None:
         try:
             with DHT_PIPE_LOCK:
                 stored = self.dht.store(
