@@ -168,3 +168,19 @@ def test_quick_start_trainer_flags_parse(monkeypatch):
         assert config.path_model.joinpath("config.json").is_file(), f"{title}: {config.path_model}"
         parsed += 1
     assert parsed == 2, "expected the one-cluster and the first galaxy torchrun line"
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's module layout matches the tree: every module of the package is named there (as
+    `name`, `package/name` or name.py), so a new module comes with its line and a removed one is noticed."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    package = REPO / "open_diloco"
+    unnamed = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name.startswith("__"):
+            continue
+        relative = path.relative_to(package).with_suffix("").as_posix()
+        names = (f"`{path.stem}`", f"`{relative}`", f"{path.stem}.py")
+        if not any(name in text for name in names):
+            unnamed.append(relative)
+    assert not unnamed, f"docs/architecture.md does not name these modules: {unnamed}"
