@@ -28,8 +28,9 @@ MIRROR_TTL = 3600.0
 keep every entry for good, ``outer/ledger.py``'s ``KEEP``)."""
 
 
-def ledger_key(run_id: str, round_no: int) -> str:
-    return f"{run_id}/ledger/{round_no // BUCKET}"
+def bucket_key(run_id: str, bucket: int) -> str:
+    """The DHT key of the entries of rounds ``bucket × BUCKET`` … ``(bucket + 1) × BUCKET − 1``."""
+    return f"{run_id}/ledger/{bucket}"
 
 
 def store_entries(dht: DHT, run_id: str, entries: list[dict[str, Any]], timeout: float) -> bool:
@@ -41,7 +42,7 @@ def store_entries(dht: DHT, run_id: str, entries: list[dict[str, Any]], timeout:
             for entry in entries:
                 futures.append(
                     dht.store(
-                        ledger_key(run_id, int(entry["round"])),
+                        bucket_key(run_id, int(entry["round"]) // BUCKET),
                         entry,
                         expiration_time=get_dht_time() + MIRROR_TTL,
                         subkey=f"{entry['round']}:{entry['hash']}",
@@ -59,7 +60,7 @@ def read_mirror(dht: DHT, run_id: str, up_to_round: int, timeout: float) -> list
     futures = []
     with DHT_PIPE_LOCK:
         for bucket in range(up_to_round // BUCKET + 1):
-            futures.append(dht.get(f"{run_id}/ledger/{bucket}", latest=True, return_future=True))
+            futures.append(dht.get(bucket_key(run_id, bucket), latest=True, return_future=True))
     entries: list[dict[str, Any]] = []
     for future in futures:
         try:

@@ -16,7 +16,6 @@ import torch
 
 from open_diloco.errors import GalaxyError
 from open_diloco.outer.adoption import Downloaded
-from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.final_round import FinalVerdict, final_verdict
 from open_diloco.outer.policy import Decision
 from open_diloco.outer.protocols import Membership, RoundReport
@@ -52,6 +51,7 @@ class CatchingUp:
     _step_seconds: float | None
     _take_state: Any
     held_entry: Any
+    cluster_hash: Any
 
     def join_galaxy(self) -> int:
         """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late
@@ -314,7 +314,7 @@ class CatchingUp:
             outcome="resynced",
             outer_step=self.outer_step,
             fragment=last.fragment,
-            param_hash=combine_hashes(self.cluster.gather_strings(self.state.hash())),
+            param_hash=self.cluster_hash(),
             param_checksum=self.cluster.sum_float(self.state.sq_norm()),
             galaxy_alive=last.galaxy_alive,
             state_source=got.source,

@@ -2,9 +2,8 @@
 launches the galaxy average; :meth:`Committing.finish_round` waits for it and commits it, or takes it from a
 cluster that did, or runs it again (``outer/round.py`` has the rule, ``docs/round-protocol.md`` the whole
 story). Every branch runs the same collectives on every rank of the cluster (:class:`ClusterComm`), so every
-shard follows the same path.
-
-:class:`Committing` is a part of :class:`~open_diloco.outer.diloco.DiLoCo` (its attributes are DiLoCo's)."""
+shard follows the same path. :class:`Committing` is a part of :class:`~open_diloco.outer.diloco.DiLoCo` (its
+attributes are DiLoCo's)."""
 
 from __future__ import annotations
 
@@ -324,6 +323,7 @@ class Committing:
             rejected_peers=view.rejected,
             fragment=fragment,
             ledger=entry,
+            param_hash=entry.after,  # θ_outer's hash, gathered for the entry a moment ago
         )
 
     def _record_claims(self, report: RoundReport, view: RoundView) -> None:
@@ -353,9 +353,10 @@ class Committing:
         fragment: int | None = None,
         **fields: Any,
     ) -> RoundResult:
-        """The round's :class:`RoundResult`; the hashes and norms are the cluster's (every shard's,
-        combined)."""
+        """The round's :class:`RoundResult`, hashes and norms the cluster's (every shard's, combined); a
+        ``param_hash`` given is θ_outer's, already gathered (a commit's entry)."""
         fragment = self.state.fragment if fragment is None else fragment
+        param_hash = fields.pop("param_hash", None) or self.cluster_hash()
         if outcome in ("applied", "adopted"):
             fields["fragment_hash"] = combine_hashes(
                 self.cluster.gather_strings(self.state.fragment_hash(fragment))
@@ -374,7 +375,7 @@ class Committing:
             pseudo_grad_bound=self.cluster.norm(flight.bound**2 if flight.bound is not None else math.nan),
             pseudo_grad_norm=self.cluster.norm(flight.local_sq),  # None when not finite (JSON has no NaN)
             param_checksum=self.cluster.sum_float(self.state.sq_norm()),
-            param_hash=combine_hashes(self.cluster.gather_strings(self.state.hash())),
+            param_hash=param_hash,
             **fields,
         )
 

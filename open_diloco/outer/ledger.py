@@ -21,6 +21,7 @@ Pure Python: no torch, no hivemind (``open-diloco ledger`` reads entries without
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,9 +80,10 @@ class LedgerEntry:
     """This cluster applied its own Δ alone (nobody averaged or served the round): an entry of one, which the
     galaxy's own entry for the round (if any) contradicts."""
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
-        """A digest of every field (canonical JSON): equal entries have equal hashes on every machine."""
+        """A digest of every field (canonical JSON): equal entries have equal hashes on every machine. Kept
+        once computed (an entry never changes): a served tail and a checkpoint's ledger read it per entry."""
         import xxhash
 
         return xxhash.xxh3_64(json.dumps(self._fields(), sort_keys=True).encode()).hexdigest()
