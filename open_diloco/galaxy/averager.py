@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from open_diloco.errors import GalaxyMismatch, RoundFailed
 from open_diloco.galaxy.allowlist import Allowlist
@@ -26,6 +27,7 @@ from open_diloco.galaxy.dht import (
     shutdown_dht,
 )
 from open_diloco.galaxy.lifecycle import end_child
+from open_diloco.galaxy.link_probe import LinkProbe
 from open_diloco.galaxy.record_ages import RecordAges
 from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
 from open_diloco.galaxy.status import read_records, status_key
@@ -42,6 +44,7 @@ from open_diloco.membership_record import (
 )
 from open_diloco.outer.codecs import wire_codecs
 from open_diloco.outer.guard import wire_norm
+from open_diloco.outer.matchmaking import MatchmakingClock, MatchmakingPlan
 from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, Membership, RoundReport
 
 if TYPE_CHECKING:
@@ -56,6 +59,7 @@ the DHT). A cluster that has not come by then is not coming soon, and waiting fo
 retries (~40 s against ~13 s a round over `home`, in the soak's late joiner); it joins late when it comes,
 downloading the galaxy's state, as a restarted cluster does."""
 
+SETTINGS_SECONDS = 10.0  # how long the averager's process may take to set up a round's matchmaking
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
 FINISH_DRAIN_SECONDS = (
@@ -106,6 +110,10 @@ class HivemindAverager:
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
         self._started = time.monotonic()
+        self.clock = MatchmakingClock(hv.matchmaking_time, hv.averaging_timeout / 4)
+        """Round trips to the counterparts and whole rounds' matchmaking: each round's plan
+        (``outer/matchmaking.py``)."""
+        self.link_probe = LinkProbe(dht, self.clock)
         self.cut_off = CutOffWatch(dht, hv.world_rank, shard_index, hv.member_expiry)
         """Whether this cluster sits behind a NAT from another that does too (``galaxy/cut_off.py``)."""
         self._seen_training: set[int] = set()
@@ -134,9 +142,20 @@ class HivemindAverager:
         finally:
             lock.release()
 
-    def start_round(self, round_id: int, fingerprint: dict[str, Any], attempt: int = 0) -> HivemindRound:
-        """Matchmaking waits ``--hv.matchmaking-time`` for the whole galaxy, then goes with whoever came (at
-        least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer unchanged).
+    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+        return self.clock.plan(live_clusters)
+
+    def start_round(
+        self,
+        round_id: int,
+        fingerprint: dict[str, Any],
+        attempt: int = 0,
+        plan: MatchmakingPlan | None = None,
+    ) -> HivemindRound:
+        """Matchmaking waits ``plan.window`` (``outer/matchmaking.py``: ``--hv.matchmaking-time`` at least)
+        for ``plan.group_size`` clusters, forming the group as soon as they all joined, then goes with whoever
+        came (at least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer
+        unchanged).
 
         The round and the attempt are in the matchmaking key (:func:`round_key_bits`): a retry of a round can
         never meet the galaxy's next round, nor a shard late for one attempt the group of the next."""
@@ -144,16 +163,22 @@ class HivemindAverager:
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
         if self.galaxy_size == 1:
             return HivemindRound(self, None, metadata, start)
+        plan = plan or self.matchmaking_plan(self.galaxy_size)
         forget_finished_searches(self.dht)  # the last round's key, among others
-        self.averager.set_group_bits(round_key_bits(round_id, attempt))
+        try:
+            bits = round_key_bits(round_id, attempt)
+            self.averager.set_round(bits, max(2, plan.group_size), plan.request_timeout, SETTINGS_SECONDS)
+        except TimeoutError:
+            raise RoundFailed(f"the averager did not take round {round_id}'s settings in time") from None
         control = self.averager.step(
             gather=metadata,
+            scheduled_time=get_dht_time() + plan.window,
             weight=float(fingerprint.get("weight", 1.0)),  # --hv.round-steps by-speed: steps behind the Δ
             timeout=self.averaging_timeout,
             allow_retries=False,
             wait=False,
         )
-        return HivemindRound(self, control, metadata, start)
+        return HivemindRound(self, control, metadata, start, plan)
 
     def membership(self) -> Membership:
         """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot
@@ -193,6 +218,14 @@ class HivemindAverager:
                 [peer for rank, peer in peers.items() if rank in quiet],
                 [peer for rank, peer in peers.items() if rank not in gone],
             )
+        self.link_probe.poll(
+            [
+                peer
+                for record in records
+                if record.galaxy_rank not in gone | {self.galaxy_rank}
+                and (peer := record.shard_peer(self.shard_index))
+            ]
+        )
         lead = lead_outer_step(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
         live = [record for record in records if record.galaxy_rank not in gone]

@@ -160,6 +160,31 @@ class CanonicalAverager(DecentralizedAverager):
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()
 
+    # -- one round's matchmaking (outer/matchmaking.py) ----------------------------------------------------
+
+    def set_round(self, group_bits: str, group_size: int, request_timeout: float, timeout: float) -> None:
+        """Set the next round's group key bits, the group size that makes it full, and how long a join request
+        waits, in the averager's process; raises ``TimeoutError`` when it does not answer within ``timeout``
+        (hivemind's ``set_group_bits`` waits without limit, and a rank stuck there would leave its siblings
+        waiting in a collective)."""
+        future = MPFuture()
+        settings = dict(group_bits=group_bits, group_size=group_size, request_timeout=request_timeout)
+        self._outer_pipe.send(("_set_round", [], dict(**settings, future=future)))
+        future.result(timeout=timeout)
+
+    async def _set_round(
+        self, group_bits: str, group_size: int, request_timeout: float, future: MPFuture
+    ) -> None:
+        try:
+            matchmaking = self._matchmaking
+            matchmaking.group_key_manager.group_bits = group_bits
+            matchmaking.target_group_size = group_size
+            matchmaking.request_timeout = request_timeout
+            future.set_result(None)
+        except Exception as err:
+            if not future.done():
+                future.set_exception(err)
+
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
         CanonicalAverager._process_allowlist = self.allowlist

@@ -21,6 +21,7 @@ from open_diloco.outer.protocols import Membership, RoundReport
 
 if TYPE_CHECKING:
     from open_diloco.galaxy.averager import HivemindAverager
+    from open_diloco.outer.matchmaking import MatchmakingPlan
 
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
 MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whether anyone is left to find
@@ -30,9 +31,17 @@ class HivemindRound:
     """A hivemind round in flight (see ``PendingRound``)."""
 
     def __init__(
-        self, owner: HivemindAverager, control: StepControl | None, metadata: dict[str, Any], start: float
+        self,
+        owner: HivemindAverager,
+        control: StepControl | None,
+        metadata: dict[str, Any],
+        start: float,
+        plan: MatchmakingPlan | None = None,
     ):
         self.owner, self.control, self.metadata, self.start = owner, control, metadata, start
+        self.plan = plan
+        """The round's matchmaking (``outer/matchmaking.py``); a whole round's matchmaking seconds go back to
+        the owner's clock."""
 
     def wait(self) -> RoundReport:
         owner, round_id = self.owner, self.metadata["round_id"]
@@ -65,6 +74,9 @@ class HivemindRound:
                 )
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
+        matchmaking_seconds = max(0.0, result["grouped_at"] - self.start)
+        if self.plan is not None:
+            owner.clock.observe_round(matchmaking_seconds, whole=len(peers) >= self.plan.group_size)
         owner.last_group = (round_id, frozenset(peers) - {owner.galaxy_rank})
         stale_peers = out_of_cohort(result["gathered"])
         stale = sorted(result["gathered"][peer].get("galaxy_rank", -1) for peer in stale_peers)
@@ -80,7 +92,7 @@ class HivemindRound:
             complete=result["failed_size"] == 0 and result["banned_senders"] == 0,
             peers=peers,
             seconds=time.monotonic() - self.start,
-            matchmaking_seconds=max(0.0, result["grouped_at"] - self.start),
+            matchmaking_seconds=matchmaking_seconds,
             exchange_seconds=result["done_at"] - result["grouped_at"],
             bytes_sent=result["bytes_sent"],
             bytes_received=result["bytes_received"],

@@ -107,10 +107,9 @@ class Committing:
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
             else:
-                pending = self.averager.start_round(self.outer_step, fingerprint, attempts)
-        except (
-            RoundFailed
-        ) as err:  # the round fails on this rank: its wait reports it, at the same collectives
+                plan = self.averager.matchmaking_plan(alive).agreed(self.cluster)
+                pending = self.averager.start_round(self.outer_step, fingerprint, attempts, plan=plan)
+        except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             return RoundInFlight(
                 None, own_hash, local_sq, alive, attempts, start_error=str(err), bound=bound, silent=silent
             )

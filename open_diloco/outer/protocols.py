@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from open_diloco.outer.matchmaking import MatchmakingPlan
     from open_diloco.outer.round import RoundResult
 
 
@@ -139,10 +140,22 @@ class Averager(Protocol):
         outlived its timeout may still be writing, and the lock waits for it (bounded; ``RoundFailed``)."""
         ...
 
-    def start_round(self, round_id: int, fingerprint: dict[str, Any], attempt: int = 0) -> PendingRound:
+    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+        """How the next round's matchmaking waits for ``live_clusters`` clusters
+        (``outer/matchmaking.py``)."""
+        ...
+
+    def start_round(
+        self,
+        round_id: int,
+        fingerprint: dict[str, Any],
+        attempt: int = 0,
+        plan: MatchmakingPlan | None = None,
+    ) -> PendingRound:
         """Begin attempt ``attempt`` of averaging the buffer's current contents for the round that starts from
         outer step ``round_id``; ``fingerprint`` travels to every peer. Peers of other rounds or attempts
-        never meet it."""
+        never meet it. ``plan``: its matchmaking, agreed by the cluster's ranks (default: this shard's own,
+        for the whole galaxy)."""
         ...
 
     def membership(self) -> Membership:

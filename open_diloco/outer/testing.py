@@ -22,6 +22,7 @@ from open_diloco.config import HvConfig
 from open_diloco.outer.codecs import score_values, wire_codecs
 from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import ClaimCheck
+from open_diloco.outer.matchmaking import MatchmakingPlan
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
 
@@ -150,7 +151,13 @@ class InProcessAverager:
     def buffer(self) -> Iterator[torch.Tensor]:
         yield self.values
 
-    def start_round(self, round_id: int, fingerprint: dict, attempt: int = 0) -> InProcessRound:
+    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+        """Nothing to wait for in one process: every cluster's round is already there."""
+        return MatchmakingPlan(window=0.0, request_timeout=0.0, group_size=live_clusters)
+
+    def start_round(
+        self, round_id: int, fingerprint: dict, attempt: int = 0, plan: MatchmakingPlan | None = None
+    ) -> InProcessRound:
         self.calls += 1
         return InProcessRound(self, round_id, fingerprint, attempt)
 

@@ -23,6 +23,7 @@ from scripts.chaos.plan import Fault
 
 REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
 RESYNC_SHARE_LIMIT = 0.01  # re-synced syncs with no fault to blame
+RETRY_SHARE_LIMIT = 0.05  # syncs retried with no fault to blame, in each cluster (issue 48)
 
 
 @dataclass
@@ -151,6 +152,7 @@ def cluster_figures(
     outside = [not any(w.start <= r["time"] <= w.settled for w in spans) for r in records]
     free = [r for r in records if not due_to_fault(r["time"], cluster, times, spans, repairs)]
     resynced_free = sum(bool(r.get("resynced")) for r in free)
+    retried_free = sum(bool(r.get("retries")) for r in free)
     sat_out = [r for r in records if r.get("galaxy_peers") == 0]
     bad = [
         r for r in records if r.get("pseudo_grad_finite") is False or r.get("pseudo_grad_in_bound") is False
@@ -169,6 +171,8 @@ def cluster_figures(
         "syncs_without_fault": len(free),
         "resynced_without_fault": resynced_free,
         "resynced_share_without_fault": resynced_free / len(free) if free else 0.0,
+        "retried_without_fault": retried_free,
+        "retried_share_without_fault": retried_free / len(free) if free else 0.0,
         "sat_out": len(sat_out),
         "sat_out_without_fault": sum(
             not due_to_fault(r["time"], cluster, times, spans, repairs) for r in sat_out

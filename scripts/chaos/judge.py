@@ -11,6 +11,7 @@ from open_diloco.ledger_view import read_cluster, verify
 from scripts.chaos.analysis import (
     REPAIR_LIMIT,
     RESYNC_SHARE_LIMIT,
+    RETRY_SHARE_LIMIT,
     cluster_figures,
     fault_figures,
     hashes_by_step,
@@ -98,11 +99,13 @@ def targets(
     left_running: list[dict],
     ledger: list[str] = (),
 ) -> list[dict]:
-    """Issue 34's acceptance targets and issue 48's ledger, each ``{"target", "value", "passed"}``."""
+    """Issue 34's acceptance targets and issue 48's (retries, the ledger), each ``{"target", "value",
+    "passed"}``."""
     finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
     free = sum(c["syncs_without_fault"] for c in clusters)
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
     streak = max((c["longest_out_of_sync_run_after_faults"] for c in clusters), default=0)
+    retried = max((c.get("retried_share_without_fault", 0.0) for c in clusters), default=0.0)
     fired = [f for f in fault_rows if f["fired"] and f.get("syncs_after")]
     slow = [
         f"#{f['index']} {f['kind']}: {f['repair_syncs'] if f['repaired'] else 'never'}"
@@ -137,6 +140,13 @@ def targets(
             f"≤ {RESYNC_SHARE_LIMIT:.0%} of syncs re-synced with no fault to blame",
             f"{share:.2%} of {free}",
             share <= RESYNC_SHARE_LIMIT,
+        ),
+        (
+            f"≤ {RETRY_SHARE_LIMIT:.0%} of each cluster's syncs retried with no fault to blame",
+            f"at most {retried:.2%} ("
+            + ", ".join(f"{c.get('retried_without_fault', 0)} of {c['syncs_without_fault']}" for c in clusters)
+            + ")",
+            retried <= RETRY_SHARE_LIMIT,
         ),
         (
             "every cluster's ledger chain continuous, ending at its final θ",

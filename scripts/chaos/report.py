@@ -20,9 +20,9 @@ def cluster_table(clusters: list[dict]) -> list[str]:
     rows = [
         "| cluster | launches | syncs | out of sync | longest run | longest run after faults "
         "| in_sync false (longest after faults) | re-synced "
-        "| re-synced w/o fault | sat out (bad Δ) | retries | split syncs | stopped | final outer step "
-        "| final hash |",
-        "|" + "---|" * 15,
+        "| re-synced w/o fault | sat out (bad Δ) | retries | retried w/o fault | split syncs | stopped "
+        "| final outer step | final hash |",
+        "|" + "---|" * 16,
     ]
     for i, c in enumerate(clusters):
         rows.append(
@@ -32,7 +32,7 @@ def cluster_table(clusters: list[dict]) -> list[str]:
             f"| {c['resynced']} "
             f"| {c['resynced_without_fault']} of {c['syncs_without_fault']} "
             f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
-            f"| {c['retries']} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "
+            f"| {c['retries']} | {c.get('retried_without_fault', '–')} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "
             f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |"
         )
     return rows

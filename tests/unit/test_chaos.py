@@ -66,6 +66,8 @@ def test_repair_streak_and_resync_share():
     c1 += [sync(12, 24.5)]
     c1 += [sync(s, float(s * 2) + 0.5) for s in range(13, 16)]
     c1[1]["resynced"] = True  # one re-sync with no fault to blame, before the partition
+    c1[2]["retries"] = 1  # one retried sync with no fault to blame, before it
+    c1[6]["retries"] = 2  # and one in the partition: the fault's
     fault = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
     syncs = [c0, c1]
     table = hashes_by_step(syncs)
@@ -78,12 +80,19 @@ def test_repair_streak_and_resync_share():
     assert fig["longest_out_of_sync_run_after_faults"] == 2  # 10 and 11, after the fault's end
     assert fig["resynced"] == 2 and fig["resynced_without_fault"] == 1  # sync 10 is the repair's
     assert fig["syncs_without_fault"] == 15 - 5 - 2  # five apart, two of the repair allowance
+    assert fig["retried_without_fault"] == 1 and fig["retried_share_without_fault"] == 1 / 8
     assert fig["split_syncs"] == 7 and fig["final_param_hash"] == "a"
     fig["stopped"] = False
     verdict = {t["target"]: t["passed"] for t in targets([fig, fig], [row], hung=False, left_running=[])}
     assert verdict["every repair within 2 syncs"] is False
     assert verdict["out of sync ≤ 2 syncs in a row after any fault"] is True
     assert verdict["≤ 1% of syncs re-synced with no fault to blame"] is False  # 1 of 8
+    assert verdict["≤ 5% of each cluster's syncs retried with no fault to blame"] is False  # 1 of 8
+    clean = {**fig, "retried_without_fault": 0, "retried_share_without_fault": 0.0}
+    verdict = {t["target"]: t["passed"] for t in targets([clean, fig], [row], hung=False, left_running=[])}
+    assert verdict["≤ 5% of each cluster's syncs retried with no fault to blame"] is False  # each cluster's
+    verdict = {t["target"]: t["passed"] for t in targets([clean, clean], [row], hung=False, left_running=[])}
+    assert verdict["≤ 5% of each cluster's syncs retried with no fault to blame"] is True
 
 
 def test_a_sync_is_good_when_the_galaxy_holds_its_state_whatever_the_cluster_knew():

@@ -93,8 +93,8 @@ def test_a_good_round_resets_the_count_of_diverged_rounds():
 
 def test_a_non_finite_average_is_never_applied():
     class GarbageAverage(InProcessAverager):  # a peer reduced our span into NaN
-        def start_round(self, round_id, fingerprint, attempt=0):
-            pending = super().start_round(round_id, fingerprint, attempt)
+        def start_round(self, round_id, fingerprint, attempt=0, plan=None):
+            pending = super().start_round(round_id, fingerprint, attempt, plan)
             wait = pending.wait
 
             def poisoned():

@@ -111,7 +111,7 @@ class ScriptedRound(InProcessAverager):
     stale: list = []
     served = None
 
-    def start_round(self, round_id, fingerprint, attempt=0):
+    def start_round(self, round_id, fingerprint, attempt=0, plan=None):
         own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
         report = RoundReport(
             group_size=2, complete=True, peers={**self.peers, self.rank: own}, stale=self.stale
@@ -179,7 +179,7 @@ class LosesAPartThenIsOvertaken(ScriptedRound):
     whole there, and that cluster applies it. Our retry then looks for a group nobody else looks for, until
     the membership poll sees that cluster's record at outer step 1 (``RoundReport.overtaken``)."""
 
-    def start_round(self, round_id, fingerprint, attempt=0):
+    def start_round(self, round_id, fingerprint, attempt=0, plan=None):
         self.calls += 1
         own = {"galaxy_rank": self.rank, "round_id": round_id, **fingerprint}
         if self.calls == 1:

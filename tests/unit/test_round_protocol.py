@@ -80,7 +80,7 @@ class ShardPeer(InProcessAverager):
         self.shown_from_read, self.reads = shown_from_read, 0
         self.sources_asked: list[str] = []
 
-    def start_round(self, round_id, fingerprint, attempt=0):
+    def start_round(self, round_id, fingerprint, attempt=0, plan=None):
         self.calls += 1
         report = self.reports[min(self.calls, len(self.reports)) - 1]
         own = {"galaxy_rank": 0, "round_id": round_id, "attempt": attempt, **fingerprint}
@@ -221,7 +221,7 @@ def test_a_cluster_starting_a_round_joins_the_attempt_the_galaxy_is_in():
     outer = DiLoCo(_model([1.0]), peer, _hv(galaxy_size=3), warn=lambda *_: None)
     started: list[int] = []
     start = peer.start_round
-    peer.start_round = lambda round_id, fingerprint, attempt=0: (
+    peer.start_round = lambda round_id, fingerprint, attempt=0, plan=None: (
         started.append(attempt) or start(round_id, fingerprint, attempt)
     )
     record = outer.after_inner_step(1)

@@ -1,0 +1,78 @@
+"""The matchmaking clock (``open_diloco/outer/matchmaking.py``): each round's window, join-request wait and
+group size, from the link's round trips and the galaxy's own whole rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_diloco.outer.matchmaking import MatchmakingClock, MatchmakingPlan, percentile
+
+
+def test_with_nothing_measured_the_plan_is_the_flags():
+    plan = MatchmakingClock(floor=2.0, ceiling=30.0).plan(live_clusters=3)
+    assert plan == MatchmakingPlan(window=2.0, request_timeout=1.0, group_size=3)
+
+
+def test_the_window_follows_whole_rounds_and_ignores_partial_ones():
+    clock = MatchmakingClock(floor=2.0, ceiling=30.0)
+    for seconds in (2.0, 3.0, 4.0, 5.0, 6.0, 3.5, 4.5, 2.5, 5.5, 3.0):
+        clock.observe_round(seconds, whole=True)
+    clock.observe_round(29.0, whole=False)  # waited the window out for a cluster that never came
+    assert clock.plan(4).window == pytest.approx(1.5 * 5.5)  # the 90th percentile of the whole ones
+    fast = MatchmakingClock(floor=2.0, ceiling=30.0)
+    for _ in range(10):
+        fast.observe_round(0.2, whole=True)  # a LAN: the flag stays the least a round waits
+    assert fast.plan(4).window == 2.0
+
+
+def test_the_window_never_passes_its_ceiling():
+    clock = MatchmakingClock(floor=2.0, ceiling=10.0)
+    for _ in range(5):
+        clock.observe_round(40.0, whole=True)
+    assert clock.plan(2).window == 10.0
+
+
+def test_a_join_request_waits_four_round_trips_and_a_retransmission():
+    clock = MatchmakingClock(floor=2.0, ceiling=30.0)
+    for rtt in [0.15] * 9 + [0.40]:  # one slow answer in ten is the 90th percentile's business
+        clock.observe_round_trip(rtt)
+    assert clock.round_trip() == 0.15
+    # the default window leaves half of it, 1 s, for the answer
+    assert clock.plan(2).request_timeout == 1.0
+    for _ in range(5):
+        clock.observe_round(6.0, whole=True)
+    assert clock.plan(2).request_timeout == pytest.approx(4 * 0.15 + 0.5)
+    lossy = MatchmakingClock(floor=2.0, ceiling=30.0)
+    for _ in range(10):
+        lossy.observe_round_trip(0.9)
+        lossy.observe_round(8.0, whole=True)
+    assert lossy.plan(2).request_timeout == pytest.approx(4 * 0.9 + 0.5)
+    for bad in (float("nan"), -1.0, float("inf")):
+        lossy.observe_round_trip(bad)
+        lossy.observe_round(bad, whole=True)
+    assert len(lossy.round_trips) == len(lossy.formed) == 10
+
+
+class TwoRanks:
+    """A cluster of two ranks for ``MatchmakingPlan.agreed``: ``min_int`` sees the other rank's value."""
+
+    def __init__(self, other: MatchmakingPlan):
+        self.others = iter(
+            [-round(other.window * 1000), -round(other.request_timeout * 1000), -other.group_size]
+        )
+
+    def min_int(self, value: int) -> int:
+        return min(value, next(self.others))
+
+
+def test_the_cluster_runs_the_longest_plan_any_rank_made():
+    ours = MatchmakingPlan(window=2.0, request_timeout=1.6, group_size=3)
+    theirs = MatchmakingPlan(window=7.5, request_timeout=1.1, group_size=3)
+    assert ours.agreed(TwoRanks(theirs)) == MatchmakingPlan(7.5, 1.6, 3)
+
+
+def test_percentile_is_a_sample_not_an_interpolation():
+    assert percentile([], 0.9) is None
+    assert percentile([3.0], 0.9) == 3.0
+    assert percentile([float(i) for i in range(1, 11)], 0.9) == 9.0
+    assert percentile([float(i) for i in range(1, 11)], 0.5) == 5.0
