@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from open_diloco.config import CkptConfig
 from open_diloco.errors import ConfigError
 from open_diloco.outer.ledger import read_checkpoint_ledger, write_checkpoint_ledger
-from open_diloco.outer.protocols import OuterLoop
+from open_diloco.outer.loop import OuterLoop
 from open_diloco.outer.stateful import zeros_placed_like_params
 
 log = logging.getLogger(__name__)

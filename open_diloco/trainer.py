@@ -23,7 +23,7 @@ from open_diloco.model import build_meta_model, load_model_config, model_fingerp
 from open_diloco.optim import build_inner_optimizer, build_scheduler, move_scheduler_to
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.protocols import NullOuterLoop, OuterLoop
+from open_diloco.outer.loop import NullOuterLoop, OuterLoop
 from open_diloco.outer.state import local_shards
 from open_diloco.outer.streaming import fragment_length
 from open_diloco.output_paths import ensure_run_outputs_writable

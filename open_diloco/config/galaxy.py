@@ -96,9 +96,10 @@ class HvConfig(BaseModel):
     matchmaking_time: Annotated[float, Field(gt=0)] = 2.0
     """The least a round waits for the rest of the live galaxy before an all-reduce goes on with a partial
     group (a full group starts at once). Each round waits longer when the galaxy's whole rounds took longer
-    to form (1.5 × their 90th percentile, ``outer/matchmaking.py``), so the default fits a WAN too. Raise it to
-    the time a cluster takes to download θ_outer over its slowest link where re-syncs are frequent (a cluster
-    that re-synced is that late for the next round, which is then retried once: docs/round-protocol.md)."""
+    to form (1.5 × their 90th percentile, ``outer/matchmaking.py``), so the default fits a WAN too. Raise it
+    to the time a cluster takes to download θ_outer over its slowest link where re-syncs are frequent (a
+    cluster that re-synced is that late for the next round, which is then retried once:
+    docs/round-protocol.md)."""
 
     averaging_timeout: Annotated[float, Field(gt=0)] = 120.0
     """Seconds an outer-step all-reduce may take, matchmaking included, before the round counts as failed."""

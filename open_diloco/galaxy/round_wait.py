@@ -10,21 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hivemind.averaging.control import AveragingStage, StepControl
 
 from open_diloco.errors import DuplicateGalaxyRank, RoundFailed
 from open_diloco.galaxy.canonical_averager import GRACE_SECONDS
+from open_diloco.outer.matchmaking import MatchmakingClock, MatchmakingPlan
 from open_diloco.outer.policy import out_of_cohort
 from open_diloco.outer.protocols import Membership, RoundReport
 
-if TYPE_CHECKING:
-    from open_diloco.galaxy.averager import HivemindAverager
-    from open_diloco.outer.matchmaking import MatchmakingPlan
-
 _NO_GROUP = "could not find a group"  # hivemind 1.1.12's message when matchmaking reaches its deadline alone
 MEMBERSHIP_POLL_SECONDS = 2.0  # how often a peer looking for a group checks whether anyone is left to find
+
+
+class RoundOwner(Protocol):
+    """What a round needs of the shard's averager that started it (``galaxy/averager.py``'s
+    ``HivemindAverager``): who it is, how long a round may take, the membership it polls, the reports of a
+    round without others, and where a round's group and matchmaking are remembered."""
+
+    galaxy_rank: int
+    galaxy_size: int
+    peer_id: str
+    averaging_timeout: float
+    clock: MatchmakingClock
+    last_group_round_end: float | None
+    last_group: tuple[int, frozenset[int]]
+
+    def membership(self) -> Membership: ...
+
+    def alone_in(self, view: Membership) -> bool: ...
+
+    def lonely_report(
+        self, metadata: dict[str, Any], start: float, overtaken: bool = False, moved_on: bool = False
+    ) -> RoundReport: ...
 
 
 class HivemindRound:
@@ -32,7 +51,7 @@ class HivemindRound:
 
     def __init__(
         self,
-        owner: HivemindAverager,
+        owner: RoundOwner,
         control: StepControl | None,
         metadata: dict[str, Any],
         start: float,

@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import averaging_pb2
 
-if TYPE_CHECKING:
-    from open_diloco.galaxy.allreduce import CanonicalAllReduce
+
+class SpanRunner(Protocol):
+    """What a stub needs of its all-reduce (``galaxy/allreduce.py``'s ``CanonicalAllReduce``): the servicer
+    whose handler it calls, how long a reducer may stay silent, and the byte counters it adds to."""
+
+    _servicer_type: Any
+    reducer_timeout: float | None
+    bytes_sent: int
+    bytes_received: int
 
 
 class CountingStub:
@@ -36,7 +43,7 @@ class CountingStub:
     thing: a reducer that closes the stream early (nothing more to say) ends our wait at once, where
     hivemind's reader would first wait for our writer, which waits for averages that never come."""
 
-    def __init__(self, stub, runner: CanonicalAllReduce, expected: int):
+    def __init__(self, stub, runner: SpanRunner, expected: int):
         self._stub, self._runner, self._expected = stub, runner, expected
 
     async def rpc_aggregate_part(self, inputs):

@@ -107,7 +107,7 @@ class Committing:
                 meta = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": self.outer_step}
                 pending: PendingRound = AloneRound(self.galaxy_rank, meta)
             else:
-                plan = self.averager.matchmaking_plan(alive).agreed(self.cluster)
+                plan = self.averager.matchmaking_plan(alive).agreed(self.cluster.min_int)
                 pending = self.averager.start_round(self.outer_step, fingerprint, attempts, plan=plan)
         except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             return RoundInFlight(

@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from open_diloco.outer.protocols import ClusterComm
 
 HISTORY = 32
 """Samples kept of each kind: round trips, and whole rounds' matchmaking seconds."""
@@ -58,13 +55,13 @@ class MatchmakingPlan:
     group_size: int
     """Peers that make the group full: it forms at once when that many joined."""
 
-    def agreed(self, cluster: ClusterComm) -> MatchmakingPlan:
-        """The plan every rank of the cluster runs: the longest window and request wait any rank planned
-        (each shard measured its own link), so that one shard's group does not give up on a cluster that
-        another shard's still waits for."""
-        window = -cluster.min_int(-math.ceil(self.window * 1000)) / 1000
-        request = -cluster.min_int(-math.ceil(self.request_timeout * 1000)) / 1000
-        return MatchmakingPlan(window, request, -cluster.min_int(-self.group_size))
+    def agreed(self, min_int: Callable[[int], int]) -> MatchmakingPlan:
+        """The plan every rank of the cluster runs (``min_int``: the cluster's, ``ClusterComm.min_int``): the
+        longest window and request wait any rank planned (each shard measured its own link), so that one
+        shard's group does not give up on a cluster that another shard's still waits for."""
+        window = -min_int(-math.ceil(self.window * 1000)) / 1000
+        request = -min_int(-math.ceil(self.request_timeout * 1000)) / 1000
+        return MatchmakingPlan(window, request, -min_int(-self.group_size))
 
 
 class MatchmakingClock:

@@ -144,7 +144,9 @@ def targets(
         (
             f"≤ {RETRY_SHARE_LIMIT:.0%} of each cluster's syncs retried with no fault to blame",
             f"at most {retried:.2%} ("
-            + ", ".join(f"{c.get('retried_without_fault', 0)} of {c['syncs_without_fault']}" for c in clusters)
+            + ", ".join(
+                f"{c.get('retried_without_fault', 0)} of {c['syncs_without_fault']}" for c in clusters
+            )
             + ")",
             retried <= RETRY_SHARE_LIMIT,
         ),
@@ -157,6 +159,11 @@ def targets(
         ("nothing left running", f"{len(left_running)} processes", not left_running),
     ]
     return [{"target": t, "value": v, "passed": bool(ok)} for t, v, ok in rows]
+
+
+def retried_counts(clusters: list[dict]) -> str:
+    """Each cluster's syncs retried with no fault to blame, of its syncs with none."""
+    return ", ".join(f"{c.get('retried_without_fault', 0)} of {c['syncs_without_fault']}" for c in clusters)
 
 
 def all_syncs(out: Path, clusters: int) -> list[list[dict]]:

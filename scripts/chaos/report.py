@@ -32,7 +32,8 @@ def cluster_table(clusters: list[dict]) -> list[str]:
             f"| {c['resynced']} "
             f"| {c['resynced_without_fault']} of {c['syncs_without_fault']} "
             f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
-            f"| {c['retries']} | {c.get('retried_without_fault', '–')} | {c['split_syncs']} | {'YES' if c['stopped'] else 'no'} "
+            f"| {c['retries']} | {c.get('retried_without_fault', '–')} | {c['split_syncs']} "
+            f"| {'YES' if c['stopped'] else 'no'} "
             f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |"
         )
     return rows

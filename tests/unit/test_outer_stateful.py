@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from open_diloco.config import HvConfig
 from open_diloco.errors import ConfigError
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.protocols import NullOuterLoop
+from open_diloco.outer.loop import NullOuterLoop
 from open_diloco.outer.stateful import PIECES
 from open_diloco.outer.streaming import fragment_length
 from open_diloco.outer.testing import InProcessGalaxy
