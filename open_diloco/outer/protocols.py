@@ -33,6 +33,10 @@ class RoundReport:
     """From the round's start until its group formed (0 for a galaxy of one)."""
     exchange_seconds: float = 0.0
     """From the group's forming until the average was written: the all-reduce on the wire."""
+    matchmaking_window_seconds: float | None = None
+    """How long the round's first peer would wait for a late live cluster (``outer/matchmaking.py``)."""
+    round_trip_seconds: float | None = None
+    """The 90th percentile round trip this shard measured to the other clusters (``None``: none yet)."""
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: list[int] = field(default_factory=list)
@@ -55,6 +59,8 @@ class RoundReport:
             allreduce_seconds=self.seconds,
             matchmaking_seconds=self.matchmaking_seconds,
             exchange_seconds=self.exchange_seconds,
+            matchmaking_window_seconds=self.matchmaking_window_seconds,
+            round_trip_seconds=self.round_trip_seconds,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
         )

@@ -145,6 +145,8 @@ class RoundResult:
     allreduce_seconds: float = 0.0
     matchmaking_seconds: float = 0.0
     exchange_seconds: float = 0.0
+    matchmaking_window_seconds: float | None = None
+    round_trip_seconds: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     in_sync: bool = False
@@ -192,6 +194,8 @@ class RoundResult:
             "round_inner_steps",
             "round_weight",
             "ledger",
+            "matchmaking_window_seconds",
+            "round_trip_seconds",
         ):
             if record[optional] is None:
                 del record[optional]

@@ -49,6 +49,9 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
             <= a["matchmaking_seconds"] + a["exchange_seconds"]
             <= a["allreduce_seconds"]
         )
+        assert a["matchmaking_window_seconds"] >= 1.0  # the galaxy fixture's --hv.matchmaking-time: its floor
+    # the round trips measured to the other cluster (DHT pings, from the first round on): loopback's
+    assert all(0 < rounds[c][3]["round_trip_seconds"] < 1.0 for c in (0, 1)), [rounds[c][3] for c in (0, 1)]
     # the clusters trained on different data, yet share θ; and each one's loss fell
     for m in metrics:
         losses = [r["loss"] for r in read_metrics(m)]
