@@ -11,15 +11,23 @@ peers make a group full (``target_group_size``: the whole galaxy). None of them 
 - the window has to cover how far apart the clusters arrive plus the DHT reads that find the leader. Over
   `intercontinental` (150 ms RTT), 4 clusters × 2 ranks, whole rounds took 2–6 s to form against a 2 s
   window: users tuned ``--hv.matchmaking-time 8`` by hand;
-- a join request's answer takes a round trip and, on a lossy link, a TCP retransmission (≥ 200 ms more).
+- a join request's answer takes a round trip and, on a lossy link, a TCP retransmission (≥ 200 ms more), and
+  on a loaded host the leader's averager process answers late whatever the link.
 
 :class:`MatchmakingClock` keeps the round trips this shard measured to its counterparts (DHT pings,
 ``galaxy/link_probe.py``) and how long its whole rounds took to form, and plans each round
-(:class:`MatchmakingPlan`): the group is full at the clusters alive; the window is ``--hv.matchmaking-time``
-at least, and 1.5 × the 90th percentile of recent whole rounds' matchmaking (a live cluster slower than that
-is late, not coming: its round goes on without it and it takes the result); a join request waits 4 round
-trips plus one retransmission, 1 s at least. Pure Python: ``galaxy/averager.py`` feeds it, the outer loop
-agrees the plan across the cluster's ranks (every shard's group then waits as long).
+(:class:`MatchmakingPlan`): the group is full at the clusters alive; the window is the longest of
+``--hv.matchmaking-time``, 20 round trips (the DHT lookups that find a leader, before any round has formed)
+and 1.5 × the 90th percentile of recent whole rounds' matchmaking (a live cluster slower than that is late,
+not coming: its round goes on without it and it takes the result); a join request waits what the old rule
+gave at this window (``min(3 s, window / 2)``: a loaded host's answer), or 4 round trips plus one
+retransmission where that is longer. Pure Python: ``galaxy/averager.py`` feeds it, the outer loop agrees the
+plan across the cluster's ranks (every shard's group then waits as long).
+
+Why the old rule stays the join request's floor: the first 4 × 2 soak over `intercontinental` with the
+request wait from round trips alone (1–1.3 s at a 150 ms RTT) split rounds into groups of two under a load
+average of 18 (19 % of fault-free syncs retried, docs/results/chaos-soak.md): a follower that gives up on a
+slow leader's answer joins another, and two groups form.
 """
 
 from __future__ import annotations
@@ -39,9 +47,11 @@ REQUEST_RTTS = 4
 negotiation on the way."""
 RETRANSMIT_SECONDS = 0.5
 """One lost packet's TCP retransmission (RTO ≥ 200 ms plus the round trip), beside the round trips."""
-REQUEST_FLOOR_SECONDS = 1.0
-"""A join request never waits less than this (the old rule's value at the default window): a busy leader's
-process answers late on a loaded host, whatever the link."""
+WINDOW_RTTS = 20
+"""Round trips the window covers at least: a peer finds the leader through DHT reads (several round trips
+each, paced at 0.2 s) before it can ask to join. Before any whole round, this is what knows the link."""
+REQUEST_CAP_SECONDS = 3.0
+"""The old rule's ceiling of a join request's wait (``min(3, window / 2)``), kept as its floor below."""
 
 
 @dataclass(frozen=True)
@@ -89,14 +99,17 @@ class MatchmakingClock:
         return percentile(self.round_trips, 0.9)
 
     def plan(self, live_clusters: int) -> MatchmakingPlan:
-        rtt = self.round_trip()
-        request = REQUEST_FLOOR_SECONDS
+        rtt, formed = self.round_trip(), percentile(self.formed, 0.9)
+        window = self.floor
         if rtt is not None:
-            request = max(request, REQUEST_RTTS * rtt + RETRANSMIT_SECONDS)
-        formed = percentile(self.formed, 0.9)
-        window = self.floor if formed is None else max(self.floor, WINDOW_FACTOR * formed)
+            window = max(window, WINDOW_RTTS * rtt)
+        if formed is not None:
+            window = max(window, WINDOW_FACTOR * formed)
         window = min(window, self.ceiling)
-        return MatchmakingPlan(window, min(request, max(REQUEST_FLOOR_SECONDS, window / 2)), live_clusters)
+        request = min(REQUEST_CAP_SECONDS, window / 2)
+        if rtt is not None:
+            request = max(request, min(REQUEST_RTTS * rtt + RETRANSMIT_SECONDS, window / 2))
+        return MatchmakingPlan(window, request, live_clusters)
 
 
 def percentile(samples: deque[float] | list[float], q: float) -> float | None:

@@ -32,21 +32,35 @@ def test_the_window_never_passes_its_ceiling():
     assert clock.plan(2).window == 10.0
 
 
-def test_a_join_request_waits_four_round_trips_and_a_retransmission():
+def test_the_window_covers_twenty_round_trips_before_any_round_formed():
+    clock = MatchmakingClock(floor=2.0, ceiling=30.0)
+    for _ in range(10):
+        clock.observe_round_trip(0.15)  # intercontinental
+    assert clock.plan(4).window == pytest.approx(3.0)
+    for _ in range(10):
+        clock.observe_round(5.0, whole=True)
+    assert clock.plan(4).window == pytest.approx(7.5)
+
+
+def test_a_join_request_waits_the_old_rule_or_four_round_trips_and_a_retransmission():
     clock = MatchmakingClock(floor=2.0, ceiling=30.0)
     for rtt in [0.15] * 9 + [0.40]:  # one slow answer in ten is the 90th percentile's business
         clock.observe_round_trip(rtt)
     assert clock.round_trip() == 0.15
-    # the default window leaves half of it, 1 s, for the answer
-    assert clock.plan(2).request_timeout == 1.0
+    # a 3 s window (20 round trips): the old rule's half of it, above 4 round trips + a retransmission (1.1 s)
+    assert clock.plan(2).request_timeout == pytest.approx(1.5)
     for _ in range(5):
         clock.observe_round(6.0, whole=True)
-    assert clock.plan(2).request_timeout == pytest.approx(4 * 0.15 + 0.5)
+    assert clock.plan(2).request_timeout == pytest.approx(
+        3.0
+    )  # the old rule's ceiling: a loaded host's answer
     lossy = MatchmakingClock(floor=2.0, ceiling=30.0)
     for _ in range(10):
-        lossy.observe_round_trip(0.9)
+        lossy.observe_round_trip(0.9)  # a satellite hop: the round trips win
         lossy.observe_round(8.0, whole=True)
-    assert lossy.plan(2).request_timeout == pytest.approx(4 * 0.9 + 0.5)
+    assert lossy.plan(2) == MatchmakingPlan(
+        window=18.0, request_timeout=pytest.approx(4 * 0.9 + 0.5), group_size=2
+    )
     for bad in (float("nan"), -1.0, float("inf")):
         lossy.observe_round_trip(bad)
         lossy.observe_round(bad, whole=True)
