@@ -317,10 +317,10 @@ class HivemindAverager:
             self.averager.allow_state_sharing = True
 
     def download_state(
-        self, timeout: float, source: str | None = None, holders: Sequence[str] = ()
+        self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download ``(metadata, tensors)`` from ``source`` (a PeerID; in parts from it and ``holders`` too,
-        when given), or any peer serving this shard; ``None`` if none answers in time.
+        when given, even empty), or any peer serving this shard; ``None`` if none answers in time.
 
         Retries until ``timeout``: a serving peer's DHT declaration may not have propagated yet."""
         deadline = time.monotonic() + timeout

@@ -233,16 +233,17 @@ class CanonicalAverager(DecentralizedAverager):
             yield message
 
     def download_state_from(
-        self, peer: str, timeout: float, holders: Sequence[str] = ()
+        self, peer: str, timeout: float, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in
-        time. ``holders``: peers that hold the same state as ``peer``: the state comes in parts from all of
-        them (``galaxy/striped_download.py``, one log line), ``peer`` deciding which state that is.
+        time. ``holders`` (a list, even empty): peers that hold the same state as ``peer``; the state comes in
+        parts from all of them (``galaxy/striped_download.py``, one log line), ``peer`` deciding which state
+        that is; ``None``: in one stream from ``peer``.
 
         hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one
         cluster could then assemble a θ_outer from two clusters. A re-sync names its source instead
         (``outer/adoption.py``)."""
-        if holders:
+        if holders is not None:
             return self._download_striped([peer, *holders], timeout)
         future = MPFuture()
         self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))

@@ -47,6 +47,8 @@ class StripeStats:
     refetched: int
     dropped: list[str]
     seconds: float
+    pin_seconds: float
+    """Of :attr:`seconds`, until every holder had pinned its snapshot and described its parts."""
     nbytes: int
 
     def line(self) -> str:
@@ -54,7 +56,8 @@ class StripeStats:
         parts = ", ".join(f"{holder[-6:]}: {count}" for holder, count in self.parts.items())
         return (
             f"striped state download: {len(self.holders)} holder(s), {sum(self.parts.values())} parts "
-            f"({parts}), {self.nbytes / 1e6:.1f} MB in {self.seconds:.2f} s, {rate:.1f} MB/s, "
+            f"({parts}), {self.nbytes / 1e6:.1f} MB in {self.seconds:.2f} s "
+            f"(pinned in {self.pin_seconds:.2f} s), {rate:.1f} MB/s, "
             f"{self.refetched} part(s) re-fetched, {len(self.dropped)} holder(s) dropped"
         )
 
@@ -76,7 +79,7 @@ class StripedDownload:
         or no holder is left before every part landed, or the time is up."""
         started = time.monotonic()
         pinned = await asyncio.gather(*(self._pin(holder) for holder in self.holders))
-        wanted = pinned[0]
+        wanted, pin_seconds = pinned[0], time.monotonic() - started
         if wanted is None:
             return None
         holders = [holder for holder, got in zip(self.holders, pinned, strict=True) if _same(got, wanted)]
@@ -114,6 +117,7 @@ class StripedDownload:
             refetched=plan.refetched,
             dropped=sorted(plan.dropped),
             seconds=time.monotonic() - started,
+            pin_seconds=pin_seconds,
             nbytes=sum(tensor.numel() * tensor.element_size() for tensor in tensors),
         )
         return wanted["metadata"], tensors, stats

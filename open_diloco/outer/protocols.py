@@ -175,12 +175,12 @@ class Averager(Protocol):
         ...
 
     def download_state(
-        self, timeout: float, source: str | None = None, holders: Sequence[str] = ()
+        self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving
-        this shard; ``None`` when none answers in time. ``holders``: other sources that hold the same state
-        (the same outer step and ``param_hash``): the state comes in parts from all of them, ``source`` saying
-        which state is wanted."""
+        this shard; ``None`` when none answers in time. ``holders`` (a list, even empty): other sources that
+        hold the same state (the same outer step and ``param_hash``): the state comes in checked parts from
+        all of them, ``source`` saying which state is wanted."""
         ...
 
     def shutdown(self, finished: bool = False) -> None:

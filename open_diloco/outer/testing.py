@@ -198,7 +198,7 @@ class InProcessAverager:
     def serve_state(self, get_state) -> None:
         self.get_state = get_state
 
-    def download_state(self, timeout: float, source: str | None = None, holders: Sequence[str] = ()):
+    def download_state(self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None):
         """``source``'s state, as it serves it now (``holders`` change nothing in process: the same bytes)."""
         if not self.galaxy.serve_state:
             return None
