@@ -117,6 +117,15 @@ def _drop_state_parts() -> None:
     Pin.part = lambda self, index, start, end: None
 
 
+def _report_striped_downloads(queue, rank: int, drop_parts: bool) -> None:
+    """Send this peer's striped download lines to the test (``drop_parts``: and answer no part)."""
+    if drop_parts:
+        _drop_state_parts()
+    stripe_log = logging.getLogger("open_diloco.galaxy.canonical_averager")
+    stripe_log.setLevel(logging.INFO)
+    stripe_log.addHandler(_StripeLines(queue, rank))
+
+
 class _StripeLines(logging.Handler):
     """Sends the striped download's log line to the test's queue."""
 
@@ -154,11 +163,7 @@ def _peer(
         _send_garbage(fault)
     if fault == "slow reader":
         _read_averages_slowly(0.4)
-    if fault == "drop parts":
-        _drop_state_parts()
-    stripe_log = logging.getLogger("open_diloco.galaxy.canonical_averager")
-    stripe_log.setLevel(logging.INFO)
-    stripe_log.addHandler(_StripeLines(queue, rank))
+    _report_striped_downloads(queue, rank, drop_parts=fault == "drop parts")
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -186,8 +191,7 @@ def _peer(
             av.serve_state(lambda: ({"outer_step": 7, "lr": 0.5}, [served, torch.arange(5)]))
         if download:
             start = time.monotonic()
-            source = holders[0] if holders else None
-            state = av.download_state(download, source=source, holders=list(holders[1:]) if holders else None)
+            state = av.download_state(download, *([holders[0], list(holders[1:])] if holders else []))
             queue.put(("state", rank, state, time.monotonic() - start))
         n = hv.galaxy_size
         scores = score_values(numel, hv.compression, hv.sparse_rule)
