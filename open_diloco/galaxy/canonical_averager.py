@@ -284,6 +284,8 @@ class CanonicalAverager(DecentralizedAverager):
             return None
         if got is None:
             return None
+        if len(got) == 2:  # the source pinned nothing: the state came in one stream
+            return got
         metadata, tensors, stats = got
         log.info(stats.line())
         return metadata, tensors
@@ -297,7 +299,11 @@ class CanonicalAverager(DecentralizedAverager):
                 timeout,
                 state_bytes=sum(tensor.numel() * tensor.element_size() for tensor in self._averaged_tensors),
             )
-            future.set_result(await asyncio.wait_for(download.run(), timeout))
+            got = await asyncio.wait_for(download.run(), timeout)
+            left = download.deadline - time.monotonic()
+            if got is None and not download.source_pinned and left > 0:  # an older source: in one stream
+                return await self._download_state_from(holders[0], left, future)
+            future.set_result(got)
         except Exception as err:  # gone, refused, slow: the caller tries again
             log.warning("striped state download from %s failed: %r", holders, err)
             if not future.done():
@@ -314,7 +320,9 @@ class CanonicalAverager(DecentralizedAverager):
         pin = await self._pinned(asked.get("outer_step"))
         if pin is None:
             return averaging_pb2.DownloadData()
-        described = pin.describe(int(asked.get("part_bytes") or PART_BYTES))
+        # (hashing every part of a big state takes a while: off the event loop that serves the rounds)
+        part_bytes = int(asked.get("part_bytes") or PART_BYTES)
+        described = await asyncio.get_running_loop().run_in_executor(None, pin.describe, part_bytes)
         return averaging_pb2.DownloadData(metadata=self.serializer.dumps(described))
 
     async def rpc_download_state_part(

@@ -73,6 +73,9 @@ class StripedDownload:
         self.holders, self.timeout = list(dict.fromkeys(holders)), timeout
         self.part_bytes = part_bytes_for(state_bytes, len(self.holders))
         self.deadline = time.monotonic() + timeout
+        self.source_pinned = False
+        """Whether the agreed source answered the pin: when not (an older peer without the RPC, say), the
+        caller may take the state in one stream instead."""
 
     async def run(self) -> tuple[dict[str, Any], list[torch.Tensor], StripeStats] | None:
         """``(metadata, tensors, stats)`` of the wanted state; ``None`` when the agreed source serves none,
@@ -82,6 +85,7 @@ class StripedDownload:
         wanted, pin_seconds = pinned[0], time.monotonic() - started
         if wanted is None:
             return None
+        self.source_pinned = True
         holders = [holder for holder, got in zip(self.holders, pinned, strict=True) if _same(got, wanted)]
         tensors = [
             torch.empty(shape, dtype=getattr(torch, dtype))

@@ -117,10 +117,22 @@ def _drop_state_parts() -> None:
     Pin.part = lambda self, index, start, end: None
 
 
-def _report_striped_downloads(queue, rank: int, drop_parts: bool) -> None:
-    """Send this peer's striped download lines to the test (``drop_parts``: and answer no part)."""
-    if drop_parts:
+def _pin_nothing() -> None:
+    """This peer answers every pin empty, as a peer from before striped downloads (no such RPC) would fail."""
+    from open_diloco.galaxy.canonical_averager import CanonicalAverager
+
+    async def nothing(self, outer_step):
+        return None
+
+    CanonicalAverager._pinned = nothing
+
+
+def _report_striped_downloads(queue, rank: int, fault: str | None) -> None:
+    """Send this peer's striped download lines to the test (``fault``: and answer no part, or no pin)."""
+    if fault == "drop parts":
         _drop_state_parts()
+    if fault == "no pin":
+        _pin_nothing()
     stripe_log = logging.getLogger("open_diloco.galaxy.canonical_averager")
     stripe_log.setLevel(logging.INFO)
     stripe_log.addHandler(_StripeLines(queue, rank))
@@ -163,7 +175,7 @@ def _peer(
         _send_garbage(fault)
     if fault == "slow reader":
         _read_averages_slowly(0.4)
-    _report_striped_downloads(queue, rank, drop_parts=fault == "drop parts")
+    _report_striped_downloads(queue, rank, fault)
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
