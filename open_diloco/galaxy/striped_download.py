@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 
 PIN_SECONDS = 10.0
 """How long a holder may take to pin its snapshot and describe it (hashing every part of it)."""
-PART_SECONDS = 60.0
-"""The most one part may take (4 MiB at 1 Mbit/s is 34 s); a lagging part is hedged long before."""
+MESSAGE_SECONDS = 60.0
+"""The most a part's stream may stay silent before it counts as failed (a holder gone mid-part). A part as a
+whole may take the download's remaining time: on a slow link a 4 MiB part takes long, and a slow holder's part
+is hedged at an idle holder anyway (``stripe_plan.HEDGE_AFTER_SECONDS``)."""
 POLL_SECONDS = 0.05
 """How often an idle fetcher looks for work (a part landed elsewhere, a lagging one to hedge)."""
 SAME_STATE_KEYS = ("shapes", "dtypes", "part_values", "hashes")
@@ -154,9 +156,7 @@ class StripedDownload:
                 continue
             part = plan.parts[index]
             try:
-                values = await asyncio.wait_for(
-                    self._fetch(holder, step, part), min(PART_SECONDS, max(0.0, self._left()))
-                )
+                values = await asyncio.wait_for(self._fetch(holder, step, part), max(0.0, self._left()))
             except Exception as err:
                 log.debug("part %s from %s failed: %r", part, holder, err)
                 values = None
@@ -178,7 +178,7 @@ class StripedDownload:
         )
 
         async def pieces():
-            async for message in aiter_with_timeout(stream, timeout=PART_SECONDS):
+            async for message in aiter_with_timeout(stream, timeout=MESSAGE_SECONDS):
                 yield [message.tensor_part]
 
         got = await deserialize_tensor_stream(pieces())
