@@ -317,17 +317,17 @@ class HivemindAverager:
             self.averager.allow_state_sharing = True
 
     def download_state(
-        self, timeout: float, source: str | None = None
+        self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download ``(metadata, tensors)`` from ``source`` (a PeerID), or any peer serving this shard;
-        ``None`` if none answers in time.
+        """Download ``(metadata, tensors)`` from ``source`` (a PeerID; in parts from it and ``holders`` too,
+        when given, even empty), or any peer serving this shard; ``None`` if none answers in time.
 
         Retries until ``timeout``: a serving peer's DHT declaration may not have propagated yet."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
                 if source is not None:
-                    state = self.averager.download_state_from(source, left)
+                    state = self.averager.download_state_from(source, left, holders)
                 else:
                     state = self.averager.load_state_from_peers(timeout=left)
             except TimeoutError:

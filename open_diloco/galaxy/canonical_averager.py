@@ -1,7 +1,7 @@
 """The hivemind averager of one shard, as open_diloco runs it: :class:`CanonicalAverager` runs the canonical
 all-reduce (``galaxy/allreduce.py``), checks every averager RPC against ``--hv.allowlist``, serves the
-caller's state with the size of each tensor, and downloads the state of one named peer (a re-sync's single
-source)."""
+caller's state with the size of each tensor (whole, and in pinned parts for a striped download), and downloads
+the state of one named peer or, in parts, of every peer that holds it (a re-sync's sources)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ from hivemind.averaging import DecentralizedAverager, matchmaking
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_tensor_stream
+from hivemind.compression import deserialize_tensor_stream, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import split_for_streaming
 
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
+from open_diloco.galaxy.stripe_plan import PART_BYTES
+from open_diloco.galaxy.striped_download import StripedDownload
 from open_diloco.outer.guard import ClaimCheck, valid_claim, valid_weight
 from open_diloco.outer.policy import out_of_cohort
 
@@ -229,14 +233,18 @@ class CanonicalAverager(DecentralizedAverager):
             yield message
 
     def download_state_from(
-        self, peer: str, timeout: float
+        self, peer: str, timeout: float, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Download the state one named peer serves (base58 PeerID); ``None`` when it serves none or fails in
-        time.
+        time. ``holders`` (a list, even empty): peers that hold the same state as ``peer``; the state comes in
+        parts from all of them (``galaxy/striped_download.py``, one log line), ``peer`` deciding which state
+        that is; ``None``: in one stream from ``peer``.
 
         hivemind's ``load_state_from_peers`` takes whichever peer its DHT lists first: two ranks of one
         cluster could then assemble a θ_outer from two clusters. A re-sync names its source instead
         (``outer/adoption.py``)."""
+        if holders is not None:
+            return self._download_striped([peer, *holders], timeout)
         future = MPFuture()
         self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, timeout=timeout, future=future)))
         try:
@@ -262,6 +270,104 @@ class CanonicalAverager(DecentralizedAverager):
             log.warning("state download from %s failed: %r", peer, err)
             if not future.done():
                 future.set_result(None)
+
+    # -- striped downloads (galaxy/striped_download.py, galaxy/state_pins.py) -------------------------------
+    def _download_striped(
+        self, holders: list[str], timeout: float
+    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        future = MPFuture()
+        settings = dict(holders=holders, timeout=timeout, future=future)
+        self._outer_pipe.send(("_striped_download", [], settings))
+        try:
+            got = future.result(timeout=timeout + GRACE_SECONDS)
+        except TimeoutError:
+            return None
+        if got is None:
+            return None
+        if len(got) == 2:  # the source pinned nothing: the state came in one stream
+            return got
+        metadata, tensors, stats = got
+        log.info(stats.line())
+        return metadata, tensors
+
+    async def _striped_download(self, holders: list[str], timeout: float, future: MPFuture) -> None:
+        try:
+            download = StripedDownload(
+                lambda peer: self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix),
+                self.serializer,
+                holders,
+                timeout,
+                state_bytes=sum(tensor.numel() * tensor.element_size() for tensor in self._averaged_tensors),
+            )
+            got = await asyncio.wait_for(download.run(), timeout)
+            left = download.deadline - time.monotonic()
+            if got is None and not download.source_pinned and left > 0:  # an older source: in one stream
+                return await self._download_state_from(holders[0], left, future)
+            future.set_result(got)
+        except Exception as err:  # gone, refused, slow: the caller tries again
+            log.warning("striped state download from %s failed: %r", holders, err)
+            if not future.done():
+                future.set_result(None)
+
+    async def rpc_pin_state(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Pin a snapshot of the served state (``galaxy/state_pins.py``) and describe it: metadata, shapes,
+        and a hash per part of the size asked. An empty answer: no state here (or not for this caller)."""
+        if not self._admits(context.remote_id, "its state pin") or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData()
+        asked = self.serializer.loads(request.metadata)
+        pin = await self._pinned(asked.get("outer_step"))
+        if pin is None:
+            return averaging_pb2.DownloadData()
+        # (hashing every part of a big state takes a while: off the event loop that serves the rounds)
+        part_bytes = int(asked.get("part_bytes") or PART_BYTES)
+        described = await asyncio.get_running_loop().run_in_executor(None, pin.describe, part_bytes)
+        return averaging_pb2.DownloadData(metadata=self.serializer.dumps(described))
+
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """One part (tensor, start, end) of a pinned snapshot; nothing when that snapshot is gone."""
+        if not self._admits(context.remote_id, "its state download"):
+            return
+        asked = self.serializer.loads(request.metadata)
+        pin = self._state_pins.get(asked.get("outer_step"), time.monotonic())
+        where = (int(asked["tensor"]), int(asked["start"]), int(asked["end"]))
+        values = None if pin is None else pin.part(*where)
+        if values is None:
+            return
+        for piece in split_for_streaming(serialize_torch_tensor(values)):
+            yield averaging_pb2.DownloadData(tensor_part=piece)
+
+    @property
+    def _state_pins(self) -> StatePins:
+        if "_pins" not in self.__dict__:
+            self._pins, self._pin_lock = StatePins(), asyncio.Lock()
+        return self._pins
+
+    async def _pinned(self, outer_step: Any) -> Pin | None:
+        """The snapshot pinned at ``outer_step``, or, when ``outer_step`` is ``None`` or none is pinned, a new
+        one through ``get_state`` (hivemind's path for a whole download), pinned under its own outer step
+        unless that is not the one asked. Dropped when idle (:meth:`_drop_idle_pins`)."""
+        pins = self._state_pins
+        pin = pins.get(outer_step, time.monotonic()) if outer_step is not None else None
+        if pin is not None:
+            return pin
+        async with self._pin_lock:
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            snapshot = Pin(self.serializer.loads(metadata), list(tensors), time.monotonic())
+            if outer_step is not None and snapshot.outer_step != outer_step:
+                return None
+            if not len(pins):
+                asyncio.get_running_loop().call_later(PIN_IDLE_SECONDS, self._drop_idle_pins)
+            return pins.add(snapshot, time.monotonic())
+
+    def _drop_idle_pins(self) -> None:
+        """Drop the idle snapshots, and look again later while some are left (one timer while any pin)."""
+        self._state_pins.drop_idle(time.monotonic())
+        if len(self._state_pins):
+            asyncio.get_running_loop().call_later(PIN_IDLE_SECONDS / 2, self._drop_idle_pins)
 
     def get_current_state(self):
         """Runs in the host process when a peer downloads state: answer with the caller's ``get_state()``, and

@@ -1,11 +1,12 @@
-"""Taking the galaxy's outer state from one cluster: the one path for joining, re-syncing and adopting a round
-that another cluster committed.
+"""Taking the galaxy's outer state from one cluster (in parts from every cluster that holds the same state):
+the one path for joining, re-syncing and adopting a round that another cluster committed.
 
 Why one source: each rank of a cluster downloads its own shard. Left to hivemind, each rank takes whichever
 peer its DHT lists first, so after two clusters ended up with different θ at the same step a cluster could
 assemble a θ that no cluster holds. Here rank 0 picks one source cluster from the membership records and every
-rank downloads its shard from *that* cluster's averager of the same shard, checks the bytes against the hash
-the source sent with them, and the ranks agree that all of them got the same step before anyone takes it.
+rank downloads its shard from *that* cluster's averager of the same shard (striped over the other clusters
+whose records show the same outer step and ``param_hash``: rank 0's list too), checks the bytes against the
+hash the source sent with them, and the ranks agree that all of them got the same step before anyone takes it.
 Every branch runs the same collectives on every rank, so a rank whose download fails can never leave its
 siblings in a collective it skipped.
 """
@@ -64,6 +65,28 @@ def choose_source(
     return min(candidates, key=lambda item: (item[1] != exact, -item[1], item[0]))
 
 
+def choose_holders(
+    view: Membership, own_rank: int, source: int, only: frozenset[int] | None = None
+) -> list[int]:
+    """The other live clusters that hold ``source``'s state, by galaxy rank: at its outer step with its
+    ``param_hash`` (the whole model's, so every shard is the same), serving this shard; among ``only`` when
+    given. Empty when ``source``'s record names no hash (nothing to compare with). Each is checked again
+    when the download pins its state (``galaxy/striped_download.py``): a record may be a round behind."""
+    step, param_hash, _ = view.reported.get(source, (view.steps.get(source, -1), None, True))
+    if param_hash is None:
+        return []
+    return sorted(
+        rank
+        for rank, (their_step, their_hash, live) in view.reported.items()
+        if rank not in (own_rank, source)
+        and live
+        and rank in view.sources
+        and their_step == step == view.steps.get(rank)
+        and their_hash == param_hash
+        and (only is None or rank in only)
+    )
+
+
 def _still_training(view: Membership, rank: int) -> bool:
     """A cluster that finished its run serves its final state only to a cluster at exactly that round (its
     last average came short). Why not as the galaxy's state for a cluster behind it: a side cut off by a
@@ -106,32 +129,36 @@ class StateAdoption:
         while True:
             view = self.averager.membership()
             pick = choose_source(view, self.galaxy_rank, at_least, exact, only)
-            chosen = self.cluster.gather_strings("" if pick is None else str(pick[0]))[0]  # rank 0's pick
+            ranks = [] if pick is None else [pick[0], *choose_holders(view, self.galaxy_rank, pick[0], only)]
+            chosen = self.cluster.gather_strings(",".join(map(str, ranks)))[0]  # rank 0's source and holders
             if (
                 appear_within is not None
                 and not chosen
                 and self.cluster.all_true(time.monotonic() - started > appear_within)
             ):
                 return None
-            got = self._fetch(int(chosen), view.sources.get(int(chosen)), deadline) if chosen else None
+            ranks = [int(rank) for rank in chosen.split(",")] if chosen else []
+            got = self._fetch(ranks[0], view, ranks[1:], deadline) if ranks else None
             step = -1 if got is None else int(got[0].get("outer_step", -1))
             whole = self.cluster.all_true(got is not None and step >= at_least)
             agreed = whole and self.cluster.min_int(step) == -self.cluster.min_int(-step)
             if agreed:
-                return Downloaded(int(chosen), step, *got)
+                return Downloaded(ranks[0], step, *got)
             if not self.cluster.all_true(time.monotonic() + RETRY_SECONDS < deadline):
                 return None
             time.sleep(RETRY_SECONDS)
 
     def _fetch(
-        self, source: int, peer: str | None, deadline: float
+        self, source: int, view: Membership, holders: list[int], deadline: float
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """This rank's shard of ``source``'s state (from ``peer``, that cluster's averager of this shard), its
-        bytes checked against the hash the source sent with them."""
-        left = deadline - time.monotonic()
+        """This rank's shard of ``source``'s state (from that cluster's averager of this shard, and in parts
+        from the ``holders``' too: the same state), its bytes checked against the hash the source sent with
+        them."""
+        left, peer = deadline - time.monotonic(), view.sources.get(source)
         if peer is None or left <= 0:
             return None
-        got = self.averager.download_state(left, source=peer)
+        others = [view.sources[rank] for rank in holders if rank in view.sources]
+        got = self.averager.download_state(left, source=peer, holders=others)
         if got is None:
             return None
         metadata, tensors = got

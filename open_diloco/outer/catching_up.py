@@ -64,7 +64,7 @@ class CatchingUp:
         if got is not None:
             self.warn(
                 f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
-                f"θ_outer and the outer momentum from cluster {got.source}"
+                f"θ_outer and the outer momentum from cluster {got.source} (param_hash {self.cluster_hash()})"
             )
         elif (
             self.state.local_at_start is not None

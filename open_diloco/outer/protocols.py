@@ -5,6 +5,7 @@ in-process. What the trainer needs from the outer loop is ``outer/loop.py``."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,10 +175,12 @@ class Averager(Protocol):
         ...
 
     def download_state(
-        self, timeout: float, source: str | None = None
+        self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """Fetch ``(metadata, tensors)`` from ``source`` (a ``Membership.sources`` value), or any peer serving
-        this shard; ``None`` when none answers in time."""
+        this shard; ``None`` when none answers in time. ``holders`` (a list, even empty): other sources that
+        hold the same state (the same outer step and ``param_hash``): the state comes in checked parts from
+        all of them, ``source`` saying which state is wanted."""
         ...
 
     def shutdown(self, finished: bool = False) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -198,7 +198,8 @@ class InProcessAverager:
     def serve_state(self, get_state) -> None:
         self.get_state = get_state
 
-    def download_state(self, timeout: float, source: str | None = None):
+    def download_state(self, timeout: float, source: str | None = None, holders: Sequence[str] | None = None):
+        """``source``'s state, as it serves it now (``holders`` change nothing in process: the same bytes)."""
         if not self.galaxy.serve_state:
             return None
         for rank, other in sorted(self.galaxy.members().items()):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import faulthandler
 import hashlib
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -108,10 +109,62 @@ def _read_averages_slowly(seconds: float) -> None:
     CountingStub.rpc_aggregate_part = slowly
 
 
+def _drop_state_parts() -> None:
+    """This peer pins its state for a striped download but answers every part empty (a holder that fails
+    while it serves)."""
+    from open_diloco.galaxy.state_pins import Pin
+
+    Pin.part = lambda self, index, start, end: None
+
+
+def _pin_nothing() -> None:
+    """This peer answers every pin empty, as a peer from before striped downloads (no such RPC) would fail."""
+    from open_diloco.galaxy.canonical_averager import CanonicalAverager
+
+    async def nothing(self, outer_step):
+        return None
+
+    CanonicalAverager._pinned = nothing
+
+
+def _report_striped_downloads(queue, rank: int, fault: str | None) -> None:
+    """Send this peer's striped download lines to the test (``fault``: and answer no part, or no pin)."""
+    if fault == "drop parts":
+        _drop_state_parts()
+    if fault == "no pin":
+        _pin_nothing()
+    stripe_log = logging.getLogger("open_diloco.galaxy.canonical_averager")
+    stripe_log.setLevel(logging.INFO)
+    stripe_log.addHandler(_StripeLines(queue, rank))
+
+
+class _StripeLines(logging.Handler):
+    """Sends the striped download's log line to the test's queue."""
+
+    def __init__(self, queue, rank: int):
+        super().__init__(logging.INFO)
+        self.queue, self.rank = queue, rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("striped state download"):
+            self.queue.put(("stripe", self.rank, record.getMessage()))
+
+
 def _peer(
-    rank: int, kwargs: dict, rounds: int, queue, barrier, serve=False, download=0.0, crash=False, fault=None
+    rank: int,
+    kwargs: dict,
+    rounds: int,
+    queue,
+    barrier,
+    serve=False,
+    download=0.0,
+    crash=False,
+    fault=None,
+    holders=(),
 ):
-    """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``)."""
+    """One cluster's shard averager: start, report ready, run ``rounds`` rounds (each after ``barrier``).
+    ``serve``: serve a state (``True``, or the number of values of its first tensor); ``download``: download
+    one within that many seconds (from ``holders``, the first the source, when given)."""
     from open_diloco.config import HvConfig
     from open_diloco.galaxy.build import ClusterShard, start_shard_averager
     from open_diloco.outer.codecs import score_values
@@ -122,6 +175,7 @@ def _peer(
         _send_garbage(fault)
     if fault == "slow reader":
         _read_averages_slowly(0.4)
+    _report_striped_downloads(queue, rank, fault)
 
     def on_sigterm(signum, frame):
         raise SystemExit(1)
@@ -145,10 +199,11 @@ def _peer(
     queue.put(("ready", rank, av.visible_maddrs, av.peer_id))
     try:
         if serve:
-            av.serve_state(lambda: ({"outer_step": 7, "lr": 0.5}, [peer_input(7, 0, 1001), torch.arange(5)]))
+            served = peer_input(7, 0, 1001 if serve is True else serve)
+            av.serve_state(lambda: ({"outer_step": 7, "lr": 0.5}, [served, torch.arange(5)]))
         if download:
             start = time.monotonic()
-            state = av.download_state(download)
+            state = av.download_state(download, *([holders[0], list(holders[1:])] if holders else []))
             queue.put(("state", rank, state, time.monotonic() - start))
         n = hv.galaxy_size
         scores = score_values(numel, hv.compression, hv.sparse_rule)
@@ -234,7 +289,7 @@ class Galaxy:
     def start(self, rank: int, rounds: int = 0, barrier=None, **kwargs) -> None:
         if barrier is not None and barrier not in self.barriers:
             self.barriers.append(barrier)
-        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "fault") if k in kwargs}
+        extra = {k: kwargs.pop(k) for k in ("serve", "download", "crash", "fault", "holders") if k in kwargs}
         args = (rank, {**BASE, "world_rank": rank, "numel": NUMEL, **kwargs}, rounds, self.queue, barrier)
         worker = CTX.Process(target=_peer, args=args, kwargs=extra)  # not daemonic: it has children
         worker.start()

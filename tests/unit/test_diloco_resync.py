@@ -124,7 +124,7 @@ class ScriptedRound(InProcessAverager):
             return super().membership()
         return Membership(steps={1: int(self.served[0]["outer_step"])}, sources={1: "1"})
 
-    def download_state(self, timeout, source=None):
+    def download_state(self, timeout, source=None, holders=None):
         return self.served
 
 

@@ -95,7 +95,7 @@ class ShardPeer(InProcessAverager):
         sources = {rank: str(rank) for rank in self.served}
         return Membership(lead=max(steps.values(), default=-1), steps=steps, sources=sources)
 
-    def download_state(self, timeout, source=None):
+    def download_state(self, timeout, source=None, holders=None):
         self.sources_asked.append(source)
         meta, tensors = self.served[int(source)]
         return dict(meta), [tensor.clone() for tensor in tensors]
