@@ -128,7 +128,8 @@ def test_a_client_mode_peer_averages_bitwise_without_reducing_and_without_waitin
         assert len({m[4]["sha256"] for m in results}) == 1, "peers disagree on the averaged bytes"
         for _, _, _, report, result in results:
             assert report["group_size"] == n and report["complete"], report
-            assert result["rel_err"] < 1e-6 and result["wall"] < 2.0, result
+            # under 3 s: not the reducer timeout's 3.75 s (a loaded suite took 2.0+ once on 2026-12-02)
+            assert result["rel_err"] < 1e-6 and result["wall"] < 3.0, result
         client = next(m for m in results if m[1] == 1)
         assert client[3]["bytes_sent"] >= 4 * NUMEL  # its whole buffer went to the reducer
 
