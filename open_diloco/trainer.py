@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from open_diloco.data import DataPlan
     from open_diloco.galaxy.build import GalaxyPart
     from open_diloco.metrics import Metrics
-    from open_diloco.outer.round import RoundResult
+    from open_diloco.outer.round_result import RoundResult
 
 log = logging.getLogger(__name__)
 

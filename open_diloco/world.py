@@ -236,7 +236,7 @@ def process_group_timeout(hv: HvConfig | None, floor: float = PROCESS_GROUP_FLOO
     (1 + ``--hv.max-retries``) waits for the buffer lock (``--hv.averaging-timeout`` + 1 s) and then for the
     all-reduce (``--hv.averaging-timeout``, matchmaking included); a re-sync downloads for up to
     ``--hv.join-timeout``, and a round may gather once more (``--hv.matchmaking-time``); the last round waits
-    ``--hv.final-wait`` for silent clusters (``CatchingUp.settle_final``). A wait added to a
+    ``--hv.final-wait`` for silent clusters (``CatchUp.settle_final``). A wait added to a
     round must be added here. ``floor`` is a parameter for tests only (a short stand-in for 600 s): no flag,
     since raising the round's own flags raises this with them and a separate one could only fall out of
     step."""

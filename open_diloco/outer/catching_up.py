@@ -1,10 +1,7 @@
-"""How a cluster takes the galaxy's state instead of applying its own round: joining (a late start, a resume
-from an older checkpoint), taking a round that another cluster committed (``round_outcome`` ``adopted`` or
-``resynced``), sitting a round out (a diverged Δ, a galaxy ahead), catching up with the galaxy's inner step,
-and comparing the last round at the end. Kept apart from the round itself (``outer/diloco.py``) so that each
-reads on its own; every path takes the state from one source (``outer/adoption.py``).
-
-:class:`CatchingUp` is a part of :class:`~open_diloco.outer.diloco.DiLoCo` (its attributes are DiLoCo's)."""
+"""How a cluster takes the galaxy's state instead of its own progress: joining (a late start, a resume from
+an older checkpoint), re-syncing (a round sat out, a round taken from a later state), catching up with the
+galaxy's inner step after it, and ending the run on the galaxy's final θ_outer. Every path takes the state
+from one source (``outer/adoption.py``), with the chain that ends at it (``outer/committed_state.py``)."""
 
 from __future__ import annotations
 
@@ -12,70 +9,60 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from open_diloco.errors import GalaxyError
 from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.final_round import FinalVerdict, final_verdict
-from open_diloco.outer.policy import Decision
-from open_diloco.outer.protocols import Membership, RoundReport
-from open_diloco.outer.round import RoundInFlight, RoundResult, RoundView
+from open_diloco.outer.protocols import Membership
+from open_diloco.outer.round_result import RoundResult
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
     from open_diloco.outer.adoption import StateAdoption
     from open_diloco.outer.cluster import ClusterComm
+    from open_diloco.outer.committed_state import CommittedState
+    from open_diloco.outer.pacing import StepTime
     from open_diloco.outer.protocols import Averager, StatusBoard
-    from open_diloco.outer.state import OuterState
     from open_diloco.outer.streaming import SyncSchedule
 
 FINAL_CHECK_SECONDS = 15.0
 """How long a finished cluster waits for the others' records to reach its last outer step
-(:meth:`verify_final`)."""
+(:meth:`CatchUp.verify_final`)."""
 
 
-class CatchingUp:
-    """DiLoCo's ways to take the galaxy's state (see the module docstring)."""
+class CatchUp:
+    """One cluster's ways to take the galaxy's state (see the module docstring)."""
 
-    hv: HvConfig
-    state: OuterState
-    averager: Averager
-    status: StatusBoard
-    cluster: ClusterComm
-    adoption: StateAdoption
-    schedule: SyncSchedule
-    galaxy_rank: int
-    warn: Any
-    bad_rounds: int
-    _catch_up_step: int
-    _step_seconds: float | None
-    _take_state: Any
-    held_entry: Any
-    cluster_hash: Any
+    def __init__(
+        self,
+        hv: HvConfig,
+        committed: CommittedState,
+        averager: Averager,
+        cluster: ClusterComm,
+        adoption: StateAdoption,
+        schedule: SyncSchedule,
+        status: StatusBoard,
+        step_time: StepTime,
+        warn: Any,
+    ):
+        self.hv, self.committed, self.state = hv, committed, committed.state
+        self.averager, self.cluster, self.adoption = averager, cluster, adoption
+        self.schedule, self.status, self.step_time, self.warn = schedule, status, step_time, warn
+        self.galaxy_rank = hv.world_rank
+        self.catch_up_step = 0
+        """Where the trainer goes on after this cluster adopted a state the galaxy is already training past
+        (:meth:`_catch_up_target`); 0 when it goes on from the adopted round's start."""
 
-    def join_galaxy(self) -> int:
-        """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late
-        joiner, or a resume from an older checkpoint); return the inner step to continue after. Nothing is
-        downloaded when no cluster is ahead: the records carry each cluster's outer step. The state comes from
-        one source cluster, every rank's shard from it (``outer/adoption.py``), or is not taken at all."""
-        wanted = self.hv.galaxy_size > 1 and not self.hv.skip_load_from_peers
-        previous = self.outer_step
-        got = self._find_and_take_newer() if wanted else None
-        if got is not None:
-            self.warn(
-                f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
-                f"θ_outer and the outer momentum from cluster {got.source} (param_hash {self.cluster_hash()})"
-            )
-        elif (
-            self.state.local_at_start is not None
-        ):  # a checkpoint taken with a round in flight: send it again
-            self._resume_round_in_flight()
-        return self.inner_step_of_galaxy()
+    @property
+    def outer_step(self) -> int:
+        return self.state.outer_step
 
-    def _find_and_take_newer(self) -> Downloaded | None:
-        """Wait (up to ``--hv.join-timeout``) for the records of the other clusters to show up: a cluster that
-        starts beside running ones must not train alone from scratch because the DHT had not answered yet.
-        Once any other cluster's record is seen, download only if one of them is ahead."""
+    def take_newer(self) -> Downloaded | None:
+        """At the start of a run: wait (up to ``--hv.join-timeout``) for the records of the other clusters to
+        show up (a cluster that starts beside running ones must not train alone from scratch because the DHT
+        had not answered yet); once any other cluster's record is seen, download and take the state only if
+        one of them is ahead. Nothing is downloaded when no cluster is ahead: the records carry each cluster's
+        outer step."""
+        if self.hv.galaxy_size == 1 or self.hv.skip_load_from_peers:
+            return None
         deadline = time.monotonic() + self.hv.join_timeout
         while True:
             view = self.averager.membership()
@@ -86,23 +73,14 @@ class CatchingUp:
             if ahead:
                 got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
                 if got is not None:
-                    self._take_state(got)
+                    self.committed.take(got)
                 return got
             if known or not self.cluster.all_true(time.monotonic() + 1.0 < deadline):
                 return None
             time.sleep(1.0)
 
-    def _resume_round_in_flight(self) -> None:
-        """Start again the round a checkpoint recorded in flight (every cluster resumed from the same step
-        does the same, so the round meets and lands where it would have)."""
-        started_at = self.schedule.inner_step_of(self.outer_step + 1)
-        self.warn(
-            f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it again"
-        )
-        self._hold(self.start_round(), started_at + self.schedule.sync_delay)
-
     def inner_step_of_galaxy(self) -> int:
-        return max(self.schedule.inner_step_of(self.outer_step), self._catch_up_step)
+        return max(self.schedule.inner_step_of(self.outer_step), self.catch_up_step)
 
     def _catch_up_target(self) -> int:
         """The inner step to go on from after adopting the state of a galaxy that was ahead: as far as the
@@ -121,147 +99,32 @@ class CatchingUp:
             self.schedule.inner_step_of(self.outer_step + 1),
         )
         target = start
-        if self.hv.galaxy_size > 1 and self._step_seconds:
+        if self.hv.galaxy_size > 1 and self.step_time.seconds:
             view = self.averager.membership()
             if view.lead == self.outer_step and view.lead_inner_step > start:
-                lead_now = view.lead_inner_step + int(view.lead_seen_seconds / self._step_seconds)
-                margin = max(1, math.ceil(self.hv.averaging_timeout / 4 / self._step_seconds))
+                lead_now = view.lead_inner_step + int(view.lead_seen_seconds / self.step_time.seconds)
+                margin = max(1, math.ceil(self.hv.averaging_timeout / 4 / self.step_time.seconds))
                 target = max(start, min(lead_now, next_sync - margin))
         return self.cluster.min_int(target)
 
-    def _take_round(
-        self,
-        flight: RoundInFlight,
-        view: RoundView,
-        report: RoundReport,
-        network_wait: float,
-        appear_within: float | None = None,
-    ) -> RoundResult:
-        """Take the round's result from a cluster that committed it, instead of applying anything of our own.
-        When this cluster is in the group the round was committed with (the served state says), that average
-        holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
-        commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a
-        re-sync."""
-        round_no = self.outer_step + 1
-        got = self.adoption.download(
-            round_no, self.hv.join_timeout, exact=round_no, appear_within=appear_within
-        )
-        fragment = self.state.fragment
-        if (
-            got is not None
-            and got.step == round_no
-            and self.galaxy_rank in got.metadata.get("committed_group", ())
-        ):
-            self._take_state(got, own_round=True)
-            self.state.land()
-            self.warn(
-                f"outer step {round_no}: took the round as cluster {got.source} committed it (our Δ is in it)"
-            )
-            outcome = "adopted"
-        elif got is not None:
-            self._take_state(got)
-            self.warn(
-                f"outer step {round_no - 1}: took cluster {got.source}'s state at outer step {got.step}"
-            )
-            self._catch_up()
-            outcome = "resynced"
-        else:  # nobody served it in time: our own Δ alone keeps our progress; the next round repairs it
-            return self._commit(
-                flight,
-                view,
-                report,
-                network_wait,
-                1,
-                flight.alive,
-                Decision.PROCEED,
-                alone="no cluster served the round's state within --hv.join-timeout",
-            )
-        # adopted: our Δ is in the round, which its committer checked started from our θ_outer (else it would
-        # have left us out of the group it committed with): in sync when that group is every live cluster
-        in_sync = outcome == "adopted" and len(self.state.committed_group) >= flight.alive
-        return self._result(
-            outcome,
-            flight,
-            report,
-            network_wait,
-            fragment=fragment,
-            state_source=None if got is None else got.source,
-            galaxy_complete=view.whole,
-            in_sync=in_sync,
-            ledger=self.held_entry(),
-        )
-
-    @torch.no_grad()
-    def sit_out(self, flight: RoundInFlight) -> RoundResult:
-        """Send nothing this round, then adopt the galaxy's θ_outer once the round is applied, when:
-
-        - the galaxy is ahead (``flight.lead``): this cluster's Δ was taken from an older θ_outer than the
-          round's (a late joiner whose download is already old, a side of a healed partition), and averaging
-          it would drag every cluster back;
-        - this cluster's Δ is not finite (its inner training diverged). Alone, or when no peer serves the
-          state in time, it drops its local progress and goes back to its own θ_outer. After
-          ``--hv.max-bad-rounds`` such rounds in a row it stops: the divergence is its own, not a passing
-          spike."""
-        round_no = self.outer_step + 1
-        if flight.diverged or flight.out_of_bound:
-            self.bad_rounds += 1
-            what = "not finite" if flight.diverged else "out of bound"
-            if self.bad_rounds > self.hv.max_bad_rounds:
-                raise GalaxyError(
-                    f"outer step {round_no}: this cluster's pseudo-gradient was {what} in {self.bad_rounds} "
-                    "rounds in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or "
-                    "resume from an earlier checkpoint"
-                )
-            detail = (
-                ""
-                if flight.diverged
-                else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
-            )
-            self.warn(
-                f"outer step {round_no}: this cluster's pseudo-gradient is {what}{detail}: its training "
-                "diverged; it sends nothing and adopts the galaxy's θ_outer "
-                f"({self.bad_rounds}/{self.hv.max_bad_rounds})"
-            )
-            why, wanted = "this cluster diverged", max(round_no, flight.lead)
-        else:
-            self.warn(
-                f"outer step {round_no}: the galaxy is at outer step {flight.lead}: this cluster's "
-                "pseudo-gradient comes from an older θ_outer, so it sends nothing and adopts the galaxy's "
-                "state"
-            )
-            why, wanted = "the galaxy was ahead", flight.lead
-        taken = self._resync(wanted, why) if self.hv.galaxy_size > 1 else None
-        if taken is not None and not (flight.diverged or flight.out_of_bound):
-            self._catch_up()
-        self.state.scatter_into_model()
-        self.state.local_at_start = (
-            None  # the whole model is θ_outer again: nothing of the fragment's to keep
-        )
-        return self._result(
-            "resynced" if taken is not None else "sat_out",
-            flight,
-            state_source=None if taken is None else taken.source,
-            ledger=self.held_entry() if taken is not None else None,
-        )
-
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """After taking the state of a galaxy that trains past it, go on where it is
         (:meth:`_catch_up_target`)."""
-        self._catch_up_step = self._catch_up_target()
-        if self._catch_up_step > self.schedule.inner_step_of(self.outer_step):
+        self.catch_up_step = self._catch_up_target()
+        if self.catch_up_step > self.schedule.inner_step_of(self.outer_step):
             self.warn(
                 f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
-                f"this cluster goes on from inner step {self._catch_up_step} to meet it there"
+                f"this cluster goes on from inner step {self.catch_up_step} to meet it there"
             )
 
-    def _resync(self, at_least: int, why: str) -> Downloaded | None:
+    def resync(self, at_least: int, why: str) -> Downloaded | None:
         """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later,
         within ``--hv.join-timeout`` (from one source, ``outer/adoption.py``); ``None`` (state kept) when none
         came."""
         got = self.adoption.download(at_least, self.hv.join_timeout)
         if got is not None:
             previous = self.outer_step
-            self._take_state(got)
+            self.committed.take(got)
             self.warn(
                 f"outer step {previous}: {why}: adopted cluster {got.source}'s state at outer step {got.step}"
             )
@@ -303,7 +166,7 @@ class CatchingUp:
                 f"galaxy ({sides}), and cluster {chosen}'s could not be downloaded"
             )
             return None
-        self._take_state(got)
+        self.committed.take(got)
         self.state.scatter_into_model()
         self.state.local_at_start = None
         self.warn(
@@ -314,11 +177,11 @@ class CatchingUp:
             outcome="resynced",
             outer_step=self.outer_step,
             fragment=last.fragment,
-            param_hash=self.cluster_hash(),
+            param_hash=self.committed.cluster_hash(),
             param_checksum=self.cluster.sum_float(self.state.sq_norm()),
             galaxy_alive=last.galaxy_alive,
             state_source=got.source,
-            ledger=self.held_entry(),
+            ledger=self.committed.held_entry(),
         )
 
     def _serve_until_taken(self, verdict: FinalVerdict) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from open_diloco.outer.encodings import CHUNK, Bf16Codec, BlockIntCodec, Codec, ScoreCodec, WireCodecs
 
-# Re-exported: outer/committing.py and galaxy/allreduce.py check each round with it, imported from here.
+# Re-exported: outer/round.py and galaxy/allreduce.py check each round with it, imported from here.
 from open_diloco.outer.encodings import all_finite as all_finite
 from open_diloco.outer.sparse import Selection, SparseSelection
 

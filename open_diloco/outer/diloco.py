@@ -1,8 +1,9 @@
 """DiLoCo's outer loop for one shard of one cluster: :class:`DiLoCo` owns the outer state and drives rounds on
 the schedule of ``outer/streaming.py`` (back to back every H inner steps by default, or one fragment of the
 model every H/P steps with the round in flight for ``--hv.sync-delay`` inner steps while training goes on).
-Its parts: ``outer/committing.py`` runs and commits a round, ``outer/catching_up.py`` takes the galaxy's state
-instead (joining, a round another cluster committed, sitting out, the last round's check).
+Its parts, composed: ``outer/round.py`` is one round from its start to what it came to,
+``outer/catching_up.py`` takes the galaxy's state instead (joining, re-syncing, the run's end), and
+``outer/committed_state.py`` keeps θ_outer and the ledger chain that ends at it together.
 
 Cluster-level decisions (commit, retry, adopt) are agreed by all local ranks through :class:`ClusterComm`, so
 every shard of a cluster follows the same path, through the same collectives.
@@ -10,47 +11,35 @@ every shard of a cluster follows the same path, through the same collectives.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import threading
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from open_diloco.errors import ConfigError
-from open_diloco.outer.adoption import Downloaded, StateAdoption
-from open_diloco.outer.catching_up import CatchingUp
+from open_diloco.outer.adoption import StateAdoption
+from open_diloco.outer.catching_up import CatchUp
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.codecs import build_compressor, codec_label
-from open_diloco.outer.committing import Committing
-from open_diloco.outer.digests import combine_hashes
+from open_diloco.outer.codecs import build_compressor
+from open_diloco.outer.committed_state import CommittedState
 from open_diloco.outer.guard import NormHistory
-from open_diloco.outer.ledger import Ledger, LedgerEntry, round_entry
-from open_diloco.outer.pacing import Pace
+from open_diloco.outer.ledger import Ledger
+from open_diloco.outer.pacing import Pace, StepTime
 from open_diloco.outer.policy import RoundPolicy
-from open_diloco.outer.protocols import (
-    Averager,
-    NullStatusBoard,
-    RoundReport,
-    StatusBoard,
-)
-from open_diloco.outer.round import RoundInFlight, RoundResult
+from open_diloco.outer.protocols import Averager, NullStatusBoard, StatusBoard
+from open_diloco.outer.round import Contribution, Round, RoundContext
+from open_diloco.outer.round_result import RoundResult
 from open_diloco.outer.state import OuterState
 from open_diloco.outer.streaming import SyncSchedule
 
 if TYPE_CHECKING:
     from open_diloco.config import HvConfig
 
-LEDGER_LOCK_SECONDS = 10.0
-"""The most a state download waits for a commit in progress to write its ledger entry."""
 
-
-class DiLoCo(Committing, CatchingUp):
-    """The outer loop of one shard: θ_outer and momentum in :class:`OuterState`, rounds through an
-    :class:`Averager`, decisions by :class:`RoundPolicy`. The inner optimizer is untouched: its state carries
-    across rounds."""
+class DiLoCo:
+    """The outer loop of one shard: θ_outer and momentum in :class:`OuterState`, rounds as :class:`Round`
+    objects through an :class:`Averager`, decisions by :class:`RoundPolicy`. The inner optimizer is untouched:
+    its state carries across rounds."""
 
     def __init__(
         self,
@@ -64,40 +53,25 @@ class DiLoCo(Committing, CatchingUp):
     ):
         self.averager = averager
         self.status = status or NullStatusBoard()
-        self._alive_before = hv.galaxy_size
+        self.hv = hv
+        self.galaxy_rank = hv.world_rank
+        self.cluster = cluster or ClusterComm(next(model.parameters()).device)
+        self.warn = warn
         self._finished = False
         """The trainer reported the run finished (not stopped): leaving may wait for the last round's
         peers."""
-        self.bad_rounds = 0
-        """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
-        self.norm_history = NormHistory(hv.delta_norm_bound)
-        self.hv = hv
-        self.galaxy_rank = hv.world_rank
-        self.policy = RoundPolicy(hv.on_partial_round, hv.max_retries)
-        self.cluster = cluster or ClusterComm(next(model.parameters()).device)
-        self.warn = warn
         self.schedule = SyncSchedule(hv.local_steps, hv.fragments, hv.sync_delay)
         self.pace = Pace(hv.local_steps, hv.fragments, hv.round_steps == "by-speed", hv.cluster_speed)
         """Which galaxy steps this cluster trains at, and the weight of each sync (``--hv.round-steps``)."""
-        self._fastest_seconds: float | None = None
-        """The least seconds per inner step a live cluster published, as the last round's start read it."""
-        self._round_weight = 1.0
-        """The weight of the sync being started (retries of it send the same)."""
-        self._round_inner_steps: int | None = None
-        """The inner steps behind the sync being started (its ledger entry names them)."""
+        self.step_time = StepTime()
         self._sync_pace: dict[int, tuple[int, float]] = {}
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
-        self.in_flight: RoundInFlight | None = None
+        self.in_flight: Round | None = None
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
         self._window_start: float | None = None
         self._held = 0.0
         """Seconds the trainer spent in the outer loop since the last round's metrics (for compute
         utilization)."""
-        self._step_seconds: float | None = None
-        """A running mean of the trainer's inner-step time (from its records), to turn seconds into steps."""
-        self._catch_up_step = 0
-        """Where the trainer goes on after this cluster adopted a state the galaxy is already training past
-        (:meth:`_catch_up_target`); 0 when it goes on from the adopted round's start."""
         self.state = OuterState(
             model,
             lr=hv.outer_lr,
@@ -109,17 +83,40 @@ class DiLoCo(Committing, CatchingUp):
             fragments=hv.fragments,
             sync_alpha=hv.sync_alpha,
         )
-        self.ledger = Ledger()
-        """The chain of committed rounds this cluster's θ_outer went through (``outer/ledger.py``)."""
-        self._ledger_lock = threading.Lock()
-        """Held while θ_outer and the ledger change together (a commit, an adoption), so a served state
-        always carries the chain that ends at its θ (:meth:`_served_state`)."""
-        self.averager.serve_state(self._served_state)
-        self.adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
+        self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn)
+        """θ_outer with the ledger chain that ends at it: what a commit changes and a peer downloads."""
+        self.averager.serve_state(self.committed.served)
+        adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
+        self.catch_up = CatchUp(
+            hv,
+            self.committed,
+            averager,
+            self.cluster,
+            adoption,
+            self.schedule,
+            self.status,
+            self.step_time,
+            warn,
+        )
+        self.rounds = RoundContext(
+            hv=hv,
+            committed=self.committed,
+            averager=averager,
+            cluster=self.cluster,
+            status=self.status,
+            policy=RoundPolicy(hv.on_partial_round, hv.max_retries),
+            norm_history=NormHistory(hv.delta_norm_bound),
+            adoption=adoption,
+            catch_up=self.catch_up,
+            galaxy_rank=self.galaxy_rank,
+            warn=warn,
+            alive_before=hv.galaxy_size,
+        )
+        """What every round works with (``outer/round.py``)."""
         self._last_round: RoundResult | None = None
         """The run's last round, until :meth:`settle_run` settles it."""
         self._final_hash: str | None = None
-        """``param_hash`` of the last round this cluster ended, for :meth:`verify_final`."""
+        """``param_hash`` of the last round this cluster ended, for ``CatchUp.verify_final``."""
 
     @property
     def outer_step(self) -> int:
@@ -129,88 +126,37 @@ class DiLoCo(Committing, CatchingUp):
     def fragments(self) -> int:
         return self.hv.fragments
 
-    def _served_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """What a peer downloads (the averager's thread): the shard's outer state and the ledger's tail that
-        ends at it. A commit in progress holds the ledger lock from θ_outer's change to its entry; a download
-        waits for it (bounded), else it serves no chain rather than one that does not end at its θ."""
-        held = self._ledger_lock.acquire(timeout=LEDGER_LOCK_SECONDS)
-        try:
-            metadata, tensors = self.state.snapshot()
-            tail = self.ledger.tail() if held else []
-        finally:
-            if held:
-                self._ledger_lock.release()
-        return {**metadata, "galaxy_rank": self.galaxy_rank, "ledger": tail}, tensors
+    @property
+    def ledger(self) -> Ledger:
+        return self.committed.ledger
 
-    @contextlib.contextmanager
-    def changing_state(self) -> Iterator[None]:
-        """Around a change of θ_outer and the ledger together (see :meth:`_served_state`)."""
-        with self._ledger_lock:
-            yield
+    def join_galaxy(self) -> int:
+        """Adopt the galaxy's outer state if a live cluster's record shows it ahead of this one (a late
+        joiner, or a resume from an older checkpoint), else send again a round a checkpoint holds in flight;
+        return the inner step to continue after."""
+        previous = self.outer_step
+        got = self.catch_up.take_newer()
+        if got is not None:
+            self.warn(
+                f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
+                f"θ_outer and the outer momentum from cluster {got.source} "
+                f"(param_hash {self.committed.cluster_hash()})"
+            )
+        elif (
+            self.state.local_at_start is not None
+        ):  # a checkpoint taken with a round in flight: send it again
+            # every cluster resumed from the same step does the same, so the round meets and lands where it
+            # would have
+            started_at = self.schedule.inner_step_of(self.outer_step + 1)
+            self.warn(
+                f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it "
+                "again"
+            )
+            self._hold(Round.start(self.rounds, Contribution()), started_at + self.schedule.sync_delay)
+        return self.inner_step_of_galaxy()
 
-    def own_round_metadata(self) -> dict[str, Any]:
-        """What this cluster says of itself in every round's metadata, for the members' ledger entries."""
-        hv = self.hv
-        return {
-            "weight": self._round_weight,
-            "inner_steps": self._round_inner_steps,
-            "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule),
-            "outer_optimizer": (
-                f"sgd lr={hv.outer_lr:g} momentum={hv.outer_momentum:g} nesterov={hv.outer_nesterov} "
-                f"warmup_rounds={hv.outer_warmup_rounds}"
-            ),
-        }
-
-    def cluster_hash(self, shard_hash: str | None = None) -> str:
-        """``param_hash`` of the whole cluster's θ_outer (every shard's hash, combined), from this shard's
-        ``shard_hash`` (default: its θ_outer now). Collective."""
-        return combine_hashes(self.cluster.gather_strings(shard_hash or self.state.hash()))
-
-    # -- the ledger ----------------------------------------------------------------------------------------
-    def _record_commit(
-        self,
-        flight: RoundInFlight,
-        report: RoundReport,
-        fragment: int,
-        before: str,
-        members: set[int],
-        alone: bool,
-    ) -> LedgerEntry:
-        """The committed round's ledger entry, appended to this cluster's chain: rank 0's, on every rank (its
-        shard's report names the members' metadata; every rank holds the same ``before`` and ``after``)."""
-        peers = {**report.peers, self.galaxy_rank: self.own_round_metadata()}
-        entry = round_entry(
-            round_no=self.outer_step,
-            attempt=flight.attempts,
-            fragment=fragment,
-            before=before,
-            after=self.cluster_hash(),
-            peers=peers,
-            members=members,
-            alone=alone,
-        )
-        (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
-        entry = LedgerEntry.from_wire(json.loads(wire))
-        if broken := self.ledger.append(entry):
-            self.warn(broken)
-        return entry
-
-    def _take_state(self, got: Downloaded, own_round: bool = False) -> None:
-        """θ_outer and the chain that ends at it, from one download, together (``outer/ledger.py``):
-        ``own_round``: the round this cluster sent its Δ to, taken as its own commit
-        (:meth:`OuterState.adopt_round`), else a re-sync onto the source's trajectory."""
-        with self.changing_state():
-            if own_round:
-                self.state.adopt_round(got.metadata, got.tensors)
-            else:
-                self.state.adopt(got.metadata, got.tensors)
-            self.ledger.take(got.metadata.get("ledger"))
-
-    def held_entry(self) -> LedgerEntry | None:
-        """The ledger entry of the θ_outer this cluster holds now (``None``: its chain does not reach it, e.g.
-        a source of an older version served none)."""
-        last = self.ledger.last
-        return last if last is not None and last.round == self.outer_step else None
+    def inner_step_of_galaxy(self) -> int:
+        return self.catch_up.inner_step_of_galaxy()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -219,7 +165,7 @@ class DiLoCo(Committing, CatchingUp):
         state = self.state.checkpoint_state(streaming=self.schedule.streaming)
         if (pace := self.pace.state_dict()) is not None:
             state["pace"] = pace
-        state["param_hash"] = self.cluster_hash()
+        state["param_hash"] = self.committed.cluster_hash()
         if self.ledger.entries:
             state["ledger"] = self.ledger.state_dict()
         return state
@@ -273,7 +219,7 @@ class DiLoCo(Committing, CatchingUp):
         results: list[RoundResult] = []
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
-            results.append(self.finish_round(flight))
+            results.append(flight.finish())
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
         # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
@@ -300,13 +246,13 @@ class DiLoCo(Committing, CatchingUp):
         return results
 
     def settle_run(self) -> RoundResult | None:
-        """See ``OuterLoop.settle_run`` (``CatchingUp.settle_final``). Apart from the last step's rounds so
+        """See ``OuterLoop.settle_run`` (``CatchUp.settle_final``). Apart from the last step's rounds so
         that their records are written when they end: the settling may wait for a partition to heal
         (``--hv.final-wait``), and dashboards (and the chaos soak's judge) read the record's time."""
         last, self._last_round = self._last_round, None
         if last is None:
             return None
-        settled = self.settle_final(last)
+        settled = self.catch_up.settle_final(last)
         if settled is not None:  # the galaxy split and its larger side ended elsewhere
             self._final_hash = settled.param_hash
         return settled
@@ -315,46 +261,45 @@ class DiLoCo(Committing, CatchingUp):
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""
         delay = 0 if last else self.schedule.sync_delay
         fragment = self.schedule.fragment_of(self.outer_step)
-        self._round_weight = self.pace.weight_of(fragment)
-        self._round_inner_steps = self.pace.since_sync[fragment]
-        self._sync_pace[self.outer_step + 1] = (self.pace.since_sync[fragment], self._round_weight)
+        contribution = Contribution(self.pace.weight_of(fragment), self.pace.since_sync[fragment])
+        self._sync_pace[self.outer_step + 1] = (self.pace.since_sync[fragment], contribution.weight)
         self.pace.synced(fragment)
         self.state.begin_round(fragment, keep_local=delay > 0)
-        flight = self.start_round()
+        flight = Round.start(self.rounds, contribution)
         if self.pace.by_speed:  # the next stride's steps, from the speeds this round's start read
-            self.pace.agree(self.cluster.min_int(self.pace.plan(self._step_seconds, self._fastest_seconds)))
+            planned = self.pace.plan(self.step_time.seconds, self.rounds.fastest_seconds)
+            self.pace.agree(self.cluster.min_int(planned))
         if delay == 0 and not flight.sits_out:
-            return self.finish_round(flight)
+            return flight.finish()
         return self._hold(flight, inner_step + delay)
 
-    def _hold(self, flight: RoundInFlight, lands_at: int) -> RoundResult | None:
+    def _hold(self, flight: Round, lands_at: int) -> RoundResult | None:
         """Keep a started round in flight until inner step ``lands_at``, or sit it out at once."""
         if flight.sits_out:
-            return self.sit_out(flight)
+            return flight.sit_out()
         flight.lands_at, self.in_flight = lands_at, flight
         return None
 
     def step(self) -> dict[str, Any]:
         """One blocking outer step of the next fragment: start the round and finish it (or sit it out, see
-        :meth:`sit_out`); its metrics."""
+        :meth:`Round.sit_out`); its metrics."""
         self.state.begin_round(self.schedule.fragment_of(self.outer_step), keep_local=False)
-        flight = self.start_round()
-        return (self.sit_out(flight) if flight.sits_out else self.finish_round(flight)).metrics()
+        flight = Round.start(self.rounds, Contribution())
+        return (flight.sit_out() if flight.sits_out else flight.finish()).metrics()
 
     def report(self, record: dict[str, Any]) -> None:
-        if isinstance(seconds := record.get("step_seconds"), float) and seconds > 0:
-            self._step_seconds = (
-                seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
-            )
-        if self.pace.by_speed and self._step_seconds is not None:
-            record = {**record, "inner_step_seconds": self._step_seconds}  # the others plan by it
+        self.step_time.observe(record)
+        if self.pace.by_speed and self.step_time.seconds is not None:
+            record = {**record, "inner_step_seconds": self.step_time.seconds}  # the others plan by it
         self.status.update(record)
         self._finished = record.get("state") == "finished"
 
     def close(self) -> None:
         try:
             if self._finished and self._final_hash and not isinstance(self.status, NullStatusBoard):
-                self.verify_final(self._final_hash)  # the cluster's rank 0 (it publishes, so it may read)
+                self.catch_up.verify_final(
+                    self._final_hash
+                )  # the cluster's rank 0 (it publishes, so it may read)
             self.status.close()  # while the DHT still runs
         finally:
             # a finished run may wait for the peers of its last round to take their averages; a stop may not

@@ -8,7 +8,7 @@ over the smaller side's progress since the split: that side's rounds are dropped
 partition drops them anyway. A cluster that stopped early or crashed has no say (it ended elsewhere).
 
 Kept a pure function of the membership view so the rule is read and tested on its own; the waiting and the
-download are ``CatchingUp.settle_final``'s (``outer/catching_up.py``)."""
+download are ``CatchUp.settle_final``'s (``outer/catching_up.py``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from open_diloco.outer.round import RoundResult
+from open_diloco.outer.round_result import RoundResult
 
 
 class OuterLoop(Protocol):

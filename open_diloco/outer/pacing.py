@@ -34,6 +34,18 @@ clusters measured each other 20 % apart on a loaded 2-core machine), and a clust
 jitter for speed would shorten its rounds for nothing."""
 
 
+class StepTime:
+    """A running mean of the trainer's inner-step seconds, from its records: turns seconds into steps (the
+    by-speed plan, how far a cluster that took a later state skips ahead)."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def observe(self, record: dict[str, Any]) -> None:
+        if isinstance(seconds := record.get("step_seconds"), float) and seconds > 0:
+            self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+
+
 class Pace:
     """This cluster's inner steps per stride and the weight of each sync. ``equal``: every galaxy step trains
     and every weight is 1, whatever is planned."""

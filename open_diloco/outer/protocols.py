@@ -88,7 +88,7 @@ class Membership:
     lead_inner_step: int = -1
     """The furthest inner step a live cluster at the ``lead`` outer step has reported (-1: unknown): how far
     into the next round the galaxy is, for a cluster that just adopted the lead state
-    (``DiLoCo._catch_up_target``)."""
+    (``CatchUp._catch_up_target``)."""
     lead_seen_seconds: float = 0.0
     """How long ago that cluster reported ``lead_inner_step`` (its record's age): it has trained on since."""
     steps: dict[int, int] = field(default_factory=dict)

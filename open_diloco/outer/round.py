@@ -1,58 +1,148 @@
-"""A round of one cluster: what is in flight, what its shards saw of it (agreed by every rank), and what it
-came to (:class:`RoundResult`, the one object the trainer acts on and the metrics records are made from).
+"""One round of one cluster, as one object: :class:`Round`, identified by :class:`RoundId` (the outer step it
+produces, and the attempt), from its start to what it came to (a :class:`RoundResult`).
 
-The commit rule lives here. A cluster *commits* a round (applies the average its reducers sent) only when
-every shard's average arrived whole and every shard's group held the same clusters: then every cluster that
-commits holds the reducers' exact bytes, by construction. Otherwise it never applies its own partial values;
-it adopts the round from a cluster that committed it, or runs the round again under the next attempt
-(``outer/diloco.py``). Why: with one average lost on one shard, "apply what arrived" left one cluster a model
+Its states (:class:`Phase`), in the order a round goes through them::
+
+    start ─► started ─► averaged ─► decided ─► committed  apply the average (alone: its own Δ)
+      │                                    ├─► taken      from a committer: adopted, or re-synced
+      │                                    └─► retried    attempt a + 1 of the same round (a new Round)
+      └─► sitting out ─► sat out, or taken (re-synced)    nothing sent: diverged, out of bound, behind
+
+*Matched* is inside the averager: its report names the group the round matched and the average it got.
+
+**The commit rule.** A cluster *commits* a round (applies the average its reducers sent) only when every
+shard's average arrived whole and every shard's group held the same clusters: then every cluster that commits
+holds the reducers' exact bytes, by construction. Otherwise it never applies its own partial values; it takes
+the round from a cluster that committed it (with its own Δ in it: *adopted*, nothing lost), or runs it again
+under the next attempt. Why: with one average lost on one shard, "apply what arrived" left one cluster a model
 no other cluster held, and the repairs after the fact (re-syncs a round later) cascaded on lossy links.
+
+Every branch runs the same collectives on every rank of the cluster (:class:`ClusterComm`), so every shard
+follows the same path. ``docs/round-protocol.md`` tells the whole story.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import contextlib
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.ledger import LedgerEntry
-from open_diloco.outer.protocols import PendingRound, RoundReport
+import torch
+
+from open_diloco.errors import GalaxyError, GalaxyMismatch, RoundFailed
+from open_diloco.outer.codecs import all_finite, codec_label
+from open_diloco.outer.digests import combine_hashes
+from open_diloco.outer.guard import valid_claim, valid_weight, wire_norm
+from open_diloco.outer.policy import Decision, RoundOutcome
+from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
+from open_diloco.outer.round_result import RoundResult
+
+if TYPE_CHECKING:
+    from open_diloco.config import HvConfig
+    from open_diloco.outer.adoption import StateAdoption
+    from open_diloco.outer.catching_up import CatchUp
+    from open_diloco.outer.cluster import ClusterComm
+    from open_diloco.outer.committed_state import CommittedState
+    from open_diloco.outer.guard import NormHistory
+    from open_diloco.outer.policy import RoundPolicy
+    from open_diloco.outer.protocols import Averager, StatusBoard
+    from open_diloco.outer.state import OuterState
+
+
+@dataclass(frozen=True)
+class RoundId:
+    """Which round: the outer step it produces (``number``) and the attempt (0 first). Attempts of a round
+    meet in different matchmaking groups; every attempt carries the same Δ."""
+
+    number: int
+    attempt: int = 0
+
+    def __str__(self) -> str:
+        return f"round {self.number} attempt {self.attempt}"
+
+
+class Phase(enum.Enum):
+    STARTED = "started"
+    """Δ sent, the galaxy's average in flight."""
+    SITTING_OUT = "sitting out"
+    """Nothing sent: Δ not finite, out of bound, or the galaxy already past this round."""
+    AVERAGED = "averaged"
+    """The averager's report is in (a group matched and averaged, or it failed), and the ranks agree on it."""
+    DECIDED = "decided"
+    """Commit, take, or retry: chosen."""
+    COMMITTED = "committed"
+    TAKEN = "taken"
+    RETRIED = "retried"
+    SAT_OUT = "sat out"
+
+
+MOVES = {
+    Phase.STARTED: {Phase.AVERAGED},
+    Phase.SITTING_OUT: {Phase.SAT_OUT, Phase.TAKEN},
+    Phase.AVERAGED: {Phase.DECIDED},
+    Phase.DECIDED: {Phase.COMMITTED, Phase.TAKEN, Phase.RETRIED},
+    Phase.TAKEN: {Phase.COMMITTED},  # nobody served the state in time: its own Δ alone
+}
+"""The moves a round may make; the ends (committed, taken, retried, sat out) have none but the one above."""
+
+
+class Next(enum.Enum):
+    COMMIT = "commit"
+    TAKE = "take"
+    RETRY = "retry"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the cluster does with an averaged round (:meth:`Round.decide`)."""
+
+    next: Next
+    clusters: int = 0
+    """Clusters whose Δ is whole in the average (less the rejected and the stale)."""
+    alive: int = 0
+    """The live clusters the round should have had (less the rejected and the stale)."""
+    appear_within: float | None = None
+    """``take``: give up when no record shows a committer after this long (nobody may have committed)."""
 
 
 @dataclass
-class RoundInFlight:
-    """A started round: what :meth:`DiLoCo.finish_round` needs to judge and apply it."""
+class Contribution:
+    """What this cluster puts into the round besides its Δ: the weight of its Δ in the average and the inner
+    steps behind it (``--hv.round-steps by-speed``), the same at every attempt."""
 
-    pending: PendingRound | None
-    """The all-reduce in flight; ``None`` when it could not even start."""
-    own_hash: str
-    """Hash of this shard's θ_outer when the round started."""
-    local_sq: float
-    """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
-    alive: int
-    """Clusters alive when the round started (membership), this one included; agreed by the cluster's
-    ranks."""
-    attempts: int = 0
-    """The round's attempt (0 first): part of its matchmaking key, so attempts never meet each other."""
-    start_error: str | None = None
-    diverged: bool = False
-    """Δ is not finite on some rank of this cluster: nothing was sent (the cluster sits the round out)."""
-    bound: float | None = None
-    """The largest ‖Δ‖ this shard could send this round (``guard.NormHistory``); ``None``: the check is
-    off."""
-    out_of_bound: bool = False
-    """Δ is finite but out of bound on some rank of this cluster: nothing was sent (it sits the round out)."""
-    lead: int = -1
-    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks);
-    above this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
-    silent: int = 0
-    """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
-    lands_at: int = 0
-    """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
+    weight: float = 1.0
+    inner_steps: int | None = None
+
+
+@dataclass
+class RoundContext:
+    """What every round of one cluster works with, for the whole run (built once by ``DiLoCo``), and the few
+    things that outlive a round."""
+
+    hv: HvConfig
+    committed: CommittedState
+    averager: Averager
+    cluster: ClusterComm
+    status: StatusBoard
+    policy: RoundPolicy
+    norm_history: NormHistory
+    adoption: StateAdoption
+    catch_up: CatchUp
+    galaxy_rank: int
+    warn: Any
+    alive_before: int
+    """Live clusters at the last commit, to say when it changes."""
+    bad_rounds: int = 0
+    """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
+    fastest_seconds: float | None = None
+    """The least seconds per inner step a live cluster published, as the last round's start read it."""
 
     @property
-    def sits_out(self) -> bool:
-        return self.pending is None and self.start_error is None
+    def state(self) -> OuterState:
+        return self.committed.state
 
 
 @dataclass(frozen=True)
@@ -119,84 +209,512 @@ def _ranks_by_any_rank(cluster: ClusterComm, ranks: list[int]) -> list[int]:
 
 
 @dataclass
-class RoundResult:
-    """What a round came to for this cluster. The trainer acts on :attr:`diverged`; everything else is for the
-    metrics records (:meth:`metrics`, whose keys are a public contract: add, never rename).
+class Round:
+    """One attempt of one round of this cluster (see the module docstring). :meth:`start` makes it;
+    :meth:`finish` (or :meth:`sit_out`, when it sits out) ends it in a :class:`RoundResult`."""
 
-    ``outcome``: ``applied`` (this cluster committed the galaxy's average, or its own Δ alone), ``adopted``
-    (it took the round's result from a cluster that committed it, its own Δ included: nothing lost),
-    ``resynced`` (it took another cluster's state and dropped its own progress since the round started),
-    ``sat_out`` (it sent nothing: diverged, out of bound, or behind the galaxy, and kept its own state when no
-    state came)."""
-
-    outcome: str
-    outer_step: int
-    fragment: int
-    param_hash: str
-    param_checksum: float
-    galaxy_alive: int
-    attempt: int = 0
-    state_source: int | None = None
-    """The galaxy rank of the cluster whose state was taken (adopted or re-synced), else ``None``."""
-    fragment_hash: str | None = None
-    network_wait_seconds: float = 0.0
-    galaxy_peers: int = 0
-    galaxy_complete: bool = False
-    allreduce_seconds: float = 0.0
-    matchmaking_seconds: float = 0.0
-    exchange_seconds: float = 0.0
-    matchmaking_window_seconds: float | None = None
-    round_trip_seconds: float | None = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    in_sync: bool = False
-    pseudo_grad_finite: bool = True
-    pseudo_grad_in_bound: bool = True
-    pseudo_grad_bound: float | None = None
-    pseudo_grad_norm: float | None = None
-    average_finite: bool | None = None
-    rejected_peers: list[int] = field(default_factory=list)
-    compute_utilization: float | None = None
-    round_inner_steps: int | None = None
-    """``--hv.round-steps by-speed``: the inner steps this cluster took since the synced fragment's last
-    sync (what its Δ holds)."""
-    round_weight: float | None = None
-    """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
-    ÷ H)."""
-    ledger: LedgerEntry | None = None
-    """The ledger entry of the round this cluster's θ_outer now ends at: its own commit (``applied``), the
-    committer's (``adopted``), or the last of the chain it took (``resynced``); ``None`` when it holds no
-    entry (``sat_out``, or a source that served no chain)."""
+    ctx: RoundContext = field(repr=False)
+    id: RoundId
+    contribution: Contribution
+    own_hash: str
+    """Hash of this shard's θ_outer when the round started."""
+    alive: int
+    """Clusters alive when the round started (membership), this one included; agreed by the ranks."""
+    phase: Phase = Phase.STARTED
+    pending: PendingRound | None = None
+    """The all-reduce in flight; ``None`` when nothing was sent or it could not even start."""
+    local_sq: float = math.nan
+    """‖Δ‖² of this shard before averaging (for the ``pseudo_grad_norm`` metric)."""
+    start_error: str | None = None
+    diverged: bool = False
+    """Δ is not finite on some rank of this cluster: nothing was sent."""
+    bound: float | None = None
+    """The largest ‖Δ‖ this shard could send this round (``guard.NormHistory``); ``None``: the check is
+    off."""
+    out_of_bound: bool = False
+    """Δ is finite but out of bound on some rank of this cluster: nothing was sent."""
+    lead: int = -1
+    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks);
+    above this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+    silent: int = 0
+    """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
+    lands_at: int = 0
+    """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
+    history: list[Phase] = field(default_factory=list)
+    """The phases it went through, oldest first (the current one last)."""
 
     @property
-    def diverged(self) -> bool:
-        """This cluster's own training blew up this round: its weights came back from the galaxy (or its last
-        θ_outer), so the inner optimizer's moments must start afresh."""
-        return not (self.pseudo_grad_finite and self.pseudo_grad_in_bound)
+    def sits_out(self) -> bool:
+        return self.pending is None and self.start_error is None
 
-    @property
-    def committed(self) -> bool:
-        """This cluster holds the round's committed result (applied here, or adopted from a committed
-        cluster)."""
-        return self.outcome in ("applied", "adopted")
+    def _enter(self, phase: Phase) -> None:
+        if phase not in MOVES.get(self.phase, set()):
+            raise RuntimeError(f"{self.id}: no move from {self.phase.value} to {phase.value}")
+        self.history.append(self.phase)
+        self.phase = phase
 
-    def metrics(self) -> dict[str, Any]:
-        record = asdict(self)
-        record["ledger"] = self.ledger.to_wire() if self.ledger is not None else None
-        record["round_outcome"] = record.pop("outcome")
-        record["retries"] = self.attempt
-        record["resynced"] = self.outcome == "resynced"
-        record["committed"] = self.committed
-        for optional in (
-            "fragment_hash",
-            "average_finite",
-            "compute_utilization",
-            "round_inner_steps",
-            "round_weight",
-            "ledger",
-            "matchmaking_window_seconds",
-            "round_trip_seconds",
-        ):
-            if record[optional] is None:
-                del record[optional]
-        return record
+    # -- start ----------------------------------------------------------------------------------------------
+    @classmethod
+    @torch.no_grad()
+    def start(cls, ctx: RoundContext, contribution: Contribution, attempt: int = 0) -> Round:
+        """Δ = θ_outer − θ_local into the averager's buffer, then launch the galaxy average of it. Every rank
+        runs the same collectives whatever happens on it."""
+        state = ctx.state
+        own_hash = state.hash()
+        alive, lead, silent, galaxy_attempt = _membership(ctx)
+        attempt = max(attempt, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
+        ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
+        made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=silent)
+        if lead > state.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a cut)
+            made.lead, made.phase = lead, Phase.SITTING_OUT
+            return made
+        with contextlib.ExitStack() as held:
+            pseudo_grad = _locked_buffer(ctx, held)
+            if pseudo_grad is None:
+                made.start_error = "the averager is still busy with a previous round"
+                return made
+            made.local_sq = state.pseudo_grad_for_wire_into(pseudo_grad)
+            finite = math.isfinite(made.local_sq)
+            # the claim the reducers hold our parts to: the norm of exactly what is sent (guard.py)
+            claim = (
+                math.sqrt(made.local_sq) if state.compressor is None or not finite else wire_norm(pseudo_grad)
+            )
+        if not ctx.cluster.all_true(finite):  # never sent: it would poison every cluster
+            made.diverged, made.lead, made.phase = True, lead, Phase.SITTING_OUT
+            return made
+        theta_norm = math.sqrt(state.sq_norm())
+        made.bound = ctx.norm_history.bound(theta_norm, contribution.weight)
+        if not ctx.cluster.all_true(made.bound is None or claim <= made.bound):  # blown up: not sent
+            made.out_of_bound, made.lead, made.phase = True, lead, Phase.SITTING_OUT
+            return made
+        fingerprint = {
+            "param_hash": own_hash,
+            "numel": state.numel,
+            "delta_norm": claim,
+            "theta_norm": theta_norm,
+            "committed_by": len(state.committed_group),
+            **made.own_metadata(),
+        }
+        try:
+            if alive == 1 < ctx.hv.galaxy_size:  # everyone else is gone: waiting could only time out
+                meta = {**fingerprint, "galaxy_rank": ctx.galaxy_rank, "round_id": state.outer_step}
+                made.pending = AloneRound(ctx.galaxy_rank, meta)
+            else:
+                plan = ctx.averager.matchmaking_plan(alive).agreed(ctx.cluster.min_int)
+                made.pending = ctx.averager.start_round(state.outer_step, fingerprint, attempt, plan=plan)
+        except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
+            made.start_error = str(err)
+        return made
+
+    def own_metadata(self) -> dict[str, Any]:
+        """What this cluster says of itself in the round's metadata, for the members' ledger entries."""
+        hv = self.ctx.hv
+        return {
+            "weight": self.contribution.weight,
+            "inner_steps": self.contribution.inner_steps,
+            "codec": codec_label(hv.compression, hv.sparse_density, hv.sparse_rule),
+            "outer_optimizer": (
+                f"sgd lr={hv.outer_lr:g} momentum={hv.outer_momentum:g} nesterov={hv.outer_nesterov} "
+                f"warmup_rounds={hv.outer_warmup_rounds}"
+            ),
+        }
+
+    # -- finish: wait, agree, decide ------------------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> RoundResult:
+        """Wait for the round and end it as :meth:`decide` says: commit it, take it from a cluster that did,
+        or run it again under the next attempt (a new :class:`Round`, whose end is this one's)."""
+        self.ctx.bad_rounds = 0
+        current, network_wait = self, 0.0
+        while True:
+            waited = time.perf_counter()
+            report, failed = current._wait()
+            network_wait += time.perf_counter() - waited
+            view = current._averaged(report, failed)
+            verdict = current.decide(view)
+            if verdict.next is Next.TAKE:
+                return current._take(view, report, network_wait, verdict.appear_within)
+            if verdict.next is Next.COMMIT:
+                return current._commit(view, report, network_wait, verdict.clusters, verdict.alive)
+            current = current._retry(view, verdict.clusters)
+            if current.sits_out:
+                if current.diverged or current.out_of_bound:
+                    return current.sit_out()
+                # the galaxy is ahead: it committed this round after our check (its record a read behind).
+                # Take it, as a commit when our Δ is in it, rather than re-sync
+                current._enter(Phase.TAKEN)
+                return current._take_now(view, report, network_wait)
+
+    def _wait(self) -> tuple[RoundReport, bool]:
+        """The round's report, or a group of one (``failed``) when it produced no result."""
+        error = self.start_error
+        if self.pending is not None:
+            try:
+                return self.pending.wait(), False
+            except RoundFailed as err:
+                error = str(err)
+        self.ctx.warn(f"outer step {self.id.number}: all-reduce failed ({error})")
+        return RoundReport(group_size=1, complete=False), True
+
+    def _averaged(self, report: RoundReport, failed: bool) -> RoundView:
+        ctx = self.ctx
+        for rank, meta in report.peers.items():
+            if rank != ctx.galaxy_rank and meta.get("numel") not in (None, ctx.state.numel):
+                raise GalaxyMismatch(
+                    f"cluster {rank} averages a shard of {meta['numel']} values, this one "
+                    f"{ctx.state.numel}: every cluster must train the same model config with the same "
+                    "number of ranks"
+                )
+        self._enter(Phase.AVERAGED)
+        return RoundView.agree(ctx.cluster, report, failed, self.own_hash, ctx.galaxy_rank)
+
+    def decide(self, view: RoundView) -> Verdict:
+        """Commit when every shard got the average whole from the same clusters and the policy is content
+        (``--hv.on-partial-round``); take the round when the galaxy applied it without this cluster, left
+        this cluster out, or committed it elsewhere while ours is not whole; else retry, up to
+        ``--hv.max-retries``; out of attempts with nothing whole (or whole but alone), take it from a
+        committer whose record shows up soon, and commit our own Δ alone only when none does."""
+        ctx, number = self.ctx, self.id.number
+        self._enter(Phase.DECIDED)
+        if view.overtaken:
+            ctx.warn(
+                f"outer step {number}: the galaxy applied this round without this cluster while it "
+                "looked for a group: it takes the galaxy's state rather than wait for the next round"
+            )
+            return Verdict(Next.TAKE)
+        if view.left_out:
+            ctx.warn(
+                f"outer step {number}: this cluster started the round from another θ_outer than the "
+                "galaxy's most advanced cluster: its Δ was left out, it takes that cluster's state"
+            )
+            return Verdict(Next.TAKE)
+        clusters = len(view.group) - len(view.rejected) - len(view.stale)
+        alive = self.alive - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
+        retry_partial = ctx.policy.on_partial_round == "retry"
+        # whoever committed it has our Δ if we were in its group
+        if (not view.committable or (clusters < alive and retry_partial)) and self._committed_elsewhere():
+            return Verdict(Next.TAKE)
+        decision = (
+            Decision.RETRY
+            if not view.committable
+            else ctx.policy.decide(RoundOutcome(clusters=clusters, alive=alive, attempts=self.id.attempt))
+        )
+        if decision is Decision.RETRY and self.id.attempt < ctx.hv.max_retries:
+            return Verdict(Next.RETRY, clusters, alive)
+        if decision is Decision.STOP:
+            raise GalaxyError(
+                f"outer step {number}: only {clusters} of {self.alive} live clusters averaged and "
+                "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing "
+                "clusters)"
+            )
+        if clusters <= 1 < ctx.hv.galaxy_size and self._committed_elsewhere():
+            # alone because the others finished their run meanwhile (a finished cluster is gone from the
+            # rounds but serves its last state): the round they committed is the galaxy's, not our Δ alone
+            return Verdict(Next.TAKE)
+        if not view.committable or (clusters <= 1 < alive and retry_partial):
+            # the others are likely committing this round right now, their records a heartbeat behind. Seen
+            # in the soak: applying alone at once split the galaxy's last round.
+            return Verdict(Next.TAKE, appear_within=ctx.hv.heartbeat_interval + 2 * MEMBERSHIP_READ_SECONDS)
+        return Verdict(Next.COMMIT, clusters, alive)
+
+    def _committed_elsewhere(self) -> bool:
+        """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state
+        now."""
+        ctx = self.ctx
+        steps = [step for rank, step in ctx.averager.membership().steps.items() if rank != ctx.galaxy_rank]
+        return -ctx.cluster.min_int(-max(steps, default=-1)) >= self.id.number  # (ours: an older life's?)
+
+    def _retry(self, view: RoundView, clusters: int) -> Round:
+        """This attempt ends retried; the next one starts, with the same Δ."""
+        ctx, number = self.ctx, self.id.number
+        what = (
+            f"partial round ({clusters} of {self.alive} live clusters)"
+            if view.committable
+            else "an average did not arrive whole on every shard"
+            if not view.whole
+            else "its shards met different groups"
+        )
+        ctx.warn(
+            f"outer step {number}: {what}: nothing applied; "
+            f"attempt {self.id.attempt + 1}/{ctx.hv.max_retries}"
+        )
+        self._enter(Phase.RETRIED)
+        return Round.start(ctx, self.contribution, self.id.attempt + 1)
+
+    # -- the ends -------------------------------------------------------------------------------------------
+    def _commit(
+        self,
+        view: RoundView,
+        report: RoundReport,
+        network_wait: float,
+        clusters: int,
+        alive: int,
+        alone: str | None = None,
+    ) -> RoundResult:
+        """Apply the round: the galaxy's average, or with ``alone`` (why) this cluster's own Δ alone, which
+        keeps its progress and which the next round's hash check repairs; then land it in the model and record
+        its ledger entry."""
+        ctx, state, number = self.ctx, self.ctx.state, self.id.number
+        self._enter(Phase.COMMITTED)
+        galaxy_average = alone is None
+        self._say_who_was_left_out(view)
+        if galaxy_average:
+            self._record_claims(report, view)
+        self._note_alive()
+        if clusters < self.alive and galaxy_average:
+            retried = f" after {self.id.attempt} retries" if self.id.attempt else ""
+            ctx.warn(
+                f"outer step {number}: proceeding with {clusters} of {self.alive} live clusters{retried}"
+            )
+        elif not galaxy_average:
+            ctx.warn(
+                f"outer step {number}: {alone}: this cluster applies its own pseudo-gradient alone (the "
+                "next round's hash check re-syncs it)"
+            )
+        before = ctx.committed.cluster_hash(self.own_hash)
+        with contextlib.ExitStack() as held:
+            averaged = _locked_buffer(ctx, held)
+            if averaged is None:
+                raise GalaxyError(
+                    f"outer step {number}: the averager is still busy with a previous round past "
+                    "--hv.averaging-timeout; stopping (resume from the last checkpoint)"
+                )
+            finite = ctx.cluster.all_true(not galaxy_average or all_finite(averaged))
+            if not finite:
+                ctx.warn(
+                    f"outer step {number}: the galaxy's average is not finite (a peer sent or reduced "
+                    "garbage): it is not applied, this cluster takes its own pseudo-gradient this round"
+                )
+            if not (galaxy_average and finite):  # our own Δ again, never a partial or poisoned average
+                state.pseudo_grad_for_wire_into(averaged)
+            held.enter_context(ctx.committed.changing())
+            state.apply(averaged)
+            members = (
+                view.group - set(view.rejected) - set(view.stale)
+                if galaxy_average and finite
+                else {ctx.galaxy_rank}
+            )
+            state.committed_group = sorted(members)
+            fragment = state.fragment
+            state.land()
+            peers = {**report.peers, ctx.galaxy_rank: self.own_metadata()}
+            entry = ctx.committed.record_commit(
+                self.id.attempt, fragment, before, peers, members, alone=not (galaxy_average and finite)
+            )
+        in_sync = (
+            view.in_sync
+            and galaxy_average
+            and not view.stale
+            and clusters >= alive
+            and not (clusters == 1 and self.silent)
+        )
+        return self._result(
+            "applied",
+            report,
+            network_wait,
+            in_sync=in_sync,
+            average_finite=finite,
+            galaxy_complete=view.whole,
+            rejected_peers=view.rejected,
+            fragment=fragment,
+            ledger=entry,
+            param_hash=entry.after,  # θ_outer's hash, gathered for the entry a moment ago
+        )
+
+    def _say_who_was_left_out(self, view: RoundView) -> None:
+        ctx, number = self.ctx, self.id.number
+        if view.rejected:
+            ctx.warn(
+                f"outer step {number}: left cluster(s) {view.rejected} out of the average: their "
+                "pseudo-gradient was not finite, larger than they claimed, or above "
+                f"--hv.delta-norm-bound={ctx.hv.delta_norm_bound} times ours"
+            )
+        if view.stale:
+            ctx.warn(
+                f"outer step {number}: left cluster(s) {view.stale} out of the average: they started this "
+                "round from another θ_outer; they take the galaxy's state"
+            )
+
+    def _note_alive(self) -> None:
+        ctx = self.ctx
+        if self.alive != ctx.alive_before:
+            ctx.warn(
+                f"outer step {self.id.number}: {self.alive} of {ctx.hv.galaxy_size} clusters alive (were "
+                f"{ctx.alive_before}): rounds now wait for these"
+            )
+            ctx.alive_before = self.alive
+
+    def _record_claims(self, report: RoundReport, view: RoundView) -> None:
+        """The averaged clusters' claimed ‖Δ‖ per unit of weight into the guard's history (its bound)."""
+        self.ctx.norm_history.record(
+            claim / (valid_weight(meta.get("weight")) or 1.0)
+            for rank, meta in report.peers.items()
+            if rank not in view.rejected
+            and rank not in view.stale
+            and (claim := valid_claim(meta.get("delta_norm"))) is not None
+        )
+
+    def _take(
+        self, view: RoundView, report: RoundReport, network_wait: float, appear_within: float | None = None
+    ) -> RoundResult:
+        self._enter(Phase.TAKEN)
+        return self._take_now(view, report, network_wait, appear_within)
+
+    def _take_now(
+        self, view: RoundView, report: RoundReport, network_wait: float, appear_within: float | None = None
+    ) -> RoundResult:
+        """Take the round's result from a cluster that committed it, instead of applying anything of our own.
+        When this cluster is in the group the round was committed with (the served state says), that average
+        holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
+        commit too (:meth:`OuterState.adopt_round`, nothing lost); otherwise, or at a later round, a
+        re-sync. When nobody serves it in time, our own Δ alone keeps our progress (the next round repairs
+        it)."""
+        ctx, state, number = self.ctx, self.ctx.state, self.id.number
+        got = ctx.adoption.download(number, ctx.hv.join_timeout, exact=number, appear_within=appear_within)
+        fragment = state.fragment
+        if got is None:
+            why = "no cluster served the round's state within --hv.join-timeout"
+            return self._commit(view, report, network_wait, 1, self.alive, alone=why)
+        if got.step == number and ctx.galaxy_rank in got.metadata.get("committed_group", ()):
+            ctx.committed.take(got, own_round=True)
+            state.land()
+            ctx.warn(
+                f"outer step {number}: took the round as cluster {got.source} committed it (our Δ is in it)"
+            )
+            outcome = "adopted"
+        else:
+            ctx.committed.take(got)
+            ctx.warn(f"outer step {number - 1}: took cluster {got.source}'s state at outer step {got.step}")
+            ctx.catch_up.catch_up()
+            outcome = "resynced"
+        # adopted: our Δ is in the round, which its committer checked started from our θ_outer (else it would
+        # have left us out of the group it committed with): in sync when that group is every live cluster
+        in_sync = outcome == "adopted" and len(state.committed_group) >= self.alive
+        return self._result(
+            outcome,
+            report,
+            network_wait,
+            fragment=fragment,
+            state_source=got.source,
+            galaxy_complete=view.whole,
+            in_sync=in_sync,
+            ledger=ctx.committed.held_entry(),
+        )
+
+    @torch.no_grad()
+    def sit_out(self) -> RoundResult:
+        """Send nothing this round, then adopt the galaxy's θ_outer once the round is applied, when:
+
+        - the galaxy is ahead (:attr:`lead`): this cluster's Δ was taken from an older θ_outer than the
+          round's (a late joiner whose download is already old, a side of a healed partition), and averaging
+          it would drag every cluster back;
+        - this cluster's Δ is not finite, or out of bound (its inner training diverged). Alone, or when no
+          peer serves the state in time, it drops its local progress and goes back to its own θ_outer. After
+          ``--hv.max-bad-rounds`` such rounds in a row it stops: the divergence is its own, not a passing
+          spike."""
+        ctx, state, number = self.ctx, self.ctx.state, self.id.number
+        bad = self.diverged or self.out_of_bound
+        if bad:
+            ctx.bad_rounds += 1
+            what = "not finite" if self.diverged else "out of bound"
+            if ctx.bad_rounds > ctx.hv.max_bad_rounds:
+                raise GalaxyError(
+                    f"outer step {number}: this cluster's pseudo-gradient was {what} in {ctx.bad_rounds} "
+                    "rounds in a row (its training diverges): stopping; lower --lr or --max-grad-norm, or "
+                    "resume from an earlier checkpoint"
+                )
+            detail = (
+                ""
+                if self.diverged
+                else " (above --hv.delta-norm-bound × the galaxy's recent median, or 100 × ‖θ_outer‖)"
+            )
+            ctx.warn(
+                f"outer step {number}: this cluster's pseudo-gradient is {what}{detail}: its training "
+                "diverged; it sends nothing and adopts the galaxy's θ_outer "
+                f"({ctx.bad_rounds}/{ctx.hv.max_bad_rounds})"
+            )
+            why, wanted = "this cluster diverged", max(number, self.lead)
+        else:
+            ctx.warn(
+                f"outer step {number}: the galaxy is at outer step {self.lead}: this cluster's "
+                "pseudo-gradient comes from an older θ_outer, so it sends nothing and adopts the galaxy's "
+                "state"
+            )
+            why, wanted = "the galaxy was ahead", self.lead
+        taken = ctx.catch_up.resync(wanted, why) if ctx.hv.galaxy_size > 1 else None
+        self._enter(Phase.SAT_OUT if taken is None else Phase.TAKEN)
+        if taken is not None and not bad:
+            ctx.catch_up.catch_up()
+        state.scatter_into_model()
+        state.local_at_start = None  # the whole model is θ_outer again: nothing of the fragment's to keep
+        return self._result(
+            "resynced" if taken is not None else "sat_out",
+            state_source=None if taken is None else taken.source,
+            ledger=ctx.committed.held_entry() if taken is not None else None,
+        )
+
+    def _result(
+        self,
+        outcome: str,
+        report: RoundReport | None = None,
+        network_wait: float = 0.0,
+        fragment: int | None = None,
+        **fields: Any,
+    ) -> RoundResult:
+        """The round's :class:`RoundResult`, hashes and norms the cluster's (every shard's, combined); a
+        ``param_hash`` given is θ_outer's, already gathered (a commit's entry)."""
+        ctx, state = self.ctx, self.ctx.state
+        fragment = state.fragment if fragment is None else fragment
+        param_hash = fields.pop("param_hash", None) or ctx.committed.cluster_hash()
+        if outcome in ("applied", "adopted"):
+            fields["fragment_hash"] = combine_hashes(
+                ctx.cluster.gather_strings(state.fragment_hash(fragment))
+            )
+        if report is not None:
+            fields.update(report.record_fields())
+        return RoundResult(
+            outcome=outcome,
+            outer_step=state.outer_step,
+            fragment=fragment,
+            attempt=self.id.attempt,
+            network_wait_seconds=network_wait,
+            galaxy_alive=self.alive,
+            pseudo_grad_finite=not self.diverged,
+            pseudo_grad_in_bound=not self.out_of_bound,
+            pseudo_grad_bound=ctx.cluster.norm(self.bound**2 if self.bound is not None else math.nan),
+            pseudo_grad_norm=ctx.cluster.norm(self.local_sq),  # None when not finite (JSON has no NaN)
+            param_checksum=ctx.cluster.sum_float(state.sq_norm()),
+            param_hash=param_hash,
+            **fields,
+        )
+
+
+def _locked_buffer(ctx: RoundContext, held: contextlib.ExitStack) -> torch.Tensor | None:
+    """The averager's buffer, locked until ``held`` closes; ``None`` on every rank when any rank could not
+    lock it in time (a round that outlived its timeout still writes there), so no rank skips a collective its
+    siblings enter."""
+    try:
+        buffer = held.enter_context(ctx.averager.buffer())
+    except RoundFailed:
+        buffer = None
+    return buffer if ctx.cluster.all_true(buffer is not None) else None
+
+
+def _membership(ctx: RoundContext) -> tuple[int, int, int, int]:
+    """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of the
+    next round a live cluster started), the same on every rank of this cluster.
+
+    Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
+    any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
+    cluster that is there. A cluster with no record at all counts as alive for a while (a galaxy that starts
+    together waits for all of it: ``galaxy.averager.NOT_HEARD_SECONDS``). Lead: the highest outer step any
+    rank saw in a live cluster's record. Silent: the most gone-by-silence clusters any rank saw (see
+    ``Membership.silent``)."""
+    view = ctx.averager.membership()
+    ctx.fastest_seconds = min(view.step_seconds.values(), default=None)
+    ours = range(ctx.hv.galaxy_size)
+    gone = {rank for rank in view.departed if rank != ctx.galaxy_rank and rank in ours}
+    silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
+    alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
+    attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
+    return alive, -ctx.cluster.min_int(-view.lead), -ctx.cluster.min_int(-len(silent)), attempt

@@ -77,6 +77,14 @@ def test_docker_image_builds_and_runs():
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 SIZED_TREES = ("open_diloco", "scripts", "tests")
+LONGER_FILES = {
+    "open_diloco/outer/round.py": (
+        "one round from its start to its end, read top to bottom: split, its phases would be spread over "
+        "files that restate each other's attributes (the mixins it replaced)"
+    ),
+}
+"""Files allowed over MAX_FILE_LINES, each with its reason (issue 48: a cohesive module beats a class split
+across files)."""
 
 
 def oversized(path: Path) -> list[str]:
@@ -85,7 +93,7 @@ def oversized(path: Path) -> list[str]:
     source = path.read_text()
     name = path.relative_to(REPO).as_posix()
     found = []
-    if (lines := len(source.splitlines())) > MAX_FILE_LINES:
+    if (lines := len(source.splitlines())) > MAX_FILE_LINES and name not in LONGER_FILES:
         found.append(f"{name}: {lines} lines")
     for node in ast.walk(ast.parse(source, filename=name)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

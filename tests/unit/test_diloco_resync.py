@@ -142,7 +142,7 @@ def test_a_cluster_left_out_re_syncs_even_when_its_peer_was_left_out_too():
         linear_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), outer_hv(), warn=lambda *_: None
     )
     reference.state.outer_step = 2  # applied the round we were left out of
-    averager.served = reference._served_state()
+    averager.served = reference.committed.served()
     warnings: list[str] = []
     outer = DiLoCo(
         linear_model([1.0, 2.0]), averager, outer_hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append
@@ -163,7 +163,7 @@ def test_a_re_sync_takes_the_state_a_stuck_reference_started_from():
         linear_model([3.0, 4.0]), InProcessGalaxy(1).averager(1, 2), outer_hv(), warn=lambda *_: None
     )
     reference.state.outer_step = 4  # it started round 5 from here and has not applied it
-    averager.served = reference._served_state()
+    averager.served = reference.committed.served()
     warnings: list[str] = []
     outer = DiLoCo(
         linear_model([1.0, 2.0]), averager, outer_hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append
@@ -204,7 +204,7 @@ def test_a_retry_of_a_round_the_galaxy_already_applied_adopts_its_state_at_once(
     )
     reference.state.outer_step = 1  # applied the round whose last part we did not get
     reference.state.committed_group = [0, 1]  # ... with our Δ in it
-    averager.served = reference._served_state()
+    averager.served = reference.committed.served()
     warnings: list[str] = []
     outer = DiLoCo(
         linear_model([1.0, 2.0]), averager, outer_hv(galaxy_size=2, join_timeout=1.0), warn=warnings.append

@@ -1,4 +1,4 @@
-"""The end of a split galaxy's run (``outer/final_round.py``, ``CatchingUp.settle_final``): the larger side's
+"""The end of a split galaxy's run (``outer/final_round.py``, ``CatchUp.settle_final``): the larger side's
 θ_outer wins, ties to the side of the lowest galaxy rank, and a cluster of the smaller side takes it (from one
 source, before its final checkpoint); one that went silent is waited for up to ``--hv.final-wait``."""
 
@@ -12,7 +12,7 @@ from open_diloco.outer.adoption import choose_source
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.final_round import final_verdict
 from open_diloco.outer.protocols import Membership
-from open_diloco.outer.round import RoundResult
+from open_diloco.outer.round_result import RoundResult
 from tests.unit.test_round_protocol import ShardPeer, _hv, _model, _served
 
 
@@ -63,7 +63,7 @@ def test_a_cluster_of_the_smaller_side_ends_on_the_larger_sides_theta():
     warnings: list[str] = []
     model = _model([1.0])
     outer = DiLoCo(model, SplitGalaxy(), _hv(galaxy_size=3, world_rank=1), warn=warnings.append)
-    settled = outer.settle_final(_last_round(outer))
+    settled = outer.catch_up.settle_final(_last_round(outer))
     assert settled is not None and settled.outcome == "resynced" and settled.state_source == 0
     assert settled.outer_step == 7 and settled.param_hash != "mine"
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))  # in the model, for the export
@@ -77,12 +77,12 @@ def test_a_silent_side_is_waited_for_up_to_final_wait():
         model, SplitGalaxy(silent_reads=2), _hv(galaxy_size=3, world_rank=1, final_wait=10.0), warn=print
     )
     started = time.monotonic()
-    settled = outer.settle_final(_last_round(outer))
+    settled = outer.catch_up.settle_final(_last_round(outer))
     assert settled is not None and settled.state_source == 0 and 1.5 < time.monotonic() - started < 6
     # without the wait, the silent side has no say: the cluster keeps its own θ_outer
     model = _model([1.0])
     outer = DiLoCo(model, SplitGalaxy(silent_reads=99), _hv(galaxy_size=3, world_rank=1), warn=print)
-    assert outer.settle_final(_last_round(outer)) is None
+    assert outer.catch_up.settle_final(_last_round(outer)) is None
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0]]))
 
 

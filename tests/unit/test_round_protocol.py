@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from open_diloco.config import HvConfig
@@ -15,7 +16,7 @@ from open_diloco.outer.adoption import StateAdoption, choose_source
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.guard import NormHistory
 from open_diloco.outer.protocols import Membership, RoundReport
-from open_diloco.outer.round import RoundView
+from open_diloco.outer.round import Contribution, Phase, Round, RoundId, RoundView
 from open_diloco.outer.testing import InProcessAverager, InProcessGalaxy
 from tests.support.thread_cluster import ThreadCluster
 
@@ -105,7 +106,7 @@ def _served(values: list[float], step: int, group: list[int]):
     """What a cluster's shard serves after committing round ``step`` with ``group``."""
     donor = DiLoCo(_model(values), InProcessGalaxy(1).averager(1, len(values)), _hv(), warn=lambda *_: None)
     donor.state.outer_step, donor.state.committed_group = step, group
-    return donor._served_state()
+    return donor.committed.served()
 
 
 def _model(values: list[float]) -> torch.nn.Module:
@@ -257,7 +258,7 @@ def test_the_final_round_is_compared_with_every_cluster_that_ends_at_the_same_st
     warnings: list[str] = []
     outer = DiLoCo(_model([1.0]), Ended(1, [], {}), _hv(galaxy_size=4), warn=warnings.append)
     outer.state.outer_step = 7
-    assert outer.verify_final("mine", seconds=1.0) == [1]
+    assert outer.catch_up.verify_final("mine", seconds=1.0) == [1]
     assert len(warnings) == 1 and "unlike that of cluster(s) [2]" in warnings[0]
 
 
@@ -270,7 +271,7 @@ def test_a_final_round_nobody_confirms_names_the_clusters_that_went_silent():
     warnings: list[str] = []
     outer = DiLoCo(_model([1.0]), CutOff(1, [], {}), _hv(galaxy_size=3), warn=warnings.append)
     outer.state.outer_step = 7
-    assert outer.verify_final("mine", seconds=0.0) is None
+    assert outer.catch_up.verify_final("mine", seconds=0.0) is None
     assert (
         len(warnings) == 1
         and "no other cluster confirming" in warnings[0]
@@ -278,7 +279,7 @@ def test_a_final_round_nobody_confirms_names_the_clusters_that_went_silent():
     )
     warnings.clear()  # confirmed by one cluster: the silent one is not this run's concern
     outer.averager.membership = lambda: Membership(reported={2: (7, "mine", False)}, silent=frozenset({1}))
-    assert outer.verify_final("mine", seconds=0.0) == [2] and warnings == []
+    assert outer.catch_up.verify_final("mine", seconds=0.0) == [2] and warnings == []
 
 
 def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rather_than_its_own():
@@ -311,3 +312,42 @@ def test_out_of_attempts_alone_a_cluster_takes_the_round_another_committed_rathe
     assert peer.calls == 3 and record["round_outcome"] == "resynced" and record["state_source"] == 1, warnings
     torch.testing.assert_close(outer.state.params, torch.tensor([0.25]))  # the galaxy's round, not its own Δ
     assert not any("applies its own pseudo-gradient alone" in line for line in warnings)
+
+
+def _started(peer: ShardPeer, **overrides):
+    """A round started by a one-rank cluster after one inner step's progress (``outer/round.py``)."""
+    model = _model([1.0, 2.0])
+    outer = DiLoCo(model, peer, _hv(**overrides), warn=lambda *_: None)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    outer.state.begin_round(0, keep_local=False)
+    return outer, Round.start(outer.rounds, Contribution())
+
+
+def test_a_round_goes_through_its_phases_and_a_retried_attempt_ends_retried():
+    outer, whole = _started(ShardPeer(2, [_report([0, 1])], {}))
+    assert whole.id == RoundId(1, 0) and whole.phase is Phase.STARTED
+    result = whole.finish()
+    assert result.outcome == "applied" and result.ledger is not None and result.ledger.round == 1
+    assert whole.phase is Phase.COMMITTED
+    assert whole.history == [Phase.STARTED, Phase.AVERAGED, Phase.DECIDED]
+    with pytest.raises(RuntimeError, match="no move from committed to taken"):
+        whole._enter(Phase.TAKEN)  # an ended round never changes its end
+
+    # a partial round (1 of 2 live clusters) under --hv.on-partial-round retry: attempt 0 ends retried and
+    # attempt 1, with the same Δ, commits the whole group's average
+    peer = ShardPeer(2, [_report([0]), _report([0, 1])], {})
+    outer, partial = _started(peer)
+    result = partial.finish()
+    assert partial.phase is Phase.RETRIED and peer.calls == 2
+    assert result.outcome == "applied" and result.attempt == 1 and result.ledger.attempt == 1
+
+
+def test_a_round_behind_the_galaxy_sits_out_and_ends_taken():
+    served = {1: _served([0.5, 0.25], step=3, group=[1])}
+    outer, behind = _started(ShardPeer(2, [], served))
+    assert behind.sits_out and behind.phase is Phase.SITTING_OUT and behind.lead == 3
+    result = behind.sit_out()
+    assert behind.phase is Phase.TAKEN and result.outcome == "resynced" and result.state_source == 1
+    assert outer.outer_step == 3
+    torch.testing.assert_close(outer.state.params, torch.tensor([0.5, 0.25]))

@@ -1,0 +1,106 @@
+"""θ_outer and the ledger chain that ends at it, changed together (``outer/ledger.py``).
+
+Why one object: a peer downloads this cluster's state on the averager's thread while a round may be committing
+on the trainer's. Served apart, a state could carry a chain that does not end at its θ (the entry of a commit
+half done), and a joiner would take a history that is not its weights'. Every change of θ_outer that a ledger
+entry describes (a commit, an adopted round, a re-sync) goes through here, under one lock that a download
+waits for (bounded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from open_diloco.outer.adoption import Downloaded
+from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.digests import combine_hashes
+from open_diloco.outer.ledger import Ledger, LedgerEntry, round_entry
+from open_diloco.outer.state import OuterState
+
+LEDGER_LOCK_SECONDS = 10.0
+"""The most a state download waits for a commit in progress to write its ledger entry."""
+
+
+class CommittedState:
+    """This shard's :class:`OuterState` and the cluster's :class:`Ledger`, one lock over both."""
+
+    def __init__(self, state: OuterState, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]):
+        self.state, self.cluster, self.galaxy_rank, self.warn = state, cluster, galaxy_rank, warn
+        self.ledger = Ledger()
+        """The chain of committed rounds this cluster's θ_outer went through."""
+        self._lock = threading.Lock()
+
+    def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What a peer downloads (the averager's thread): the shard's outer state and the ledger's tail that
+        ends at it. A commit in progress holds the lock from θ_outer's change to its entry; a download waits
+        for it (bounded), else it serves no chain rather than one that does not end at its θ."""
+        held = self._lock.acquire(timeout=LEDGER_LOCK_SECONDS)
+        try:
+            metadata, tensors = self.state.snapshot()
+            tail = self.ledger.tail() if held else []
+        finally:
+            if held:
+                self._lock.release()
+        return {**metadata, "galaxy_rank": self.galaxy_rank, "ledger": tail}, tensors
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Around a change of θ_outer and the ledger together (see :meth:`served`)."""
+        with self._lock:
+            yield
+
+    def cluster_hash(self, shard_hash: str | None = None) -> str:
+        """``param_hash`` of the whole cluster's θ_outer (every shard's hash, combined), from this shard's
+        ``shard_hash`` (default: its θ_outer now). Collective."""
+        return combine_hashes(self.cluster.gather_strings(shard_hash or self.state.hash()))
+
+    def record_commit(
+        self,
+        attempt: int,
+        fragment: int,
+        before: str,
+        peers: dict[int, dict[str, Any]],
+        members: set[int],
+        alone: bool,
+    ) -> LedgerEntry:
+        """The entry of the round just applied (θ_outer is its result), appended to the chain: rank 0's, on
+        every rank (its shard's ``peers`` name the members' metadata; every rank holds the same ``before`` and
+        ``after``). Called under :meth:`changing`."""
+        entry = round_entry(
+            round_no=self.state.outer_step,
+            attempt=attempt,
+            fragment=fragment,
+            before=before,
+            after=self.cluster_hash(),
+            peers=peers,
+            members=members,
+            alone=alone,
+        )
+        (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
+        entry = LedgerEntry.from_wire(json.loads(wire))
+        if broken := self.ledger.append(entry):
+            self.warn(broken)
+        return entry
+
+    def take(self, got: Downloaded, own_round: bool = False) -> None:
+        """θ_outer and the chain that ends at it, from one download, together: ``own_round``: the round this
+        cluster sent its Δ to, taken as its own commit (:meth:`OuterState.adopt_round`), else a re-sync onto
+        the source's trajectory."""
+        with self.changing():
+            if own_round:
+                self.state.adopt_round(got.metadata, got.tensors)
+            else:
+                self.state.adopt(got.metadata, got.tensors)
+            self.ledger.take(got.metadata.get("ledger"))
+
+    def held_entry(self) -> LedgerEntry | None:
+        """The ledger entry of the θ_outer this cluster holds now (``None``: its chain does not reach it, e.g.
+        a source of an older version served none)."""
+        last = self.ledger.last
+        return last if last is not None and last.round == self.state.outer_step else None

@@ -1,0 +1,93 @@
+"""What a round came to for one cluster (:class:`RoundResult`): the one object the trainer acts on and the
+metrics records are made from (their keys are a public contract: add, never rename)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from open_diloco.outer.ledger import LedgerEntry
+
+
+@dataclass
+class RoundResult:
+    """What a round came to for this cluster. The trainer acts on :attr:`diverged`; everything else is for the
+    metrics records (:meth:`metrics`, whose keys are a public contract: add, never rename).
+
+    ``outcome``: ``applied`` (this cluster committed the galaxy's average, or its own Δ alone), ``adopted``
+    (it took the round's result from a cluster that committed it, its own Δ included: nothing lost),
+    ``resynced`` (it took another cluster's state and dropped its own progress since the round started),
+    ``sat_out`` (it sent nothing: diverged, out of bound, or behind the galaxy, and kept its own state when no
+    state came)."""
+
+    outcome: str
+    outer_step: int
+    fragment: int
+    param_hash: str
+    param_checksum: float
+    galaxy_alive: int
+    attempt: int = 0
+    state_source: int | None = None
+    """The galaxy rank of the cluster whose state was taken (adopted or re-synced), else ``None``."""
+    fragment_hash: str | None = None
+    network_wait_seconds: float = 0.0
+    galaxy_peers: int = 0
+    galaxy_complete: bool = False
+    allreduce_seconds: float = 0.0
+    matchmaking_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    matchmaking_window_seconds: float | None = None
+    round_trip_seconds: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    in_sync: bool = False
+    pseudo_grad_finite: bool = True
+    pseudo_grad_in_bound: bool = True
+    pseudo_grad_bound: float | None = None
+    pseudo_grad_norm: float | None = None
+    average_finite: bool | None = None
+    rejected_peers: list[int] = field(default_factory=list)
+    compute_utilization: float | None = None
+    round_inner_steps: int | None = None
+    """``--hv.round-steps by-speed``: the inner steps this cluster took since the synced fragment's last
+    sync (what its Δ holds)."""
+    round_weight: float | None = None
+    """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
+    ÷ H)."""
+    ledger: LedgerEntry | None = None
+    """The ledger entry of the round this cluster's θ_outer now ends at: its own commit (``applied``), the
+    committer's (``adopted``), or the last of the chain it took (``resynced``); ``None`` when it holds no
+    entry (``sat_out``, or a source that served no chain)."""
+
+    @property
+    def diverged(self) -> bool:
+        """This cluster's own training blew up this round: its weights came back from the galaxy (or its last
+        θ_outer), so the inner optimizer's moments must start afresh."""
+        return not (self.pseudo_grad_finite and self.pseudo_grad_in_bound)
+
+    @property
+    def committed(self) -> bool:
+        """This cluster holds the round's committed result (applied here, or adopted from a committed
+        cluster)."""
+        return self.outcome in ("applied", "adopted")
+
+    def metrics(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["ledger"] = self.ledger.to_wire() if self.ledger is not None else None
+        record["round_outcome"] = record.pop("outcome")
+        record["retries"] = self.attempt
+        record["resynced"] = self.outcome == "resynced"
+        record["committed"] = self.committed
+        for optional in (
+            "fragment_hash",
+            "average_finite",
+            "compute_utilization",
+            "round_inner_steps",
+            "round_weight",
+            "ledger",
+            "matchmaking_window_seconds",
+            "round_trip_seconds",
+        ):
+            if record[optional] is None:
+                del record[optional]
+        return record
