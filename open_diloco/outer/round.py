@@ -167,6 +167,10 @@ class RoundView:
     left_out: bool
     """Some shard's reducers left this very cluster out as stale: it must take the round's reference peer's
     state (retrying cannot help: its next Δ would come from the same θ_outer)."""
+    shard_groups: tuple[str, ...] = ()
+    """Each shard's group (its clusters, comma-separated), in rank order: what a warning names."""
+    overtaken_shards: tuple[int, ...] = ()
+    """The local ranks whose shard was overtaken while it looked for a group."""
 
     @property
     def committable(self) -> bool:
@@ -190,16 +194,25 @@ class RoundView:
                 if rank not in stale or rank == galaxy_rank
             )
         )
+        overtaken = cluster.gather_strings("1" if report.overtaken else "")
         return RoundView(
             whole=cluster.all_true(report.complete and not failed),
             same_group=len(set(groups)) == 1,
             group=frozenset(int(rank) for rank in groups[0].split(",") if rank),
-            overtaken=not cluster.all_true(not report.overtaken),  # any shard: a cluster never half-adopts
+            overtaken=any(overtaken),  # any shard: a cluster never half-adopts
             rejected=rejected,
             stale=stale,
             in_sync=in_sync,
             left_out=left_out,
+            shard_groups=tuple(groups),
+            overtaken_shards=tuple(rank for rank, flag in enumerate(overtaken) if flag),
         )
+
+
+def _groups(view: RoundView) -> str:
+    """Each shard's group, for a warning: ``shard 0: [0, 1, 2]; shard 1: [0, 1]``."""
+    shards = enumerate(view.shard_groups)
+    return "; ".join(f"shard {shard}: [{group.replace(',', ', ')}]" for shard, group in shards)
 
 
 def _ranks_by_any_rank(cluster: ClusterComm, ranks: list[int]) -> list[int]:
@@ -379,7 +392,8 @@ class Round:
         if view.overtaken:
             ctx.warn(
                 f"outer step {number}: the galaxy applied this round without this cluster while it "
-                "looked for a group: it takes the galaxy's state rather than wait for the next round"
+                "looked for a group: it takes the galaxy's state rather than wait for the next round "
+                f"(overtaken: shard(s) {list(view.overtaken_shards)}; {_groups(view)})"
             )
             return Verdict(Next.TAKE)
         if view.left_out:
@@ -432,7 +446,7 @@ class Round:
             if view.committable
             else "an average did not arrive whole on every shard"
             if not view.whole
-            else "its shards met different groups"
+            else f"its shards met different groups ({_groups(view)})"
         )
         ctx.warn(
             f"outer step {number}: {what}: nothing applied; "

@@ -39,6 +39,7 @@ def test_a_round_is_committable_only_when_every_shard_got_it_whole_from_the_same
     assert all(not view.whole and not view.committable for view in short)
     split = _views([_report([0, 1, 2]), _report([0, 1])])  # three clusters at the matchmaking edge
     assert all(view.whole and not view.same_group and not view.committable for view in split)
+    assert all(view.shard_groups == ("0,1,2", "0,1") and not view.overtaken_shards for view in split)
 
 
 def test_a_cluster_left_out_by_one_shard_is_left_out_on_every_rank():
