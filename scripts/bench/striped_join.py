@@ -3,6 +3,7 @@ the same run, between real averagers: over loopback, or over the WAN lab (script
 
     python scripts/bench/striped_join.py --model 1m                          # loopback, a few seconds
     sudo .venv/bin/python scripts/bench/striped_join.py --model 25m --profile home --holders 3
+    ... --kill-after 10     # and once more with the last holder killed (its process tree) 10 s in
 
 Each holder is one shard averager (``galaxy/build.py``) serving the same state (θ_outer of ``--model``'s size,
 random, seeded), in a lab namespace of its own with ``--profile``; the joiner, in one more, downloads it three
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +36,9 @@ MODELS = {
     "100m": REPO / "configs/models/llama-100m-fresh",
 }
 WAYS = ("stream, 1 holder", "striped, 1 holder", "striped, all holders")
+KILLED = "striped, one killed"
+"""With ``--kill-after S``: the striped download once more, the last holder killed (its process tree, by PID)
+S seconds into it: the others deliver its parts."""
 
 
 def _averager(args: argparse.Namespace, rank: int):
@@ -67,22 +72,25 @@ def holder(args: argparse.Namespace) -> None:
 
 
 def joiner(args: argparse.Namespace) -> None:
-    """Download the holders' state each way ``--repeats`` times; print the seconds of each as JSON."""
+    """Download the holders' state each way ``--repeats`` times (then once with a holder killed, with
+    ``--kill-after``); print the seconds of each as JSON, and a line as each starts."""
     import torch
 
     averager = _averager(args, args.holders)
     peers = args.peers.split(",")
     ways = {WAYS[0]: None, WAYS[1]: [], WAYS[2]: peers[1:]}
+    runs = [way for _ in range(args.repeats) for way in ways] + ([KILLED] if args.kill_after else [])
+    ways[KILLED] = peers[1:]
     first = None
     try:
-        for _ in range(args.repeats):
-            for way, holders in ways.items():
-                started = time.monotonic()
-                got = averager.download_state(args.timeout, source=peers[0], holders=holders)
-                seconds = time.monotonic() - started
-                same = got is not None and (first is None or torch.equal(got[1][0], first))
-                first = got[1][0] if first is None and got is not None else first
-                print(json.dumps({"way": way, "seconds": seconds, "bitwise": same}), flush=True)
+        for way in runs:
+            print(json.dumps({"starting": way}), flush=True)
+            started = time.monotonic()
+            got = averager.download_state(args.timeout, source=peers[0], holders=ways[way])
+            seconds = time.monotonic() - started
+            same = got is not None and (first is None or torch.equal(got[1][0], first))
+            first = got[1][0] if first is None and got is not None else first
+            print(json.dumps({"way": way, "seconds": seconds, "bitwise": same}), flush=True)
     finally:
         averager.shutdown()
 
@@ -94,6 +102,7 @@ def _start(galaxy, lab, endpoint: str, args: argparse.Namespace, *role: str) -> 
         *(sys.executable, "-m", "scripts.bench.striped_join", *role),
         *("--initial-peers", galaxy.maddr, "--host", host, "--numel", str(args.numel)),
         *("--holders", str(args.holders), "--timeout", str(args.timeout), "--repeats", str(args.repeats)),
+        *("--kill-after", str(args.kill_after)),
     ]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
     galaxy.procs[f"{role[0]}{len(galaxy.procs)}"] = proc  # ended by PID at galaxy.close()
@@ -102,6 +111,7 @@ def _start(galaxy, lab, endpoint: str, args: argparse.Namespace, *role: str) -> 
 
 def run(args: argparse.Namespace, workdir: Path, lab=None) -> dict[str, list[dict]]:
     """The holders and the joiner on ``lab`` (or loopback); the joiner's rows by way."""
+    from open_diloco import processes
     from open_diloco.local_galaxy import Galaxy
 
     galaxy = Galaxy(workdir, lab=lab)
@@ -112,13 +122,23 @@ def run(args: argparse.Namespace, workdir: Path, lab=None) -> dict[str, list[dic
         ]
         peers = [json.loads(proc.stdout.readline())["peer"] for proc in holders]
         joining = _start(galaxy, lab, f"cluster{args.holders}", args, "joiner", "--peers", ",".join(peers))
-        out, _ = joining.communicate(timeout=args.repeats * len(WAYS) * (args.timeout + 10) + 120)
+        killer = threading.Timer(args.kill_after, processes.kill_tree, [holders[-1].pid])
+        killer.daemon = True
+        deadline = time.monotonic() + (args.repeats * len(WAYS) + 1) * (args.timeout + 10) + 120
+        out = []
+        for line in joining.stdout:  # each download's row, and a line as each starts
+            out.append(line)
+            if line.startswith("{") and json.loads(line).get("starting") == KILLED:
+                killer.start()
+            if time.monotonic() > deadline:
+                break
+        joining.wait(timeout=10)
+        killer.cancel()
     finally:
         galaxy.close()
-    rows: dict[str, list[dict]] = {way: [] for way in WAYS}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
+    rows: dict[str, list[dict]] = {way: [] for way in (*WAYS, KILLED)}
+    for line in out:
+        if line.startswith("{") and "way" in (row := json.loads(line)):
             rows[row["way"]].append(row)
     return rows
 
@@ -138,6 +158,14 @@ def report(rows: dict[str, list[dict]], megabytes: float, holders: int) -> str:
         lines.append(f"{way:<22} {medians[way]:>9.2f} {megabytes / medians[way]:>7.1f} {ok}")
     if WAYS[1] in medians and WAYS[2] in medians:
         lines.append(f"1 holder ÷ {holders} holders (striped): {medians[WAYS[1]] / medians[WAYS[2]]:.2f}x")
+    if KILLED in medians and WAYS[2] in medians and WAYS[1] in medians:
+        # the killed holder's parts (1/holders of the state, less what it sent before) fetched again from the
+        # others: at most its share at the survivors' joint rate
+        bound = medians[WAYS[2]] + medians[WAYS[1]] / holders / (holders - 1)
+        lines.append(
+            f"one holder killed: +{medians[KILLED] - medians[WAYS[2]]:.1f} s over all holders "
+            f"(its whole share again from the others: +{bound - medians[WAYS[2]]:.1f} s)"
+        )
     return "\n".join(lines)
 
 
@@ -151,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holders", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="one download's bound, seconds")
+    parser.add_argument(
+        "--kill-after", type=float, default=0.0, help="then once more, the last holder killed after S seconds"
+    )
     for internal in ("--initial-peers", "--host", "--peers"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     parser.add_argument("--numel", type=int, help=argparse.SUPPRESS)
