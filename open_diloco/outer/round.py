@@ -355,8 +355,7 @@ class Round:
                     return current.sit_out()
                 # the galaxy is ahead: it committed this round after our check (its record a read behind).
                 # Take it, as a commit when our Δ is in it, rather than re-sync
-                current._enter(Phase.TAKEN)
-                return current._take_now(view, report, network_wait)
+                return current._take(view, report, network_wait)
 
     def _wait(self) -> tuple[RoundReport, bool]:
         """The round's report, or a group of one (``failed``) when it produced no result."""
@@ -571,12 +570,6 @@ class Round:
     def _take(
         self, view: RoundView, report: RoundReport, network_wait: float, appear_within: float | None = None
     ) -> RoundResult:
-        self._enter(Phase.TAKEN)
-        return self._take_now(view, report, network_wait, appear_within)
-
-    def _take_now(
-        self, view: RoundView, report: RoundReport, network_wait: float, appear_within: float | None = None
-    ) -> RoundResult:
         """Take the round's result from a cluster that committed it, instead of applying anything of our own.
         When this cluster is in the group the round was committed with (the served state says), that average
         holds our Δ (the same at every attempt of a round): taken at exactly this round, it is this cluster's
@@ -584,6 +577,7 @@ class Round:
         re-sync. When nobody serves it in time, our own Δ alone keeps our progress (the next round repairs
         it)."""
         ctx, state, number = self.ctx, self.ctx.state, self.id.number
+        self._enter(Phase.TAKEN)
         got = ctx.adoption.download(number, ctx.hv.join_timeout, exact=number, appear_within=appear_within)
         fragment = state.fragment
         if got is None:

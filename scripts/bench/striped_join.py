@@ -123,17 +123,19 @@ def run(args: argparse.Namespace, workdir: Path, lab=None) -> dict[str, list[dic
         peers = [json.loads(proc.stdout.readline())["peer"] for proc in holders]
         joining = _start(galaxy, lab, f"cluster{args.holders}", args, "joiner", "--peers", ",".join(peers))
         killer = threading.Timer(args.kill_after, processes.kill_tree, [holders[-1].pid])
-        killer.daemon = True
-        deadline = time.monotonic() + (args.repeats * len(WAYS) + 1) * (args.timeout + 10) + 120
+        # the joiner's bound: killed past it, its output ends and the loop below with it
+        bound = (args.repeats * len(WAYS) + 1) * (args.timeout + 10) + 120
+        watchdog = threading.Timer(bound, processes.kill_tree, [joining.pid])
+        killer.daemon = watchdog.daemon = True
+        watchdog.start()
         out = []
         for line in joining.stdout:  # each download's row, and a line as each starts
             out.append(line)
             if line.startswith("{") and json.loads(line).get("starting") == KILLED:
                 killer.start()
-            if time.monotonic() > deadline:
-                break
         joining.wait(timeout=10)
         killer.cancel()
+        watchdog.cancel()
     finally:
         galaxy.close()
     rows: dict[str, list[dict]] = {way: [] for way in (*WAYS, KILLED)}
@@ -163,8 +165,8 @@ def report(rows: dict[str, list[dict]], megabytes: float, holders: int) -> str:
         # others: at most its share at the survivors' joint rate
         bound = medians[WAYS[2]] + medians[WAYS[1]] / holders / (holders - 1)
         lines.append(
-            f"one holder killed: +{medians[KILLED] - medians[WAYS[2]]:.1f} s over all holders "
-            f"(its whole share again from the others: +{bound - medians[WAYS[2]]:.1f} s)"
+            f"one holder killed: {medians[KILLED] - medians[WAYS[2]]:+.1f} s over all holders "
+            f"(its whole share again from the others: {bound - medians[WAYS[2]]:+.1f} s)"
         )
     return "\n".join(lines)
 
