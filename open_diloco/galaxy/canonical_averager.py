@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager, matchmaking
+from hivemind.averaging import averager as hivemind_averager  # its loop: galaxy/task_refs.py
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException
@@ -31,6 +32,7 @@ from open_diloco.galaxy.lifecycle import become_galaxy_child
 from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
 from open_diloco.galaxy.stripe_plan import PART_BYTES
 from open_diloco.galaxy.striped_download import StripedDownload
+from open_diloco.galaxy.task_refs import hold_tasks_in_loops_of
 from open_diloco.outer.guard import ClaimCheck, valid_claim, valid_weight
 from open_diloco.outer.policy import out_of_cohort
 
@@ -41,9 +43,7 @@ from open_diloco.outer.policy import out_of_cohort
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
 log = logging.getLogger(__name__)
 
-GRACE_SECONDS = (
-    1.0  # past averaging_timeout: for hivemind to report a lonely deadline, or a download to come in
-)
+GRACE_SECONDS = 1.0  # past averaging_timeout: for hivemind to report a lonely deadline, a download to come
 LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
 STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
 GROUP_POLL_SECONDS = 0.2  # a shard looking for a group reads its group key from the DHT at most this often
@@ -96,10 +96,9 @@ class CanonicalAverager(DecentralizedAverager):
         strangers = [peer for peer in group_info.peer_ids if not self._admits(peer, "a group")]
         if strangers:  # cannot happen through our own matchmaking; a group with a stranger is never averaged
             refused = AllreduceException(f"the group has peers not on --hv.allowlist: {strangers}")
-            self._running_groups[group_id].set_exception(refused)  # peers waiting for this group fail at once
-            self._running_groups[
-                group_id
-            ].exception()  # (retrieved: no "never retrieved" warning without them)
+            running = self._running_groups[group_id]
+            running.set_exception(refused)  # peers waiting for this group fail at once
+            running.exception()  # (retrieved: no "never retrieved" warning without them)
             raise refused
         runner = CanonicalAllReduce(
             p2p=self._p2p,
@@ -194,6 +193,7 @@ class CanonicalAverager(DecentralizedAverager):
         CanonicalAverager._process_allowlist = self.allowlist
         logging.getLogger("hivemind.averaging.averager").addFilter(one_line_download_failures)
         matchmaking.GroupKeyManager = PacedGroupKeyManager  # this process serves this averager alone
+        hold_tasks_in_loops_of(hivemind_averager)  # a cancelled round's matchmaking is not garbage
         super().run()
 
     # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------

@@ -13,12 +13,14 @@ import threading
 from collections.abc import Sequence
 
 from hivemind import DHT
+from hivemind.dht import dht as hivemind_dht
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from open_diloco.addresses import listen_address, peer_address
 from open_diloco.errors import ConfigError
 from open_diloco.galaxy.lifecycle import become_galaxy_child, end_child
+from open_diloco.galaxy.task_refs import hold_tasks_in_loops_of
 
 DHT_PIPE_LOCK = threading.Lock()
 """hivemind's DHT takes requests through one pipe and no lock: every thread of this process that sends one
@@ -45,6 +47,7 @@ class GalaxyDHT(DHT):
     def run(self) -> None:
         become_galaxy_child(self._parent_pid)
         logging.getLogger("hivemind.dht.dht").addFilter(_drop_requests_of_dead_callers)
+        hold_tasks_in_loops_of(hivemind_dht)  # no request's task is garbage before it answers
         try:
             super().run()
         except EOFError:

@@ -212,6 +212,25 @@ def test_a_peer_slow_to_read_gets_every_average(galaxy):
         assert sum(r[3]["bytes_sent"] for r in results) == sum(r[3]["bytes_received"] for r in results)
 
 
+def test_a_cancelled_round_collected_as_garbage_does_not_keep_its_shard_from_later_groups(galaxy):
+    """A cancelled round leaves hivemind's matchmaking tasks referenced only by each other while they take
+    the declaration back; a garbage collection used to destroy them holding their locks, and that shard was
+    never met again, its siblings meeting everyone (the ``lan`` soak, ``galaxy/task_refs.py``). Peer 0
+    cancels a round under a burst of collections, then both must meet, round after round."""
+    rounds, n = 2, 2
+    barrier = CTX.Barrier(n + 1)
+    galaxy.start(0, rounds, barrier, initial_peers=[], galaxy_size=n, fault="cancelled round")
+    ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
+    galaxy.start(1, rounds, barrier, initial_peers=maddrs, galaxy_size=n)
+    galaxy.wait_for("ready", n)
+    for round_id in range(rounds):
+        barrier.wait(60)
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]
+        assert not [m for m in galaxy.messages if m[0] == "round_error"]
+        assert [r[3]["group_size"] for r in results] == [n] * n, [r[3] for r in results]
+        assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
+
+
 def test_group_of_one_returns_at_once_unchanged(galaxy):
     barrier = CTX.Barrier(2)
     start_galaxy(galaxy, 1, 1, barrier)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import hashlib
 import logging
 import math
@@ -127,6 +128,30 @@ def _pin_nothing() -> None:
     CanonicalAverager._pinned = nothing
 
 
+def _collect_garbage_on_request() -> None:
+    """Give this peer's averager process a ``_collect_garbage`` command: collections back to back for a while,
+    as Python's automatic collector may run there at any moment."""
+    from open_diloco.galaxy.canonical_averager import CanonicalAverager
+
+    async def collect_garbage(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            gc.collect()
+            await asyncio.sleep(0.002)
+
+    CanonicalAverager._collect_garbage = collect_garbage
+
+
+def _cancel_a_round_collecting_garbage(av) -> None:
+    """Fault injection: start a round nobody else comes to, cancel it while it looks for a group (a round the
+    galaxy applied without this cluster), and collect garbage in the averager process meanwhile."""
+    cancelled = av.start_round(10_000, {"fingerprint": "cancelled"})
+    time.sleep(0.7)
+    cancelled.control.cancel()
+    av.averager._outer_pipe.send(("_collect_garbage", [], dict(seconds=2.0)))
+    time.sleep(2.5)
+
+
 def _report_striped_downloads(queue, rank: int, fault: str | None) -> None:
     """Send this peer's striped download lines to the test (``fault``: and answer no part, or no pin)."""
     if fault == "drop parts":
@@ -150,6 +175,18 @@ class _StripeLines(logging.Handler):
             self.queue.put(("stripe", self.rank, record.getMessage()))
 
 
+def _inject(fault: str | None, crash: bool) -> None:
+    """Set up this peer's fault before its averager's process is forked (it inherits them)."""
+    if crash:
+        _crash_when_reducing()
+    if fault in ("nan", "liar"):
+        _send_garbage(fault)
+    if fault == "slow reader":
+        _read_averages_slowly(0.4)
+    if fault == "cancelled round":
+        _collect_garbage_on_request()
+
+
 def _peer(
     rank: int,
     kwargs: dict,
@@ -169,12 +206,7 @@ def _peer(
     from open_diloco.galaxy.build import ClusterShard, start_shard_averager
     from open_diloco.outer.codecs import score_values
 
-    if crash:
-        _crash_when_reducing()
-    if fault in ("nan", "liar"):
-        _send_garbage(fault)
-    if fault == "slow reader":
-        _read_averages_slowly(0.4)
+    _inject(fault, crash)
     _report_striped_downloads(queue, rank, fault)
 
     def on_sigterm(signum, frame):
@@ -205,6 +237,8 @@ def _peer(
             start = time.monotonic()
             state = av.download_state(download, *([holders[0], list(holders[1:])] if holders else []))
             queue.put(("state", rank, state, time.monotonic() - start))
+        if fault == "cancelled round":
+            _cancel_a_round_collecting_garbage(av)
         n = hv.galaxy_size
         scores = score_values(numel, hv.compression, hv.sparse_rule)
         for round_id in range(rounds):

@@ -1,0 +1,48 @@
+"""Every asyncio task of a hivemind process held until it ends.
+
+asyncio's loop holds its tasks only by weak reference: a pending task that nothing else references is
+garbage, collected in the middle of whatever it awaits. hivemind's averager leaves such tasks behind. When a
+round is cancelled, ``DecentralizedAverager._step`` cancels its matchmaking task and returns without awaiting
+it; that task, its search task and its declare task then run their ``finally`` blocks, the last one awaiting
+a DHT store (taking this peer's declaration back) through an ``MPFuture``, which hivemind's own registry also
+holds only weakly. Until the DHT answers, those three tasks and the future reference only each other. A
+collection in that window destroys them mid-``finally`` ("Task was destroyed but it is pending!",
+"aclose(): asynchronous generator is already running"), and the search's and the declaration's locks
+(``PotentialLeaders.lock_search``, ``lock_declare``) stay held for the life of the process: every later
+round of that shard waits on them, never declares itself, and is never met. The 4 x 2 ``lan`` soak lost a
+cluster's shard that way for the rest of its run, its sibling shard meeting everyone
+(docs/results/chaos-soak.md); ``tests/e2e/test_averager.py`` reproduces it on loopback.
+
+Holding every task until it is done gives the ``finally`` blocks the time hivemind wrote them to have. A task
+that would never end stays held (it would have stayed pending anyway): hivemind's waits all have timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import ModuleType
+from typing import Any
+
+_held: set[asyncio.Task] = set()
+"""This process's pending tasks; each leaves the set as it ends."""
+
+
+def _held_task(loop: asyncio.AbstractEventLoop, coro, **kwargs: Any) -> asyncio.Task:
+    task = asyncio.Task(coro, loop=loop, **kwargs)
+    _held.add(task)
+    task.add_done_callback(_held.discard)
+    return task
+
+
+def hold_tasks_in_loops_of(module: ModuleType) -> None:
+    """Make the event loops ``module`` makes (hivemind's ``switch_to_uvloop``, as imported there) hold every
+    task they create until it ends. For the process that serves one hivemind averager or DHT alone: call it in
+    that process, before its loop starts."""
+    make_loop = module.switch_to_uvloop
+
+    def switch_to_uvloop() -> asyncio.AbstractEventLoop:
+        loop = make_loop()
+        loop.set_task_factory(_held_task)
+        return loop
+
+    module.switch_to_uvloop = switch_to_uvloop
