@@ -277,8 +277,13 @@ class Galaxy:
 
 
 def outer_records(metrics: Path) -> dict[int, dict]:
-    """A cluster's records of outer steps, by outer step."""
-    return {r["outer_step"]: r for r in read_metrics(metrics) if "outer_step" in r}
+    """A cluster's records of outer steps, by outer step (a round that held, committing nothing, made none:
+    ``outer/quorum.py``)."""
+    return {
+        r["outer_step"]: r
+        for r in read_metrics(metrics)
+        if "outer_step" in r and r.get("round_outcome") != "held"
+    }
 
 
 def repaired(record: dict) -> bool:

@@ -157,6 +157,12 @@ class HvConfig(BaseModel):
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
 
+    fork_after: Annotated[float, Field(ge=0)] = 120.0
+    """Seconds a cluster without a majority of the galaxy's roster commits nothing (it trains on, and takes
+    the majority's state once the partition heals) before it commits on a fork of the ledger: the way on for
+    a side whose majority is gone for good (docs/round-protocol.md, "Quorum"). 0: never hold (every side of a
+    partition commits on its own, as before the quorum)."""
+
     heartbeat_interval: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between refreshes of this cluster's membership and status record in the DHT (besides one after
     every round and one when it leaves)."""

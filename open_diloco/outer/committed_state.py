@@ -21,6 +21,7 @@ from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.ledger import Ledger, LedgerEntry, round_entry
+from open_diloco.outer.quorum import next_roster
 from open_diloco.outer.state import OuterState
 
 LEDGER_LOCK_SECONDS = 10.0
@@ -68,10 +69,14 @@ class CommittedState:
         peers: dict[int, dict[str, Any]],
         members: set[int],
         alone: bool,
+        fork: bool = False,
     ) -> LedgerEntry:
         """The entry of the round just applied (θ_outer is its result), appended to the chain: rank 0's, on
         every rank (its shard's ``peers`` name the members' metadata; every rank holds the same ``before`` and
-        ``after``). Called under :meth:`changing`."""
+        ``after``), its roster from the members' (``outer/quorum.py``). Called under :meth:`changing`."""
+        sent = [peers.get(rank, {}) for rank in members]
+        gone = {int(rank) for meta in sent for rank in meta.get("gone") or ()}
+        roster = next_roster((meta.get("roster") for meta in sent), members, gone)
         entry = round_entry(
             round_no=self.state.outer_step,
             attempt=attempt,
@@ -81,6 +86,8 @@ class CommittedState:
             peers=peers,
             members=members,
             alone=alone,
+            roster=roster,
+            fork=fork,
         )
         (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
         entry = LedgerEntry.from_wire(json.loads(wire))

@@ -79,6 +79,12 @@ class LedgerEntry:
     alone: bool = False
     """This cluster applied its own Δ alone (nobody averaged or served the round): an entry of one, which the
     galaxy's own entry for the round (if any) contradicts."""
+    roster: tuple[int, ...] | None = None
+    """The clusters whose majority a round needs from now on (``outer/quorum.py``); ``None`` in entries made
+    before the roster existed."""
+    fork: bool = False
+    """Committed without a quorum, after ``--hv.fork-after`` seconds of holding: a fork of the chain, named by
+    its ``before`` (its parent's ``after``)."""
 
     @functools.cached_property
     def hash(self) -> str:
@@ -105,6 +111,9 @@ class LedgerEntry:
             "codec": self.codec,
             "outer_optimizer": self.outer_optimizer,
             "alone": self.alone,
+            # only when set: an entry from before these fields keeps its hash
+            **({"roster": list(self.roster)} if self.roster is not None else {}),
+            **({"fork": True} if self.fork else {}),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -129,6 +138,8 @@ class LedgerEntry:
                 codec=str(fields["codec"]),
                 outer_optimizer=str(fields["outer_optimizer"]),
                 alone=bool(fields.get("alone", False)),
+                roster=None if fields.get("roster") is None else tuple(int(r) for r in fields["roster"]),
+                fork=bool(fields.get("fork", False)),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise LedgerBroken(
@@ -156,6 +167,8 @@ def round_entry(
     peers: dict[int, dict[str, Any]],
     members: Iterable[int],
     alone: bool = False,
+    roster: tuple[int, ...] | None = None,
+    fork: bool = False,
 ) -> LedgerEntry:
     """The entry of a committed round from what every member holds alike: the members (galaxy ranks whose Δ
     is in the average), the metadata each sent with the round (``peers``: weight, inner steps, codec, outer
@@ -176,6 +189,8 @@ def round_entry(
         codec=_agreed(meta.get("codec") for meta in metadata),
         outer_optimizer=_agreed(meta.get("outer_optimizer") for meta in metadata),
         alone=alone,
+        roster=roster,
+        fork=fork,
     )
 
 

@@ -5,7 +5,8 @@ Its states (:class:`Phase`), in the order a round goes through them::
 
     start ─► started ─► averaged ─► decided ─► committed  apply the average (alone: its own Δ)
       │                                    ├─► taken      from a committer: adopted, or re-synced
-      │                                    └─► retried    attempt a + 1 of the same round (a new Round)
+      │                                    ├─► retried    attempt a + 1 of the same round (a new Round)
+      │                                    └─► held       no quorum: nothing committed, training goes on
       └─► sitting out ─► sat out, or taken (re-synced)    nothing sent: diverged, out of bound, behind
 
 *Matched* is inside the averager: its report names the group the round matched and the average it got.
@@ -16,6 +17,10 @@ holds the reducers' exact bytes, by construction. Otherwise it never applies its
 the round from a cluster that committed it (with its own Δ in it: *adopted*, nothing lost), or runs it again
 under the next attempt. Why: with one average lost on one shard, "apply what arrived" left one cluster a model
 no other cluster held, and the repairs after the fact (re-syncs a round later) cascaded on lossy links.
+
+**The quorum.** A commit also needs a majority of the roster the cluster's chain names (``outer/quorum.py``):
+a side of a partition without one holds, and takes the majority's state once it is back; after
+``--hv.fork-after`` seconds of holding it commits on a fork.
 
 Every branch runs the same collectives on every rank of the cluster (:class:`ClusterComm`), so every shard
 follows the same path. ``docs/round-protocol.md`` tells the whole story.
@@ -38,6 +43,7 @@ from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import valid_claim, valid_weight, wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome
 from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
+from open_diloco.outer.quorum import has_quorum, roster_of
 from open_diloco.outer.round_result import RoundResult
 
 if TYPE_CHECKING:
@@ -77,16 +83,22 @@ class Phase(enum.Enum):
     TAKEN = "taken"
     RETRIED = "retried"
     SAT_OUT = "sat out"
+    HELD = "held"
+    """No quorum: nothing committed, the model trains on (``outer/quorum.py``)."""
 
 
 MOVES = {
     Phase.STARTED: {Phase.AVERAGED},
     Phase.SITTING_OUT: {Phase.SAT_OUT, Phase.TAKEN},
     Phase.AVERAGED: {Phase.DECIDED},
-    Phase.DECIDED: {Phase.COMMITTED, Phase.TAKEN, Phase.RETRIED},
-    Phase.TAKEN: {Phase.COMMITTED},  # nobody served the state in time: its own Δ alone
+    Phase.DECIDED: {Phase.COMMITTED, Phase.TAKEN, Phase.RETRIED, Phase.HELD},
+    Phase.TAKEN: {
+        Phase.COMMITTED,
+        Phase.HELD,
+    },  # nobody served the state in time: its own Δ alone, if a quorum
 }
-"""The moves a round may make; the ends (committed, taken, retried, sat out) have none but the one above."""
+"""The moves a round may make; the ends (committed, taken, retried, sat out, held) have none but the one
+above."""
 
 
 class Next(enum.Enum):
@@ -139,6 +151,8 @@ class RoundContext:
     """Rounds in a row this cluster sat out with a bad pseudo-gradient (not finite, or out of bound)."""
     fastest_seconds: float | None = None
     """The least seconds per inner step a live cluster published, as the last round's start read it."""
+    holding_since: float | None = None
+    """When this cluster began to hold (no quorum), on this rank's clock; ``None`` while it commits."""
 
     @property
     def state(self) -> OuterState:
@@ -251,6 +265,10 @@ class Round:
     above this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
     silent: int = 0
     """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
+    ended: frozenset[int] = frozenset()
+    """Clusters whose records say they ended their run (any rank saw it): they vote in no quorum."""
+    gone: frozenset[int] = frozenset()
+    """Clusters this rank's membership read calls gone (ended, or silent): the roster drops them."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
     history: list[Phase] = field(default_factory=list)
@@ -274,10 +292,11 @@ class Round:
         runs the same collectives whatever happens on it."""
         state = ctx.state
         own_hash = state.hash()
-        alive, lead, silent, galaxy_attempt = _membership(ctx)
+        alive, lead, silent, galaxy_attempt, ended, gone = _membership(ctx)
         attempt = max(attempt, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
         ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
         made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=silent)
+        made.ended, made.gone = ended, gone
         if lead > state.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a cut)
             made.lead, made.phase = lead, Phase.SITTING_OUT
             return made
@@ -330,7 +349,14 @@ class Round:
                 f"sgd lr={hv.outer_lr:g} momentum={hv.outer_momentum:g} nesterov={hv.outer_nesterov} "
                 f"warmup_rounds={hv.outer_warmup_rounds}"
             ),
+            "roster": sorted(self.roster),
+            "gone": sorted(self.gone),
         }
+
+    @property
+    def roster(self) -> frozenset[int]:
+        """The clusters whose majority this round needs: what this cluster's chain names."""
+        return roster_of(self.ctx.committed.ledger.last, self.ctx.hv.galaxy_size)
 
     # -- finish: wait, agree, decide ------------------------------------------------------------------------
     @torch.no_grad()
@@ -468,22 +494,17 @@ class Round:
         keeps its progress and which the next round's hash check repairs; then land it in the model and record
         its ledger entry."""
         ctx, state, number = self.ctx, self.ctx.state, self.id.number
-        self._enter(Phase.COMMITTED)
         galaxy_average = alone is None
+        voting = view.group - set(view.rejected) - set(view.stale) if galaxy_average else {ctx.galaxy_rank}
+        fork = not has_quorum(voting, self.roster, self.ended)
+        if fork and not self._fork_due():
+            return self._hold(view, report, network_wait, voting)
+        self._enter(Phase.COMMITTED)
         self._say_who_was_left_out(view)
         if galaxy_average:
             self._record_claims(report, view)
         self._note_alive()
-        if clusters < self.alive and galaxy_average:
-            retried = f" after {self.id.attempt} retries" if self.id.attempt else ""
-            ctx.warn(
-                f"outer step {number}: proceeding with {clusters} of {self.alive} live clusters{retried}"
-            )
-        elif not galaxy_average:
-            ctx.warn(
-                f"outer step {number}: {alone}: this cluster applies its own pseudo-gradient alone (the "
-                "next round's hash check re-syncs it)"
-            )
+        self._say_what_is_applied(clusters, alone)
         before = ctx.committed.cluster_hash(self.own_hash)
         with contextlib.ExitStack() as held:
             averaged = _locked_buffer(ctx, held)
@@ -512,7 +533,7 @@ class Round:
             state.land()
             peers = {**report.peers, ctx.galaxy_rank: self.own_metadata()}
             entry = ctx.committed.record_commit(
-                self.id.attempt, fragment, before, peers, members, alone=not (galaxy_average and finite)
+                self.id.attempt, fragment, before, peers, members, not (galaxy_average and finite), fork
             )
         in_sync = (
             view.in_sync
@@ -533,6 +554,56 @@ class Round:
             ledger=entry,
             param_hash=entry.after,  # θ_outer's hash, gathered for the entry a moment ago
         )
+
+    def _fork_due(self) -> bool:
+        """Whether this cluster has held for ``--hv.fork-after`` seconds (every rank agrees): it commits on a
+        fork rather than hold on (the majority may be gone for good)."""
+        ctx = self.ctx
+        since = ctx.holding_since
+        held = 0.0 if since is None else time.monotonic() - since
+        if not ctx.cluster.all_true(held >= ctx.hv.fork_after):  # 0: never hold (every side commits)
+            return False
+        if since is not None:
+            ctx.warn(
+                f"outer step {self.id.number}: no majority of the roster {sorted(self.roster)} for "
+                f"--hv.fork-after={ctx.hv.fork_after:g}s: this cluster commits on a fork of the ledger"
+            )
+        return True
+
+    def _hold(
+        self, view: RoundView, report: RoundReport, network_wait: float, voting: set[int]
+    ) -> RoundResult:
+        """Commit nothing: no quorum (``outer/quorum.py``). The model trains on from where it is (the next
+        round's Δ holds this one's steps too); θ_outer and the chain stay, so once the partition heals this
+        cluster is behind the majority and takes its state."""
+        ctx, roster = self.ctx, self.roster
+        self._enter(Phase.HELD)
+        if ctx.holding_since is None:
+            ctx.holding_since = time.monotonic()
+        present = sorted(voting & (roster - self.ended))
+        ctx.warn(
+            f"outer step {self.id.number}: clusters {present} are no majority of the roster {sorted(roster)}"
+            f"{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster commits nothing, "
+            "trains on, and takes the majority's state when it is back (a fork after "
+            f"--hv.fork-after={ctx.hv.fork_after:g}s, held "
+            f"{time.monotonic() - ctx.holding_since:.0f}s)"
+        )
+        ctx.state.local_at_start = None  # nothing lands: the model keeps every step it took
+        return self._result("held", report, network_wait, galaxy_complete=view.whole)
+
+    def _say_what_is_applied(self, clusters: int, alone: str | None) -> None:
+        """A warning when the round commits without every live cluster, or this cluster's Δ alone."""
+        number = self.id.number
+        if alone is not None:
+            self.ctx.warn(
+                f"outer step {number}: {alone}: this cluster applies its own pseudo-gradient alone (the "
+                "next round's hash check re-syncs it)"
+            )
+        elif clusters < self.alive:
+            retried = f" after {self.id.attempt} retries" if self.id.attempt else ""
+            self.ctx.warn(
+                f"outer step {number}: proceeding with {clusters} of {self.alive} live clusters{retried}"
+            )
 
     def _say_who_was_left_out(self, view: RoundView) -> None:
         ctx, number = self.ctx, self.id.number
@@ -672,6 +743,8 @@ class Round:
         """The round's :class:`RoundResult`, hashes and norms the cluster's (every shard's, combined); a
         ``param_hash`` given is θ_outer's, already gathered (a commit's entry)."""
         ctx, state = self.ctx, self.ctx.state
+        if outcome != "held":
+            ctx.holding_since = None
         fragment = state.fragment if fragment is None else fragment
         param_hash = fields.pop("param_hash", None) or ctx.committed.cluster_hash()
         if outcome in ("applied", "adopted"):
@@ -708,9 +781,10 @@ def _locked_buffer(ctx: RoundContext, held: contextlib.ExitStack) -> torch.Tenso
     return buffer if ctx.cluster.all_true(buffer is not None) else None
 
 
-def _membership(ctx: RoundContext) -> tuple[int, int, int, int]:
+def _membership(ctx: RoundContext) -> tuple[int, int, int, int, frozenset[int], frozenset[int]]:
     """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of the
-    next round a live cluster started), the same on every rank of this cluster.
+    next round a live cluster started, the clusters that ended), the same on every rank of this cluster; and
+    the clusters this rank reads as gone (ended or silent: what it tells the round's roster).
 
     Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
     any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
@@ -725,4 +799,11 @@ def _membership(ctx: RoundContext) -> tuple[int, int, int, int]:
     silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
     alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
-    return alive, -ctx.cluster.min_int(-view.lead), -ctx.cluster.min_int(-len(silent)), attempt
+    ended = frozenset(
+        int(rank)
+        for seen in ctx.cluster.gather_strings(",".join(map(str, sorted(gone - silent))))
+        for rank in seen.split(",")
+        if rank
+    )
+    lead, silent_count = -ctx.cluster.min_int(-view.lead), -ctx.cluster.min_int(-len(silent))
+    return alive, lead, silent_count, attempt, ended, frozenset(gone)

@@ -38,7 +38,7 @@ th:first-child,td:first-child{text-align:left}
 .ct{font-size:12px;font-weight:600}
 .tk{font-size:10px;fill:#555}.al{font-size:10px;fill:#555;text-anchor:middle}
 .ax{stroke:#888;fill:none}.grid{stroke:#eee}.none{fill:#999;font-size:12px;text-anchor:middle}
-.o-applied{fill:#43a047}.o-adopted{fill:#1e88e5}.o-resynced{fill:#8e24aa}.o-sat_out{fill:#fbc02d}
+.o-applied{fill:#43a047}.o-adopted{fill:#1e88e5}.o-resynced{fill:#8e24aa}.o-sat_out{fill:#fbc02d}.o-held{fill:#90a4ae}
 .o-absent{fill:#f4f4f4;stroke:#bbb;stroke-dasharray:2 1}.oos{fill-opacity:.55;stroke:#e65100;stroke-width:1}
 .hatch{fill:url(#hatch);pointer-events:none}.retry{fill:#fff;stroke:#000;stroke-width:.6;pointer-events:none}
 .legend .key{margin-right:14px;white-space:nowrap;font-size:12px}.legend svg{vertical-align:-2px}

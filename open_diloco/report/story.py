@@ -15,7 +15,7 @@ from typing import Any
 
 from open_diloco.report.runs import ClusterMetrics
 
-OUTCOMES = ("applied", "adopted", "resynced", "sat_out", "absent")
+OUTCOMES = ("applied", "adopted", "resynced", "sat_out", "held", "absent")
 """What a round was for a cluster (the metrics' ``round_outcome``, and ``absent``: no record of the round)."""
 
 
@@ -160,7 +160,7 @@ def _split(
 ) -> Split:
     inside = [c for r in bad for c in by_round[r]]
     apart = sorted({c.cluster for c in inside if c.apart})
-    missed = sorted({c.cluster for c in inside if c.outcome in ("absent", "resynced", "sat_out")})
+    missed = sorted({c.cluster for c in inside if c.outcome in ("absent", "resynced", "sat_out", "held")})
     before = [r for r in rounds if r < bad[0]]
     start = _round_time(by_round[before[-1]]) if before else None
     end = _round_time(by_round[healed]) if healed is not None else None
@@ -205,7 +205,8 @@ def summarize(story: Story) -> list[str]:
         f"{len(clusters)} clusters ({', '.join(c.label for c in clusters)}), {len(story.rounds)} rounds, "
         f"{last_step} steps in {_duration(hours * 3600)}.",
         f"Rounds by outcome over all clusters: {counts['applied']} applied, {counts['adopted']} adopted, "
-        f"{counts['resynced']} re-synced, {counts['sat_out']} sat out, {counts['absent']} absent; "
+        f"{counts['resynced']} re-synced, {counts['sat_out']} sat out, {counts['held']} held (no quorum), "
+        f"{counts['absent']} absent; "
         f"{retried} needed a retry.",
     ]
     if story.splits:

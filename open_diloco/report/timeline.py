@@ -22,6 +22,7 @@ OUTCOME_TEXT = {
     "adopted": "adopted",
     "resynced": "re-synced",
     "sat_out": "sat out",
+    "held": "held (no quorum)",
     "absent": "absent",
 }
 LEGEND = (
@@ -31,6 +32,7 @@ LEGEND = (
     ("adopted", "adopted"),
     ("resynced", "re-synced"),
     ("sat_out", "sat out"),
+    ("held", "held (no quorum)"),
     ("absent", "absent"),
 )
 

@@ -63,7 +63,12 @@ def test_a_cluster_that_sat_out_goes_on_where_the_galaxy_is(lead_progress, step_
     # skips ahead
     galaxy = InProcessGalaxy(1, serve_state=True)
     hv = dict(
-        galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0
+        galaxy_size=2,
+        local_steps=20,
+        on_partial_round="proceed",
+        join_timeout=5.0,
+        averaging_timeout=4.0,
+        fork_after=0.0,  # the round after the catch-up is cluster 1's alone: it commits (no quorum wait)
     )
     ahead = DiLoCo(
         linear_model([1.0]), galaxy.averager(0, 1), outer_hv(world_rank=0, **hv), warn=lambda *_: None

@@ -1,0 +1,57 @@
+"""Which side of a split galaxy may commit a round: the one that holds a majority of the roster.
+
+Why: before this rule, after a partition the side that ran ahead won, whatever its size. A cluster cut off for
+30 s committed rounds alone (they cost it nothing), came back 15–30 outer steps ahead, and the three healthy
+clusters re-synced onto it: their work during the cut, thrown away (docs/results/chaos-soak.md). Both sides of
+a partition hold the same chain up to the cut, so they agree on its roster without a message, and at most one
+side can hold more than half of it.
+
+- **The roster** is carried by the ledger (``LedgerEntry.roster``): a committed round's roster is the rosters
+  its members held, and its members, less the clusters a member saw leave (a record that says it ended, or
+  silent past ``--hv.member-expiry``). It changes only by a committed entry, so only a side with a quorum
+  changes it; a cluster that comes back joins it again with the first round it is a member of. Before the
+  first entry (or from entries older than the roster) it is every rank of ``--hv.galaxy-size``.
+- **A quorum**: the round's members hold more than half of the roster's clusters that have not said they
+  ended, or exactly half when they hold its lowest rank (the tie-break: one side of an even split, the same
+  on both sides).
+- **Without one** a cluster *holds*: it commits nothing, trains on (the next round's Δ holds this one's
+  steps too) and takes the majority's state when the partition heals (it is behind by then).
+- **A fork**, where no majority can be had (the majority is gone for good, or an even split's other side):
+  after ``--hv.fork-after`` seconds of holding, the cluster commits on an entry marked ``fork``; its
+  roster is then its own side.
+
+Pure: no torch, no hivemind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from open_diloco.outer.ledger import LedgerEntry
+
+
+def roster_of(entry: LedgerEntry | None, galaxy_size: int) -> frozenset[int]:
+    """The roster a cluster's chain names at ``entry`` (its last), or every rank of the galaxy."""
+    if entry is not None and entry.roster is not None:
+        return frozenset(entry.roster)
+    return frozenset(range(galaxy_size))
+
+
+def has_quorum(members: Iterable[int], roster: Iterable[int], ended: Iterable[int] = ()) -> bool:
+    """Whether a round with ``members`` may commit (see the module docstring); ``ended``: clusters whose
+    records say they ended their run (they vote no more)."""
+    voters = set(roster) - set(ended)
+    if len(voters) <= 1:
+        return True  # a galaxy of one, or everyone else ended: nobody to split from
+    present = set(members) & voters
+    return 2 * len(present) > len(voters) or (2 * len(present) == len(voters) and min(voters) in present)
+
+
+def next_roster(
+    rosters: Iterable[Iterable[int] | None], members: Iterable[int], gone: Iterable[int]
+) -> tuple[int, ...]:
+    """A committed round's roster from what its members sent: their rosters (``None``: a member that sent
+    none, as an older version), the members themselves, less the clusters some member saw leave."""
+    members = set(members)
+    joined = set(members).union(*(set(roster) for roster in rosters if roster is not None))
+    return tuple(sorted(joined - (set(gone) - members)))

@@ -1,0 +1,99 @@
+"""The quorum (``outer/quorum.py``): which side of a split galaxy commits, the roster the ledger carries, and
+a cluster that holds (commits nothing, trains on) or, after ``--hv.fork-after``, commits on a fork."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from open_diloco.outer.diloco import DiLoCo
+from open_diloco.outer.ledger import LedgerEntry, round_entry
+from open_diloco.outer.quorum import has_quorum, next_roster, roster_of
+from open_diloco.outer.testing import InProcessGalaxy
+from tests.support.tiny_outer import linear_model, outer_hv
+
+
+@pytest.mark.parametrize(
+    "members, roster, ended, expected",
+    [
+        ({0, 1, 2}, {0, 1, 2, 3}, (), True),  # three of four
+        ({3}, {0, 1, 2, 3}, (), False),  # the one cut off
+        ({0, 1}, {0, 1, 2, 3}, (), True),  # an even split: the side with the lowest rank
+        ({2, 3}, {0, 1, 2, 3}, (), False),  # ... and not the other
+        ({0}, {0, 1}, (), True),  # two clusters apart: cluster 0 commits
+        ({1}, {0, 1}, (), False),  # cluster 1 holds
+        ({1}, {0, 1}, (0,), True),  # ... unless cluster 0 said it ended
+        ({2, 3}, {0, 1, 2, 3}, (0,), True),  # 2 of the 3 that vote
+        ({0, 1, 4}, {0, 1, 2, 3}, (), True),  # a joiner counts for nothing, the two of four still tie-break
+        ({1, 4, 5}, {0, 1, 2, 3}, (), False),  # ... nor do joiners make a minority a majority
+        ({0}, {0}, (), True),  # a galaxy of one
+    ],
+)
+def test_a_round_commits_with_a_majority_of_the_roster(members, roster, ended, expected):
+    assert has_quorum(members, roster, ended) is expected
+
+
+def test_the_roster_drops_who_left_and_takes_back_who_came():
+    assert next_roster([[0, 1, 2, 3], [0, 1, 2, 3]], {0, 1, 2}, gone={3}) == (0, 1, 2)
+    assert next_roster([[0, 1, 2]], {0, 1, 2, 3}, gone={3}) == (0, 1, 2, 3)  # back: a member again
+    assert next_roster([None, [0, 1]], {0, 1}, gone=()) == (0, 1)  # a member of an older version sent none
+    assert roster_of(None, 3) == frozenset({0, 1, 2})
+
+
+def test_the_roster_and_the_fork_are_in_the_entry_hash_and_absent_from_older_entries():
+    plain = dict(round_no=1, attempt=0, fragment=0, before="a", after="b", peers={}, members={0})
+    old = round_entry(**plain)
+    assert "roster" not in old.to_wire() and "fork" not in old.to_wire()  # an older entry keeps its hash
+    new = round_entry(**plain, roster=(0, 1), fork=True)
+    assert LedgerEntry.from_wire(new.to_wire()) == new and new.hash != old.hash
+
+
+def _run(galaxy: InProcessGalaxy, locals_per_round: dict[int, list[float]], **hv):
+    """Each cluster (a thread) sets its one weight to the given value before each round; returns its model's
+    weight, records and outer loop."""
+    results = {}
+
+    def cluster(rank: int):
+        model = linear_model([1.0])
+        settings = dict(world_rank=rank, galaxy_size=galaxy.size, outer_lr=1.0, outer_momentum=0.0, **hv)
+        outer = DiLoCo(model, galaxy.averager(rank, 1), outer_hv(**settings), warn=lambda *_: None)
+        records = []
+        for local in locals_per_round[rank]:
+            with torch.no_grad():
+                model.weight.fill_(local)
+            records.append(outer.after_inner_step(1))
+        results[rank] = (model.weight.item(), records, outer)
+
+    threads = [threading.Thread(target=cluster, args=(rank,)) for rank in range(galaxy.size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_a_cluster_cut_off_from_the_majority_holds_and_trains_on():
+    # three clusters, cluster 2 meets nobody (a partition): clusters 0 and 1 commit two rounds; cluster 2
+    # commits nothing, its model keeps every step (the second round's Δ holds both strides)
+    galaxy = InProcessGalaxy(3, drop={2})
+    locals_ = {0: [0.0, 0.0], 1: [0.5, 0.5], 2: [0.25, 0.125]}
+    results = _run(galaxy, locals_, on_partial_round="proceed")
+    for rank in (0, 1):
+        _, records, outer = results[rank]
+        assert [r["round_outcome"] for r in records] == ["applied", "applied"]
+        assert outer.ledger.last.roster == (0, 1, 2) and not outer.ledger.last.fork
+    weight, records, outer = results[2]
+    assert [r["round_outcome"] for r in records] == ["held", "held"]
+    assert [r["outer_step"] for r in records] == [0, 0] and outer.ledger.last is None
+    assert weight == 0.125 and outer.state.params.item() == 1.0  # trained on; θ_outer untouched
+
+
+def test_after_fork_after_a_cut_off_cluster_commits_on_a_fork():
+    galaxy = InProcessGalaxy(3, drop={2})
+    results = _run(galaxy, {0: [0.0], 1: [0.5], 2: [0.25]}, on_partial_round="proceed", fork_after=0.0)
+    _, records, outer = results[2]
+    assert records[0]["round_outcome"] == "applied" and outer.state.params.item() == 0.25
+    assert outer.ledger.last.fork and outer.ledger.last.ranks == [2]
+    assert not results[0][2].ledger.last.fork  # the majority's entry is no fork
