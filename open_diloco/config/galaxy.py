@@ -158,8 +158,8 @@ class HvConfig(BaseModel):
     """Retries of a partial round before proceeding with the clusters present (policy `retry`)."""
 
     fork_after: Annotated[float, Field(ge=0)] = 120.0
-    """Seconds a cluster without a majority of the galaxy's roster commits nothing (it trains on, and takes
-    the majority's state once the partition heals) before it commits on a fork of the ledger: the way on for
+    """Seconds a cluster without a majority of the galaxy's roster commits nothing (it takes the majority's
+    state once the partition heals) before it commits on a fork of the ledger: the way on for
     a side whose majority is gone for good (docs/round-protocol.md, "Quorum"). 0: never hold (every side of a
     partition commits on its own, as before the quorum)."""
 

@@ -6,7 +6,7 @@ Its states (:class:`Phase`), in the order a round goes through them::
     start ─► started ─► averaged ─► decided ─► committed  apply the average (alone: its own Δ)
       │                                    ├─► taken      from a committer: adopted, or re-synced
       │                                    ├─► retried    attempt a + 1 of the same round (a new Round)
-      │                                    └─► held       no quorum: nothing committed, training goes on
+      │                                    └─► held       no quorum: nothing committed, the stride dropped
       └─► sitting out ─► sat out, or taken (re-synced)    nothing sent: diverged, out of bound, behind
 
 *Matched* is inside the averager: its report names the group the round matched and the average it got.
@@ -84,7 +84,7 @@ class Phase(enum.Enum):
     RETRIED = "retried"
     SAT_OUT = "sat out"
     HELD = "held"
-    """No quorum: nothing committed, the model trains on (``outer/quorum.py``)."""
+    """No quorum: nothing committed, the stride dropped (``outer/quorum.py``)."""
 
 
 MOVES = {
@@ -573,9 +573,11 @@ class Round:
     def _hold(
         self, view: RoundView, report: RoundReport, network_wait: float, voting: set[int]
     ) -> RoundResult:
-        """Commit nothing: no quorum (``outer/quorum.py``). The model trains on from where it is (the next
-        round's Δ holds this one's steps too); θ_outer and the chain stay, so once the partition heals this
-        cluster is behind the majority and takes its state."""
+        """Commit nothing: no quorum (``outer/quorum.py``). θ_outer and the chain stay, so once the partition
+        heals this cluster is behind the majority and takes its state. The fragment lands as after a round
+        that applied nothing (θ_local back to θ_outer, mixed as ``--hv.sync-alpha`` says): its stride is
+        dropped, as it would be at the heal anyway; kept, the next Δ would grow with every held round until
+        the guard called it out of bound and the cluster diverged."""
         ctx, roster = self.ctx, self.roster
         self._enter(Phase.HELD)
         if ctx.holding_since is None:
@@ -584,11 +586,11 @@ class Round:
         ctx.warn(
             f"outer step {self.id.number}: clusters {present} are no majority of the roster {sorted(roster)}"
             f"{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster commits nothing, "
-            "trains on, and takes the majority's state when it is back (a fork after "
+            "and takes the majority's state when it is back (a fork after "
             f"--hv.fork-after={ctx.hv.fork_after:g}s, held "
             f"{time.monotonic() - ctx.holding_since:.0f}s)"
         )
-        ctx.state.local_at_start = None  # nothing lands: the model keeps every step it took
+        ctx.state.land()
         return self._result("held", report, network_wait, galaxy_complete=view.whole)
 
     def _say_what_is_applied(self, clusters: int, alone: str | None) -> None:

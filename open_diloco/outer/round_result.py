@@ -18,7 +18,7 @@ class RoundResult:
     (it took the round's result from a cluster that committed it, its own Δ included: nothing lost),
     ``resynced`` (it took another cluster's state and dropped its own progress since the round started),
     ``sat_out`` (it sent nothing: diverged, out of bound, or behind the galaxy, and kept its own state when no
-    state came), ``held`` (no majority of the galaxy's roster: nothing committed, the model trains on;
+    state came), ``held`` (no majority of the galaxy's roster: nothing committed, the stride dropped;
     ``outer/quorum.py``)."""
 
     outcome: str

@@ -1,5 +1,5 @@
 """The quorum (``outer/quorum.py``): which side of a split galaxy commits, the roster the ledger carries, and
-a cluster that holds (commits nothing, trains on) or, after ``--hv.fork-after``, commits on a fork."""
+a cluster that holds (commits nothing, drops its stride) or, after ``--hv.fork-after``, commits on a fork."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _run(galaxy: InProcessGalaxy, locals_per_round: dict[int, list[float]], **hv
 
 def test_a_cluster_cut_off_from_the_majority_holds_and_trains_on():
     # three clusters, cluster 2 meets nobody (a partition): clusters 0 and 1 commit two rounds; cluster 2
-    # commits nothing, its model keeps every step (the second round's Δ holds both strides)
+    # commits nothing, and its stride lands on the unchanged θ_outer (dropped: its next Δ stays one stride's)
     galaxy = InProcessGalaxy(3, drop={2})
     locals_ = {0: [0.0, 0.0], 1: [0.5, 0.5], 2: [0.25, 0.125]}
     results = _run(galaxy, locals_, on_partial_round="proceed")
@@ -87,7 +87,7 @@ def test_a_cluster_cut_off_from_the_majority_holds_and_trains_on():
     weight, records, outer = results[2]
     assert [r["round_outcome"] for r in records] == ["held", "held"]
     assert [r["outer_step"] for r in records] == [0, 0] and outer.ledger.last is None
-    assert weight == 0.125 and outer.state.params.item() == 1.0  # trained on; θ_outer untouched
+    assert weight == 1.0 and outer.state.params.item() == 1.0  # back to θ_outer, which is untouched
 
 
 def test_after_fork_after_a_cut_off_cluster_commits_on_a_fork():

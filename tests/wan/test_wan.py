@@ -88,10 +88,8 @@ def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
     # lowest rank: it is the quorum of the split (outer/quorum.py) and trains on alone; cluster 1 commits
     # nothing (its rounds hold; 30 s is under --hv.fork-after) and once the link is back it takes cluster
     # 0's state: the quorum's work while apart is kept. The two average together again with equal hashes
-    # within 2 rounds. H = 80 makes a round 7-15 s here: the heal costs seconds whatever the round length (a
-    # new connection a round trip after the link is back, a heartbeat, a read at a round's end, a state
-    # download: 5-7 s), so "2 rounds" needs rounds of several seconds, still far shorter than a real
-    # galaxy's.
+    # within 2 rounds. H = 80 makes a round 7-15 s: the heal costs seconds whatever the round length (5-7 s:
+    # HEAL_SECONDS), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
     steps = [
         "--max-steps",
@@ -134,7 +132,7 @@ def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
     assert while_apart, (cut_at, apart)
     assert not any(rec["in_sync"] for rec in while_apart), while_apart
     assert any(rec["galaxy_alive"] == 1 for rec in while_apart), while_apart  # a lone round
-    # cluster 1 committed nothing past the round in flight at the cut: it held, and its model trained on
+    # cluster 1 committed nothing past the round in flight at the cut: it held
     held = [r for r in read_metrics(metrics[1]) if r.get("round_outcome") == "held"]
     assert apart[1] <= cut_at[1] + 1 and held, (cut_at, apart, held)
     assert healed is not None, [
