@@ -85,15 +85,17 @@ def outcome_of(record: dict[str, Any]) -> str:
 def build_cells(clusters: list[ClusterMetrics]) -> tuple[list[int], dict[tuple[int, int], Cell]]:
     """Every round any cluster recorded, and a cell per (cluster, round) within each cluster's lifetime (its
     first to last sync): a round it has no record of there is ``absent``. A round recorded twice (a retry
-    logged again after a restart) counts by its last record."""
+    logged again after a restart, a held round taken later) counts by its last record."""
     cells: dict[tuple[int, int], Cell] = {}
     for index, cluster in enumerate(clusters):
         for record in cluster.syncs:
             attempt = record.get("attempt", record.get("retries")) or 0
-            cells[(index, record["outer_step"])] = Cell(
+            outcome = outcome_of(record)
+            number = record["outer_step"] + (outcome == "held")  # a held round produced no outer step
+            cells[(index, number)] = Cell(
                 cluster=index,
-                round=record["outer_step"],
-                outcome=outcome_of(record),
+                round=number,
+                outcome=outcome,
                 attempt=int(attempt),
                 in_sync=record.get("in_sync"),
                 peers=record.get("galaxy_peers"),

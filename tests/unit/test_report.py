@@ -60,6 +60,7 @@ def test_summary_names_the_longest_split_and_the_final_agreement(story):
 
 def test_outcome_of_an_older_trainers_record():
     assert outcome_of({"round_outcome": "adopted"}) == "adopted"
+    assert outcome_of({"round_outcome": "held"}) == "held"  # no quorum (outer/quorum.py)
     assert outcome_of({"resynced": True}) == "resynced"
     assert outcome_of({"pseudo_grad_finite": False}) == "sat_out"
     assert outcome_of({"outer_step": 3}) == "applied"
