@@ -81,8 +81,51 @@ def judge(
         "clusters": clusters,
         "faults": fault_rows,
         "log_lines": [{"count": n, "line": line} for line, n in kinds.most_common(25)],
-        "acceptance": targets(clusters, fault_rows, hung, left_running, ledger_breaks(out, len(syncs))),
+        "acceptance": targets(
+            clusters,
+            fault_rows,
+            hung,
+            left_running,
+            ledger_breaks(out, len(syncs)),
+            minority_taken(faults, syncs),
+        ),
     }
+
+
+HEAL_SECONDS = 120.0
+"""After a partition ends: how long a re-sync onto the cut-off cluster still counts as the heal's."""
+
+
+def minority_taken(faults: list[Fault], syncs: list[list[dict]]) -> list[str]:
+    """Issue 49's rule, where one cluster of three or more is cut off: no other cluster re-syncs onto a state
+    of its own, during the cut or in the heal after it (the majority's work is kept; ``outer/quorum.py``). A
+    re-sync from it onto a θ another cluster reached by itself (the majority's, which the cut-off cluster
+    took first) breaks nothing. Each breach: ``#fault: cluster c took cluster k's state at outer step s``."""
+    taken = []
+    for f in faults:
+        if f.kind != "partition" or not f.fired or len(syncs) < 3:
+            continue
+
+        def onto_it(record: dict, cut: int = f.cluster) -> bool:
+            return bool(record.get("resynced")) and record.get("state_source") == cut
+
+        reached = {  # (outer step, hash) the clusters other than the cut-off one reached without it
+            (r["outer_step"], r.get("param_hash"))
+            for c, records in enumerate(syncs)
+            if c != f.cluster
+            for r in records
+            if not onto_it(r)
+        }
+        taken += [
+            f"#{f.index}: cluster {c} took cluster {f.cluster}'s state at outer step {r['outer_step']}"
+            for c, records in enumerate(syncs)
+            if c != f.cluster
+            for r in records
+            if onto_it(r)
+            and f.start <= r["time"] <= f.end + HEAL_SECONDS
+            and (r["outer_step"], r.get("param_hash")) not in reached
+        ]
+    return taken
 
 
 def ledger_breaks(out: Path, clusters: int) -> list[str]:
@@ -98,9 +141,10 @@ def targets(
     hung: bool,
     left_running: list[dict],
     ledger: list[str] = (),
+    minority: list[str] = (),
 ) -> list[dict]:
-    """Issue 34's acceptance targets and issue 48's (retries, the ledger), each ``{"target", "value",
-    "passed"}``."""
+    """Issue 34's acceptance targets, issue 48's (retries, the ledger) and issue 49's (the majority's work
+    kept), each ``{"target", "value", "passed"}``."""
     finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
     free = sum(c["syncs_without_fault"] for c in clusters)
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
@@ -154,6 +198,11 @@ def targets(
             "every cluster's ledger chain continuous, ending at its final θ",
             f"{len(ledger)} breaks" + (f": {ledger[0]}" if ledger else ""),
             not ledger,
+        ),
+        (
+            "no cluster took a cut-off cluster's state (the majority's work kept)",
+            f"{len(minority)} re-syncs onto it" + (f": {minority[0]}" if minority else ""),
+            not minority,
         ),
         ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
         ("nothing left running", f"{len(left_running)} processes", not left_running),

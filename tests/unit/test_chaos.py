@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, repairable_from, windows
-from scripts.chaos.judge import normalize, targets
+from scripts.chaos.judge import minority_taken, normalize, targets
 from scripts.chaos.plan import KINDS, Fault, schedule
 from scripts.chaos.run import with_overrides
 
@@ -160,3 +160,20 @@ def test_log_lines_become_kinds():
         "Nov 27 08:59:45.498 [WARN] [x:174] peer 12D3KooWMa2sv7rxA3d24mrxhsK7N1vm2omUf1MNMqhivq5gQt4E sent 3"
     )
     assert normalize(peer) == "[WARN] [x:N] peer PEER sent N"
+
+
+def test_a_resync_onto_the_cut_off_clusters_own_state_breaks_the_quorum_rule():
+    cut = Fault(0, "partition", 2, 10, 30.0, start=100.0, end=130.0)
+
+    def taken(h: str) -> dict:
+        return {**sync(6, 140.0, h=h, resynced=True), "state_source": 2}
+
+    majority = [sync(5, 120.0, h="m5")]
+    # cluster 0 re-synced onto cluster 2's own θ at step 6 (nobody else reached it): the minority won
+    syncs = [[*majority, taken("c6")], [*majority, sync(6, 139.0, h="m6")], [sync(6, 125.0, h="c6")]]
+    assert minority_taken([cut], syncs) == ["#0: cluster 0 took cluster 2's state at outer step 6"]
+    # onto the θ cluster 1 reached without it (the majority's, which cluster 2 took first): no breach
+    syncs[0][-1] = taken("m6")
+    assert minority_taken([cut], syncs) == []
+    # two clusters: no majority to keep, the rule does not apply
+    assert minority_taken([cut], [[taken("c6")], [sync(6, 125.0, h="c6")]]) == []
