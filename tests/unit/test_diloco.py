@@ -14,30 +14,7 @@ from open_diloco.errors import GalaxyError
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.optimizer import outer_sgd_step_
 from open_diloco.outer.testing import InProcessGalaxy
-from tests.support.tiny_outer import linear_model, outer_hv
-
-
-def _run_clusters(galaxy, starts, locals_per_round, **kwargs):
-    """Each cluster starts at ``starts``, and before each round sets its local weights to the given values."""
-    results = {}
-
-    def cluster(rank: int):
-        model = linear_model(starts)
-        hv = outer_hv(**{"world_rank": rank, "galaxy_size": galaxy.size, **kwargs})
-        outer = DiLoCo(model, galaxy.averager(rank, len(starts)), hv, warn=lambda *_: None)
-        records = []
-        for local in locals_per_round[rank]:
-            with torch.no_grad():
-                model.weight.copy_(torch.tensor([local]))
-            records.append(outer.after_inner_step(1))
-        results[rank] = (model.weight.detach().clone(), records, outer)
-
-    threads = [threading.Thread(target=cluster, args=(r,)) for r in range(galaxy.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return results
+from tests.support.tiny_outer import linear_model, outer_hv, run_clusters
 
 
 def test_outer_step_matches_hand_computed_nesterov():
@@ -48,7 +25,7 @@ def test_outer_step_matches_hand_computed_nesterov():
     # 2.0]
     galaxy = InProcessGalaxy(2)
     locals_ = {0: [[0.5, 2.5], [0.401, 2.2]], 1: [[0.9, 1.5], [0.601, 1.8]]}
-    results = _run_clusters(galaxy, [1.0, 2.0], locals_)
+    results = run_clusters(galaxy, [1.0, 2.0], locals_)
     expected = [[0.601, 2.0], [0.601 - 0.7 * 0.433, 2.0]]
     for rank in (0, 1):
         weight, records, _ = results[rank]
@@ -67,7 +44,7 @@ def test_outer_step_equals_torch_reference_over_many_rounds():
         r: [(torch.tensor(start) + 0.1 * torch.randn(64)).tolist() for _ in range(rounds)]
         for r in range(size)
     }
-    results = _run_clusters(InProcessGalaxy(size), start, locals_)
+    results = run_clusters(InProcessGalaxy(size), start, locals_)
     # reference: plain fp64 loop of the same formula
     theta = torch.tensor(start, dtype=torch.float64)
     buf = None
@@ -94,7 +71,7 @@ def test_inner_steps_between_rounds_do_nothing():
 @pytest.mark.parametrize("policy, expected_calls", [("proceed", 1), ("retry", 3)])
 def test_partial_round_policy(policy, expected_calls):
     galaxy = InProcessGalaxy(2, drop={1})
-    results = _run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, on_partial_round=policy, max_retries=2)
+    results = run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, on_partial_round=policy, max_retries=2)
     weight, records, outer = results[0]
     assert records[0]["galaxy_peers"] == 1 and records[0]["retries"] == expected_calls - 1
     assert records[0]["in_sync"] is False  # a live cluster was missing: nobody can tell
@@ -147,7 +124,7 @@ def test_a_cluster_alone_is_in_sync_only_when_the_others_said_they_ended(left):
 def test_a_round_of_every_live_cluster_is_complete():
     # galaxy of 3, cluster 2 gone: the two live clusters' round is whole (no retry), and averages the two
     galaxy = InProcessGalaxy(2, departed={2})
-    results = _run_clusters(
+    results = run_clusters(
         galaxy,
         [1.0],
         {0: [[0.0]], 1: [[0.5]]},
@@ -184,7 +161,7 @@ def test_outer_momentum_zero_is_plain_sgd():
     params, momentum = torch.tensor([1.0]), None
     momentum = outer_sgd_step_(params, torch.tensor([0.25]), momentum, lr=1.0, momentum=0.0, nesterov=True)
     assert momentum is None and params.item() == 0.75
-    results = _run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.25]]}, outer_lr=1.0, outer_momentum=0.0)
+    results = run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.25]]}, outer_lr=1.0, outer_momentum=0.0)
     assert results[0][0].item() == 0.25  # plain averaging of one cluster: θ_outer follows θ_local
 
 
@@ -192,7 +169,7 @@ def test_heavy_ball_momentum_hand_computed():
     # θ0 = 1; one cluster; locals 0.5 then 0.3 (Δ1 = 0.5, Δ2 = θ1 − 0.3)
     # round 1: b = 0.5, θ1 = 1 − 0.7·0.5 = 0.65; round 2: Δ2 = 0.35, b = 0.9·0.5 + 0.35 = 0.8, θ2 = 0.65 −
     # 0.56
-    results = _run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.3]]}, outer_nesterov=False)
+    results = run_clusters(InProcessGalaxy(1), [1.0], {0: [[0.5], [0.3]]}, outer_nesterov=False)
     weight, _, outer = results[0]
     assert weight.item() == pytest.approx(0.09, abs=1e-6)
     assert outer.state.momentum_buffer.item() == pytest.approx(0.8, abs=1e-6)
@@ -200,7 +177,7 @@ def test_heavy_ball_momentum_hand_computed():
 
 def test_outer_lr_above_one_extrapolates_the_average():
     # plain averaging scaled by 1.5: θ0 = 1, locals A = 0.4, B = 0.6 → Δ̄ = 0.5 → θ1 = 1 − 1.5·0.5 = 0.25
-    results = _run_clusters(
+    results = run_clusters(
         InProcessGalaxy(2), [1.0], {0: [[0.4]], 1: [[0.6]]}, outer_lr=1.5, outer_momentum=0.0
     )
     for rank in (0, 1):
@@ -224,7 +201,7 @@ def test_outer_warmup_hand_computed():
     # round 3 (lr 0.7, μ 0.9): local θ2 − 0.1 → Δ = 0.1, b = 0.9·0.2 + 0.1 = 0.28, update 0.1 + 0.252 = 0.352,
     #   θ3 = 0.2535 − 0.2464 = 0.0071
     locals_ = [[0.5], [0.3], [0.2535 - 0.1]]
-    results = _run_clusters(InProcessGalaxy(1), [1.0], {0: locals_}, outer_warmup_rounds=2)
+    results = run_clusters(InProcessGalaxy(1), [1.0], {0: locals_}, outer_warmup_rounds=2)
     weight, records, outer = results[0]
     assert weight.item() == pytest.approx(0.0071, abs=1e-6)
     assert outer.state.momentum_buffer.item() == pytest.approx(0.28, abs=1e-6)

@@ -3,16 +3,14 @@ a cluster that holds (commits nothing, drops its stride) or, after ``--hv.fork-a
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-import torch
 
-from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
 from open_diloco.outer.quorum import has_quorum, next_roster, roster_of
 from open_diloco.outer.testing import InProcessGalaxy
-from tests.support.tiny_outer import linear_model, outer_hv
+from tests.support.tiny_outer import run_clusters
+
+PLAIN = dict(on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0)
 
 
 @pytest.mark.parametrize(
@@ -50,36 +48,12 @@ def test_the_roster_and_the_fork_are_in_the_entry_hash_and_absent_from_older_ent
     assert LedgerEntry.from_wire(new.to_wire()) == new and new.hash != old.hash
 
 
-def _run(galaxy: InProcessGalaxy, locals_per_round: dict[int, list[float]], **hv):
-    """Each cluster (a thread) sets its one weight to the given value before each round; returns its model's
-    weight, records and outer loop."""
-    results = {}
-
-    def cluster(rank: int):
-        model = linear_model([1.0])
-        settings = dict(world_rank=rank, galaxy_size=galaxy.size, outer_lr=1.0, outer_momentum=0.0, **hv)
-        outer = DiLoCo(model, galaxy.averager(rank, 1), outer_hv(**settings), warn=lambda *_: None)
-        records = []
-        for local in locals_per_round[rank]:
-            with torch.no_grad():
-                model.weight.fill_(local)
-            records.append(outer.after_inner_step(1))
-        results[rank] = (model.weight.item(), records, outer)
-
-    threads = [threading.Thread(target=cluster, args=(rank,)) for rank in range(galaxy.size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return results
-
-
-def test_a_cluster_cut_off_from_the_majority_holds_and_trains_on():
+def test_a_cluster_cut_off_from_the_majority_holds_and_drops_its_stride():
     # three clusters, cluster 2 meets nobody (a partition): clusters 0 and 1 commit two rounds; cluster 2
     # commits nothing, and its stride lands on the unchanged θ_outer (dropped: its next Δ stays one stride's)
     galaxy = InProcessGalaxy(3, drop={2})
-    locals_ = {0: [0.0, 0.0], 1: [0.5, 0.5], 2: [0.25, 0.125]}
-    results = _run(galaxy, locals_, on_partial_round="proceed")
+    locals_ = {0: [[0.0], [0.0]], 1: [[0.5], [0.5]], 2: [[0.25], [0.125]]}
+    results = run_clusters(galaxy, [1.0], locals_, **PLAIN)
     for rank in (0, 1):
         _, records, outer = results[rank]
         assert [r["round_outcome"] for r in records] == ["applied", "applied"]
@@ -87,12 +61,12 @@ def test_a_cluster_cut_off_from_the_majority_holds_and_trains_on():
     weight, records, outer = results[2]
     assert [r["round_outcome"] for r in records] == ["held", "held"]
     assert [r["outer_step"] for r in records] == [0, 0] and outer.ledger.last is None
-    assert weight == 1.0 and outer.state.params.item() == 1.0  # back to θ_outer, which is untouched
+    assert weight.item() == 1.0 and outer.state.params.item() == 1.0  # back to θ_outer, untouched
 
 
 def test_after_fork_after_a_cut_off_cluster_commits_on_a_fork():
     galaxy = InProcessGalaxy(3, drop={2})
-    results = _run(galaxy, {0: [0.0], 1: [0.5], 2: [0.25]}, on_partial_round="proceed", fork_after=0.0)
+    results = run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]], 2: [[0.25]]}, **PLAIN, fork_after=0.0)
     _, records, outer = results[2]
     assert records[0]["round_outcome"] == "applied" and outer.state.params.item() == 0.25
     assert outer.ledger.last.fork and outer.ledger.last.ranks == [2]
