@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from open_diloco.outer.adoption import Downloaded
-from open_diloco.outer.final_round import FinalVerdict, final_verdict
+from open_diloco.outer.final_round import FinalVerdict, final_step, final_verdict
 from open_diloco.outer.protocols import Membership
 from open_diloco.outer.round_result import RoundResult
 
@@ -147,7 +147,10 @@ class CatchUp:
             {"outer_step": self.outer_step, "param_hash": last.param_hash, "state": "finished"}
         )
         view = self._final_view()
-        verdict = final_verdict(view, self.galaxy_rank, self.outer_step, last.param_hash)
+        ends_at = final_step(view, self.galaxy_rank, self.outer_step)
+        ends_at = -self.cluster.min_int(-ends_at)  # rank 0's view may lag: the furthest any rank read
+        own_hash = last.param_hash if ends_at == self.outer_step else None
+        verdict = final_verdict(view, self.galaxy_rank, ends_at, own_hash)
         source = verdict.source_for(self.galaxy_rank, view)
         chosen = self.cluster.gather_strings("" if source is None else str(source))[0]  # rank 0's
         if not chosen:
@@ -158,20 +161,26 @@ class CatchUp:
             f"{len(verdict.winners)} cluster(s) {sorted(verdict.winners)} against {sorted(verdict.losers)}"
         )
         got = self.adoption.download(
-            self.outer_step, self.hv.join_timeout, exact=self.outer_step, only=frozenset({int(chosen)})
+            ends_at, self.hv.join_timeout, exact=ends_at, only=frozenset({int(chosen)})
         )
-        if got is None or got.step != self.outer_step:
+        behind = ends_at > self.outer_step
+        why = (
+            f"the galaxy went on to outer step {ends_at} after this cluster's last round"
+            if behind
+            else f"the galaxy split and its larger side wins ({sides})"
+        )
+        if got is None or got.step != ends_at:
             self.warn(
-                f"the run ends at outer step {self.outer_step} on a θ_outer of the smaller side of a split "
-                f"galaxy ({sides}), and cluster {chosen}'s could not be downloaded"
+                f"the run ends at outer step {self.outer_step}, not on the galaxy's final θ_outer ({why}): "
+                f"cluster {chosen}'s could not be downloaded"
             )
             return None
         self.committed.take(got)
         self.state.scatter_into_model()
         self.state.local_at_start = None
+        dropped = "" if behind else "; this cluster's own rounds since the split are dropped"
         self.warn(
-            f"the run ends at outer step {self.outer_step} on cluster {got.source}'s θ_outer: the galaxy "
-            f"split and its larger side wins ({sides}); this cluster's own rounds since the split are dropped"
+            f"the run ends at outer step {self.outer_step} on cluster {got.source}'s θ_outer: {why}{dropped}"
         )
         return RoundResult(
             outcome="resynced",
@@ -198,13 +207,14 @@ class CatchUp:
             time.sleep(1.0)
 
     def _final_view(self) -> Membership:
-        """The membership once no cluster still training is behind this one's outer step (waited for up to
-        ``max(FINAL_CHECK_SECONDS, --hv.final-wait)``) and none is silent (up to ``--hv.final-wait``)."""
+        """The membership once no other cluster is still training (waited for up to
+        ``max(FINAL_CHECK_SECONDS, --hv.final-wait)``: behind this one's outer step, or at it and past it on
+        its last rounds) and none is silent (up to ``--hv.final-wait``)."""
         started = time.monotonic()
         while True:
             view = self.averager.membership()
             others = {rank: seen for rank, seen in view.reported.items() if rank != self.galaxy_rank}
-            behind = any(live and step < self.outer_step for step, _, live in others.values())
+            behind = any(live for step, _, live in others.values())
             waited = time.monotonic() - started
             if (not behind or waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait)) and (
                 not (view.silent - {self.galaxy_rank}) or waited >= self.hv.final_wait

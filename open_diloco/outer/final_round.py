@@ -36,10 +36,24 @@ class FinalVerdict:
         return serving[0] if serving else None
 
 
-def final_verdict(view: Membership, own_rank: int, outer_step: int, own_hash: str) -> FinalVerdict:
-    """Group the clusters whose records end at ``outer_step`` (this one with ``own_hash``) by their
-    ``param_hash``; the largest group wins, ties to the group with the lowest galaxy rank."""
-    sides: dict[str, set[int]] = {own_hash: {own_rank}}
+def final_step(view: Membership, own_rank: int, outer_step: int) -> int:
+    """The outer step the galaxy ends at: the furthest any other cluster that finished its run reports, or
+    this cluster's own. A cluster can end behind the others' last rounds: its inner steps ran ahead of the
+    galaxy's rounds while it held or sat rounds out (``outer/quorum.py``), so it reached the run's last step
+    at an earlier round; it then ends on the state the galaxy went on to."""
+    ended = [
+        step
+        for rank, (step, theirs, live) in view.reported.items()
+        if rank != own_rank and theirs and not live
+    ]
+    return max([outer_step, *ended])
+
+
+def final_verdict(view: Membership, own_rank: int, outer_step: int, own_hash: str | None) -> FinalVerdict:
+    """Group the clusters whose records end at ``outer_step`` (this one with ``own_hash``; ``None``: this
+    one ends before it) by their ``param_hash``; the largest group wins, ties to the group with the lowest
+    galaxy rank."""
+    sides: dict[str, set[int]] = {own_hash: {own_rank}} if own_hash is not None else {}
     for rank, (step, theirs, _) in view.reported.items():
         if rank != own_rank and step == outer_step and theirs:
             sides.setdefault(theirs, set()).add(rank)

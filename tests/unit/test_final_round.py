@@ -10,7 +10,7 @@ import torch
 
 from open_diloco.outer.adoption import choose_source
 from open_diloco.outer.diloco import DiLoCo
-from open_diloco.outer.final_round import final_verdict
+from open_diloco.outer.final_round import final_step, final_verdict
 from open_diloco.outer.protocols import Membership
 from open_diloco.outer.round_result import RoundResult
 from tests.unit.test_round_protocol import ShardPeer, _hv, _model, _served
@@ -93,3 +93,21 @@ def test_a_finished_cluster_serves_only_its_last_round_never_as_the_galaxys_lead
     assert choose_source(view, 1, 3, exact=3) == (2, 3)
     assert choose_source(view, 1, 4, exact=4) is None  # only the finished one is that far: nobody
     assert choose_source(view, 1, 12, exact=12) == (0, 12)  # its own last round: it serves that
+
+
+def test_a_cluster_that_ends_behind_the_galaxys_last_rounds_ends_on_their_theta():
+    # cluster 1 reached the run's last step at outer step 5 (its inner steps ran ahead of the rounds while it
+    # held); clusters 0 and 2 went on to 7 and finished there: it ends on their θ_outer, not on its own
+    view = _ended({0: (7, "theirs", False), 2: (7, "theirs", False), 3: (9, "live", True)})
+    assert final_step(view, 1, 5) == 7  # the furthest a finished cluster reached (cluster 3 still trains)
+    assert final_step(view, 1, 8) == 8
+    verdict = final_verdict(view, 1, 7, None)
+    assert verdict.winners == {0, 2} and 1 not in verdict.losers
+    warnings: list[str] = []
+    model = _model([1.0])
+    outer = DiLoCo(model, SplitGalaxy(), _hv(galaxy_size=3, world_rank=1), warn=warnings.append)
+    outer.state.outer_step = 5
+    settled = outer.catch_up.settle_final(RoundResult("applied", 5, 0, "mine", 1.0, galaxy_alive=3))
+    assert settled is not None and settled.outer_step == 7 and settled.state_source == 0
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))
+    assert "the galaxy went on to outer step 7 after this cluster's last round" in warnings[0]
