@@ -168,21 +168,21 @@ class CanonicalAverager(DecentralizedAverager):
     def set_round(self, group_bits: str, group_size: int, request_timeout: float, timeout: float) -> None:
         """Set the next round's group key bits, the group size that makes it full, and how long a join request
         waits, in the averager's process; raises ``TimeoutError`` when it does not answer within ``timeout``
-        (hivemind's ``set_group_bits`` waits without limit, and a rank stuck there would leave its siblings
-        waiting in a collective)."""
+        (hivemind's ``set_group_bits`` waits without limit: a rank stuck there would stall its siblings)."""
         future = MPFuture()
         settings = dict(group_bits=group_bits, group_size=group_size, request_timeout=request_timeout)
-        self._outer_pipe.send(("_set_round", [], dict(**settings, future=future)))
+        self._outer_pipe.send(("_set_round", [], dict(**settings, timeout=timeout, future=future)))
         future.result(timeout=timeout)
 
-    async def _set_round(
-        self, group_bits: str, group_size: int, request_timeout: float, future: MPFuture
-    ) -> None:
+    async def _set_round(self, group_bits, group_size, request_timeout, timeout, future: MPFuture) -> None:
         try:
-            matchmaking = self._matchmaking
+            matchmaking, deadline = self._matchmaking, time.monotonic() + timeout / 2
+            # a cancelled round's search may still be ending (seconds, on a loaded host): given the new key it
+            # would declare itself there and be met in this round's place
+            while matchmaking.is_looking_for_group and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             matchmaking.group_key_manager.group_bits = group_bits
-            matchmaking.target_group_size = group_size
-            matchmaking.request_timeout = request_timeout
+            matchmaking.target_group_size, matchmaking.request_timeout = group_size, request_timeout
             future.set_result(None)
         except Exception as err:
             if not future.done():
