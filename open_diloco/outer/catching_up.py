@@ -214,9 +214,9 @@ class CatchUp:
         while True:
             view = self.averager.membership()
             others = {rank: seen for rank, seen in view.reported.items() if rank != self.galaxy_rank}
-            behind = any(live for step, _, live in others.values())
+            training = any(live for _, _, live in others.values())
             waited = time.monotonic() - started
-            if (not behind or waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait)) and (
+            if (not training or waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait)) and (
                 not (view.silent - {self.galaxy_rank}) or waited >= self.hv.final_wait
             ):
                 return view

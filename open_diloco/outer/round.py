@@ -92,10 +92,8 @@ MOVES = {
     Phase.SITTING_OUT: {Phase.SAT_OUT, Phase.TAKEN},
     Phase.AVERAGED: {Phase.DECIDED},
     Phase.DECIDED: {Phase.COMMITTED, Phase.TAKEN, Phase.RETRIED, Phase.HELD},
-    Phase.TAKEN: {
-        Phase.COMMITTED,
-        Phase.HELD,
-    },  # nobody served the state in time: its own Δ alone, if a quorum
+    # nobody served the state in time: its own Δ alone, with a quorum (else held)
+    Phase.TAKEN: {Phase.COMMITTED, Phase.HELD},
 }
 """The moves a round may make; the ends (committed, taken, retried, sat out, held) have none but the one
 above."""
@@ -523,11 +521,7 @@ class Round:
                 state.pseudo_grad_for_wire_into(averaged)
             held.enter_context(ctx.committed.changing())
             state.apply(averaged)
-            members = (
-                view.group - set(view.rejected) - set(view.stale)
-                if galaxy_average and finite
-                else {ctx.galaxy_rank}
-            )
+            members = voting if finite else {ctx.galaxy_rank}
             state.committed_group = sorted(members)
             fragment = state.fragment
             state.land()
@@ -801,11 +795,6 @@ def _membership(ctx: RoundContext) -> tuple[int, int, int, int, frozenset[int], 
     silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
     alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
-    ended = frozenset(
-        int(rank)
-        for seen in ctx.cluster.gather_strings(",".join(map(str, sorted(gone - silent))))
-        for rank in seen.split(",")
-        if rank
-    )
+    ended = frozenset(_ranks_by_any_rank(ctx.cluster, sorted(gone - silent)))
     lead, silent_count = -ctx.cluster.min_int(-view.lead), -ctx.cluster.min_int(-len(silent))
     return alive, lead, silent_count, attempt, ended, frozenset(gone)
