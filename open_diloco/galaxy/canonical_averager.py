@@ -30,16 +30,16 @@ from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.lifecycle import become_galaxy_child
 from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
+from open_diloco.galaxy.step_tracking import StepTracking
 from open_diloco.galaxy.stripe_plan import PART_BYTES
 from open_diloco.galaxy.striped_download import StripedDownload
 from open_diloco.galaxy.task_refs import hold_tasks_in_loops_of
 from open_diloco.outer.guard import ClaimCheck, valid_claim, valid_weight
 from open_diloco.outer.policy import out_of_cohort
 
-# Importing hivemind switches torch's process-wide tensor sharing strategy to "file_system" (mpfuture.py),
-# which starts a torch_shm_manager daemon that outlives our peers and leaks /dev/shm files when a process is
-# killed; it also changes how the trainer's DataLoader workers share batches. Put torch's default back: we
-# only pass a few tensors between the trainer and its averager process.
+# Importing hivemind switches torch's tensor sharing strategy to "file_system" (mpfuture.py), whose daemon
+# outlives our peers and leaks /dev/shm files when a process is killed, and changes how DataLoader workers
+# share batches. Put torch's default back: only a few tensors pass between trainer and averager process.
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class PacedGroupKeyManager(GroupKeyManager):
         return await super().get_averagers(group_key, only_active)
 
 
-class CanonicalAverager(DecentralizedAverager):
+class CanonicalAverager(StepTracking, DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduce`, copying results, serving a caller's
     state."""
 
@@ -177,8 +177,9 @@ class CanonicalAverager(DecentralizedAverager):
     async def _set_round(self, group_bits, group_size, request_timeout, timeout, future: MPFuture) -> None:
         try:
             matchmaking, deadline = self._matchmaking, time.monotonic() + timeout / 2
-            # a cancelled round's search may still be ending (seconds, on a loaded host): given the new key it
-            # would declare itself there and be met in this round's place
+            # a cancelled round's step or search may run on, to be met under the new key (step_tracking.py)
+            if ended := await self.end_earlier_steps(timeout / 4):
+                log.info(f"ended {ended} averaging step(s) of an earlier round before this round's key")
             while matchmaking.is_looking_for_group and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             matchmaking.group_key_manager.group_bits = group_bits
