@@ -237,12 +237,14 @@ def render(galaxy: GalaxyLedger, rounds: int) -> list[str]:
         f"{chain[-1].after}; "
         f"{sum(s == max(sizes) for s in sizes)} rounds of {max(sizes)} clusters, "
         f"{sum(s < max(sizes) for s in sizes)} with fewer; {len(retried)} committed on a retry"
+        + (f"; committed work {chain[-1].work} tokens" if chain[-1].work is not None else "")
     ]
     for round_no, entries in sorted(galaxy.by_round.items()):
         if len(entries) > 1:
             shown = "; ".join(
                 f"{e.hash[:8]} {e.before[:8]}→{e.after[:8]} members {e.ranks}"
                 + (" alone" if e.alone else "")
+                + (f" work {e.work}" if e.work is not None else "")
                 + f" held by {', '.join(sorted(galaxy.holders.get(e.hash, ())) or ['the DHT'])}"
                 + (" (on the chain)" if e.hash in on_chain else "")
                 for e in entries.values()

@@ -40,6 +40,9 @@ class MemberRecord:
     """Rounds the cluster holds the result of (-1: not said)."""
     param_hash: str | None = None
     """The hash of the cluster's θ_outer after its last round."""
+    committed_work: int | None = None
+    """The committed work of the ledger chain that ends at that θ_outer (``LedgerEntry.work``; ``None``: not
+    said, counted as 0): which of two forks the galaxy keeps."""
     in_sync: bool | None = None
     """Whether its last round started from the same θ_outer as every other cluster in it."""
     loss: float | None = None
@@ -292,16 +295,22 @@ def past_round(records: list[MemberRecord], round_id: int, ranks: frozenset[int]
     )
 
 
-def lead_outer_step(records: list[MemberRecord], expiry: float) -> int:
-    """The highest outer step a live cluster's record shows (-1: none)."""
-    return max((record.outer_step for record in records if record.is_live(expiry)), default=-1)
+def lead_of(records: list[MemberRecord], expiry: float) -> tuple[int, int]:
+    """``(outer step, committed work)`` of the live cluster ahead of all: the most committed work, the
+    furthest outer step among equals (``(-1, 0)``: none). Why work first: after a split, a lighter fork (a
+    side that committed alone, cheaply) can be further in rounds than the side that kept the galaxy's work."""
+    work, step = max(
+        ((record.committed_work or 0, record.outer_step) for record in records if record.is_live(expiry)),
+        default=(0, -1),
+    )
+    return step, work
 
 
 def lead_progress(
     records: list[MemberRecord], expiry: float, galaxy_rank: int, lead: int
 ) -> tuple[int, float]:
     """``(inner_step, seconds since)`` of the live cluster (not ``galaxy_rank``) furthest into the round after
-    the lead outer step ``lead`` (:func:`lead_outer_step`; ``(-1, 0.0)``: none known)."""
+    the lead outer step ``lead`` (:func:`lead_of`; ``(-1, 0.0)``: none known)."""
     at_lead = [
         record
         for record in records

@@ -157,10 +157,11 @@ def build_model_and_outer_loop(
     inner step turns into a private copy (in a CPU run, one more fp32 shard per fork:
     docs/results/outer-memory.md)."""
     model = build_meta_sharded_model(config, world, precision)
-    galaxy = start_galaxy(config.hv, model, world, model_config, config.total_batch_size * config.seq_length)
+    tokens_per_step = config.total_batch_size * config.seq_length
+    galaxy = start_galaxy(config.hv, model, world, model_config, tokens_per_step)
     try:
         materialize(model, config.path_model, config.seed, world.device)
-        return model, build_outer_loop(config.hv, model, galaxy)
+        return model, build_outer_loop(config.hv, model, galaxy, tokens_per_step)
     except BaseException:
         if galaxy is not None:
             galaxy[0].averager.shutdown()  # the trainer's `finally` only knows the outer loop, not yet made
@@ -274,15 +275,26 @@ def start_galaxy(
 
 
 def build_outer_loop(
-    hv: HvConfig | None, model: torch.nn.Module, galaxy: tuple[GalaxyPart, ClusterComm] | None
+    hv: HvConfig | None,
+    model: torch.nn.Module,
+    galaxy: tuple[GalaxyPart, ClusterComm] | None,
+    tokens_per_step: int = 1,
 ) -> OuterLoop:
     """DiLoCo over ``galaxy`` (from :func:`start_galaxy`; the model materialised since), else the no-op
-    loop."""
+    loop; ``tokens_per_step``: what a round's ledger entry counts as committed work per inner step."""
     if galaxy is None:
         return NullOuterLoop()
     part, cluster = galaxy
     outer_log = logging.getLogger("open_diloco.outer")
-    return DiLoCo(model, part.averager, hv, cluster=cluster, warn=outer_log.warning, status=part.status)
+    return DiLoCo(
+        model,
+        part.averager,
+        hv,
+        cluster=cluster,
+        warn=outer_log.warning,
+        status=part.status,
+        tokens_per_step=tokens_per_step,
+    )
 
 
 def format_start_line(

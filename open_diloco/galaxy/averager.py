@@ -33,7 +33,7 @@ from open_diloco.galaxy.round_wait import HivemindRound, round_key_bits
 from open_diloco.galaxy.status import read_records, status_key
 from open_diloco.membership_record import (
     departed,
-    lead_outer_step,
+    lead_of,
     lead_progress,
     never_heard,
     no_reachable_cluster,
@@ -226,13 +226,15 @@ class HivemindAverager:
                 and (peer := record.shard_peer(self.shard_index))
             ]
         )
-        lead = lead_outer_step(records, self.member_expiry)
+        lead, lead_work = lead_of(records, self.member_expiry)
         lead_step, lead_seen = lead_progress(records, self.member_expiry, self.galaxy_rank, lead)
         live = [record for record in records if record.galaxy_rank not in gone]
         serving = live + [record for record in records if record.finished_and_serving(self.member_expiry)]
         return Membership(
             departed=gone,
             lead=lead,
+            lead_work=lead_work,
+            works={record.galaxy_rank: record.committed_work or 0 for record in records},
             silent=quiet,
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,

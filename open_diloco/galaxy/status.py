@@ -53,6 +53,7 @@ _FROM_METRICS = (
     "tokens_per_second",
     "outer_step",
     "param_hash",
+    "committed_work",
     "in_sync",
     "galaxy_peers",
     "galaxy_alive",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from open_diloco.outer.cluster import ClusterComm
-from open_diloco.outer.digests import fingerprint_bytes
+from open_diloco.outer.digests import combine_hashes, fingerprint_bytes
 from open_diloco.outer.protocols import Averager, Membership
 
 RETRY_SECONDS = 0.5
@@ -45,24 +45,29 @@ def choose_source(
     at_least: int,
     exact: int | None = None,
     only: frozenset[int] | None = None,
+    min_work: int = 0,
 ) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
-    later, ``exact`` first when given (a round this cluster sent its Δ to), else the most advanced; ties go to
-    the lowest galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given;
-    a cluster that finished its run only at ``exact``.
+    later, its chain holding at least ``min_work`` (this cluster's own: a state with less committed work is a
+    fork the galaxy does not keep, never taken), ``exact`` first when given (a round this cluster sent its Δ
+    to), else the one ahead of all (the most committed work, then the furthest step); ties go to the lowest
+    galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given; a cluster
+    that finished its run only at ``exact``.
     ``None``: no live cluster qualifies (or none whose record names this shard's averager)."""
     candidates = [
-        (rank, step)
+        (rank, step, view.works.get(rank, 0))
         for rank, step in view.steps.items()
         if rank != own_rank
         and step >= at_least
+        and view.works.get(rank, 0) >= min_work
         and rank in view.sources
         and (only is None or rank in only)
         and (_still_training(view, rank) or step == exact)
     ]
     if not candidates:
         return None
-    return min(candidates, key=lambda item: (item[1] != exact, -item[1], item[0]))
+    rank, step, _ = min(candidates, key=lambda item: (item[1] != exact, -item[2], -item[1], item[0]))
+    return rank, step
 
 
 def choose_holders(
@@ -107,9 +112,16 @@ class StateAdoption:
     """Downloads of one cluster's shards, agreed by its ranks (see the module docstring)."""
 
     def __init__(
-        self, averager: Averager, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]
+        self,
+        averager: Averager,
+        cluster: ClusterComm,
+        galaxy_rank: int,
+        warn: Callable[[str], Any],
+        own_work: Callable[[], int] = lambda: 0,
     ):
         self.averager, self.cluster, self.galaxy_rank, self.warn = averager, cluster, galaxy_rank, warn
+        self.own_work = own_work
+        """The committed work of this cluster's chain now: no download takes a chain with less."""
 
     def download(
         self,
@@ -128,7 +140,7 @@ class StateAdoption:
         deadline = started + timeout
         while True:
             view = self.averager.membership()
-            pick = choose_source(view, self.galaxy_rank, at_least, exact, only)
+            pick = choose_source(view, self.galaxy_rank, at_least, exact, only, self.own_work())
             ranks = [] if pick is None else [pick[0], *choose_holders(view, self.galaxy_rank, pick[0], only)]
             chosen = self.cluster.gather_strings(",".join(map(str, ranks)))[0]  # rank 0's source and holders
             if (
@@ -142,11 +154,29 @@ class StateAdoption:
             step = -1 if got is None else int(got[0].get("outer_step", -1))
             whole = self.cluster.all_true(got is not None and step >= at_least)
             agreed = whole and self.cluster.min_int(step) == -self.cluster.min_int(-step)
-            if agreed:
+            if agreed and self._is_its_entrys(ranks[0], *got):
                 return Downloaded(ranks[0], step, *got)
             if not self.cluster.all_true(time.monotonic() + RETRY_SECONDS < deadline):
                 return None
             time.sleep(RETRY_SECONDS)
+
+    def _is_its_entrys(self, source: int, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> bool:
+        """The θ every rank downloaded, combined, is the one the source's ledger entry for that round says
+        it committed (the entry's ``after``): the state is taken by the galaxy's record of it, not only by
+        step and per-shard hashes. Every rank answers the same (rank 0's entry, every rank's shard). True when
+        the source served no entry for its step (an older version)."""
+        tail = metadata.get("ledger") or []
+        last = tail[-1] if tail else {}
+        expected = str(last.get("after", "")) if last.get("round") == metadata.get("outer_step") else ""
+        combined = combine_hashes(self.cluster.gather_strings(served_hash(metadata, tensors)))
+        expected = self.cluster.gather_strings(expected)[0]
+        if not expected or combined == expected:
+            return True
+        self.warn(
+            f"the state downloaded from cluster {source} (θ {combined}) is not the one its ledger entry for "
+            f"outer step {metadata.get('outer_step')} committed ({expected}): trying again"
+        )
+        return False
 
     def _fetch(
         self, source: int, view: Membership, holders: list[int], deadline: float

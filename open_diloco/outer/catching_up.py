@@ -59,19 +59,23 @@ class CatchUp:
         """At the start of a run: wait (up to ``--hv.join-timeout``) for the records of the other clusters to
         show up (a cluster that starts beside running ones must not train alone from scratch because the DHT
         had not answered yet); once any other cluster's record is seen, download and take the state only if
-        one of them is ahead. Nothing is downloaded when no cluster is ahead: the records carry each cluster's
-        outer step."""
+        one of them is ahead: its chain holds more committed work (or as much, further on). Nothing is
+        downloaded when no cluster is ahead: the records carry each cluster's outer step and work."""
         if self.hv.galaxy_size == 1 or self.hv.skip_load_from_peers:
             return None
         deadline = time.monotonic() + self.hv.join_timeout
         while True:
             view = self.averager.membership()
-            others = [step for rank, step in view.steps.items() if rank != self.galaxy_rank]
+            own = (self.committed.work, self.outer_step)
+            ahead_here = any(
+                (view.works.get(rank, 0), step) > own
+                for rank, step in view.steps.items()
+                if rank != self.galaxy_rank
+            )
             # someone's record came
             known = -self.cluster.min_int(-len(set(view.reported) - {self.galaxy_rank}))
-            ahead = -self.cluster.min_int(-max(others, default=-1)) > self.outer_step
-            if ahead:
-                got = self.adoption.download(self.outer_step + 1, max(1.0, deadline - time.monotonic()))
+            if not self.cluster.all_true(not ahead_here):  # any rank saw a cluster ahead
+                got = self.adoption.download(0, max(1.0, deadline - time.monotonic()))
                 if got is not None:
                     self.committed.take(got)
                 return got
@@ -143,14 +147,22 @@ class CatchUp:
             return None
         # this cluster's rounds are over: say so now, so that no cluster takes its state as the galaxy's lead
         # (that would hand the galaxy to the side that trained alone) while it waits
+        work = self.committed.work
         self.status.update(
-            {"outer_step": self.outer_step, "param_hash": last.param_hash, "state": "finished"}
+            {
+                "outer_step": self.outer_step,
+                "param_hash": last.param_hash,
+                "committed_work": work,
+                "state": "finished",
+            }
         )
         view = self._final_view()
-        ends_at = final_step(view, self.galaxy_rank, self.outer_step)
-        ends_at = -self.cluster.min_int(-ends_at)  # rank 0's view may lag: the furthest any rank read
+        end_work, ends_at = final_step(view, self.galaxy_rank, self.outer_step, work)
+        # rank 0's view may lag: the furthest any rank read (the most work, then the furthest step at it)
+        most_work = -self.cluster.min_int(-end_work)
+        ends_at = -self.cluster.min_int(-(ends_at if end_work == most_work else -1))
         own_hash = last.param_hash if ends_at == self.outer_step else None
-        verdict = final_verdict(view, self.galaxy_rank, ends_at, own_hash)
+        verdict = final_verdict(view, self.galaxy_rank, ends_at, own_hash, work)
         source = verdict.source_for(self.galaxy_rank, view)
         chosen = self.cluster.gather_strings("" if source is None else str(source))[0]  # rank 0's
         if not chosen:
@@ -191,6 +203,8 @@ class CatchUp:
             galaxy_alive=last.galaxy_alive,
             state_source=got.source,
             ledger=self.committed.held_entry(),
+            committed_work=self.committed.work,
+            ledger_dropped=self.committed.pop_dropped(),
         )
 
     def _serve_until_taken(self, verdict: FinalVerdict) -> None:

@@ -20,7 +20,7 @@ import torch
 from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.digests import combine_hashes
-from open_diloco.outer.ledger import Ledger, LedgerEntry, round_entry
+from open_diloco.outer.ledger import Dropped, Ledger, LedgerEntry, round_entry
 from open_diloco.outer.quorum import next_roster
 from open_diloco.outer.state import OuterState
 
@@ -35,6 +35,9 @@ class CommittedState:
         self.state, self.cluster, self.galaxy_rank, self.warn = state, cluster, galaxy_rank, warn
         self.ledger = Ledger()
         """The chain of committed rounds this cluster's θ_outer went through."""
+        self.dropped: Dropped | None = None
+        """Entries of this cluster's own that the last taken chain replaced, until a round's record says so
+        (:meth:`pop_dropped`)."""
         self._lock = threading.Lock()
 
     def served(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -55,6 +58,17 @@ class CommittedState:
         """Around a change of θ_outer and the ledger together (see :meth:`served`)."""
         with self._lock:
             yield
+
+    @property
+    def work(self) -> int:
+        """The committed work of the chain that ends at θ_outer (``LedgerEntry.work``): whose state the galaxy
+        keeps when chains differ (``outer/quorum.py``)."""
+        return self.ledger.work
+
+    def pop_dropped(self) -> dict[str, Any] | None:
+        """What the last taken chain dropped of this cluster's own (``ledger_dropped``), once."""
+        dropped, self.dropped = self.dropped, None
+        return None if dropped is None else dropped.to_wire()
 
     def cluster_hash(self, shard_hash: str | None = None) -> str:
         """``param_hash`` of the whole cluster's θ_outer (every shard's hash, combined), from this shard's
@@ -104,7 +118,15 @@ class CommittedState:
                 self.state.adopt_round(got.metadata, got.tensors)
             else:
                 self.state.adopt(got.metadata, got.tensors)
-            self.ledger.take(got.metadata.get("ledger"))
+            dropped = self.ledger.take(got.metadata.get("ledger"))
+        if dropped is not None:
+            self.dropped = dropped
+            self.warn(
+                f"ledger: this cluster's rounds {dropped.rounds[0]}..{dropped.rounds[1]} (committed work "
+                f"{dropped.work}, head {dropped.head}) are dropped for cluster {got.source}'s chain (work "
+                f"{dropped.kept_work}, head {dropped.kept_head}): the galaxy keeps the chain with more "
+                "committed work"
+            )
 
     def held_entry(self) -> LedgerEntry | None:
         """The ledger entry of the θ_outer this cluster holds now (``None``: its chain does not reach it, e.g.

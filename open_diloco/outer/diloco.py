@@ -50,6 +50,7 @@ class DiLoCo:
         cluster: ClusterComm | None = None,
         warn: Any = print,
         status: StatusBoard | None = None,
+        tokens_per_step: int = 1,
     ):
         self.averager = averager
         self.status = status or NullStatusBoard()
@@ -86,7 +87,9 @@ class DiLoCo:
         self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn)
         """θ_outer with the ledger chain that ends at it: what a commit changes and a peer downloads."""
         self.averager.serve_state(self.committed.served)
-        adoption = StateAdoption(averager, self.cluster, self.galaxy_rank, warn)
+        adoption = StateAdoption(
+            averager, self.cluster, self.galaxy_rank, warn, own_work=lambda: self.committed.work
+        )
         self.catch_up = CatchUp(
             hv,
             self.committed,
@@ -111,6 +114,7 @@ class DiLoCo:
             galaxy_rank=self.galaxy_rank,
             warn=warn,
             alive_before=hv.galaxy_size,
+            tokens_per_step=max(1, tokens_per_step),
         )
         """What every round works with (``outer/round.py``)."""
         self._last_round: RoundResult | None = None
@@ -135,6 +139,9 @@ class DiLoCo:
         joiner, or a resume from an older checkpoint), else send again a round a checkpoint holds in flight;
         return the inner step to continue after."""
         previous = self.outer_step
+        self.status.update(
+            {"committed_work": self.committed.work}
+        )  # what the others compare their chain with
         got = self.catch_up.take_newer()
         if got is not None:
             self.warn(

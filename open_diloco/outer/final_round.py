@@ -2,10 +2,11 @@
 
 A partition that outlasts the run leaves no later round to heal in: each side trained on and ends with its
 own θ_outer. Ending with two models is what no user of a galaxy wants, so every cluster that ends at the same
-outer step settles on one: the one held by the most clusters, ties to the side holding the lowest galaxy rank
-(every cluster computes the same answer from the same records, with no round of its own). Consistency wins
-over the smaller side's progress since the split: that side's rounds are dropped, as a re-sync after a healed
-partition drops them anyway. A cluster that stopped early or crashed has no say (it ended elsewhere).
+outer step settles on one by the rule of every heal (``outer/quorum.py``): the chain with the most committed
+work, then the one held by the most clusters, then the side holding the lowest galaxy rank (every cluster
+computes the same answer from the same records, with no round of its own). Consistency wins over the lighter
+side's progress since the split: its rounds are dropped (and recorded so), as a re-sync after a healed
+partition drops them. A cluster that stopped early or crashed has no say (it ended elsewhere).
 
 Kept a pure function of the membership view so the rule is read and tested on its own; the waiting and the
 download are ``CatchUp.settle_final``'s (``outer/catching_up.py``)."""
@@ -36,27 +37,32 @@ class FinalVerdict:
         return serving[0] if serving else None
 
 
-def final_step(view: Membership, own_rank: int, outer_step: int) -> int:
-    """The outer step the galaxy ends at: the furthest any other cluster that finished its run reports, or
-    this cluster's own. A cluster can end behind the others' last rounds: its inner steps ran ahead of the
-    galaxy's rounds while it held or sat rounds out (``outer/quorum.py``), so it reached the run's last step
-    at an earlier round; it then ends on the state the galaxy went on to."""
+def final_step(view: Membership, own_rank: int, outer_step: int, own_work: int = 0) -> tuple[int, int]:
+    """``(committed work, outer step)`` of the state the galaxy ends on: of the chains this cluster and the
+    others that finished their run end on, the one with the most committed work (the rule of every heal,
+    ``outer/quorum.py``), the furthest step among equals. A cluster can end behind the others' last rounds:
+    its inner steps ran ahead of the galaxy's rounds while it held or sat rounds out, so it reached the run's
+    last step at an earlier round; it then ends on the state the galaxy went on to."""
     ended = [
-        step
+        (view.works.get(rank, 0), step)
         for rank, (step, theirs, live) in view.reported.items()
         if rank != own_rank and theirs and not live
     ]
-    return max([outer_step, *ended])
+    return max([(own_work, outer_step), *ended])
 
 
-def final_verdict(view: Membership, own_rank: int, outer_step: int, own_hash: str | None) -> FinalVerdict:
+def final_verdict(
+    view: Membership, own_rank: int, outer_step: int, own_hash: str | None, own_work: int = 0
+) -> FinalVerdict:
     """Group the clusters whose records end at ``outer_step`` (this one with ``own_hash``; ``None``: this
-    one ends before it) by their ``param_hash``; the largest group wins, ties to the group with the lowest
-    galaxy rank."""
+    one ends before it) by their ``param_hash``; the group whose chain holds the most committed work wins,
+    then the larger, then the one with the lowest galaxy rank."""
     sides: dict[str, set[int]] = {own_hash: {own_rank}} if own_hash is not None else {}
+    works: dict[str, int] = {own_hash: own_work} if own_hash is not None else {}
     for rank, (step, theirs, _) in view.reported.items():
         if rank != own_rank and step == outer_step and theirs:
             sides.setdefault(theirs, set()).add(rank)
-    winner_hash, winners = max(sides.items(), key=lambda side: (len(side[1]), -min(side[1])))
+            works[theirs] = max(works.get(theirs, 0), view.works.get(rank, 0))
+    winner_hash, winners = max(sides.items(), key=lambda side: (works[side[0]], len(side[1]), -min(side[1])))
     losers = {rank for side_hash, ranks in sides.items() if side_hash != winner_hash for rank in ranks}
     return FinalVerdict(winner_hash, frozenset(winners), frozenset(losers))

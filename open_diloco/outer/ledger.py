@@ -85,6 +85,14 @@ class LedgerEntry:
     fork: bool = False
     """Committed without a quorum, after ``--hv.fork-after`` seconds of holding: a fork of the chain, named by
     its ``before`` (its parent's ``after``)."""
+    tokens: int | None = None
+    """The tokens this round committed into θ_outer: each member's inner steps behind its Δ times the tokens
+    of its inner step, over ``--hv.fragments`` (a fragment's round carries that share of the model);
+    ``None`` in entries made before it was counted."""
+    work: int | None = None
+    """The committed work of the chain up to this entry: the tokens of every round in it, cumulative (the
+    parent's ``work``, the most any member held, plus :attr:`tokens`). What decides which of two forks the
+    galaxy keeps (``outer/quorum.py``); ``None`` in entries made before it was counted."""
 
     @functools.cached_property
     def hash(self) -> str:
@@ -114,6 +122,8 @@ class LedgerEntry:
             # only when set: an entry from before these fields keeps its hash
             **({"roster": list(self.roster)} if self.roster is not None else {}),
             **({"fork": True} if self.fork else {}),
+            **({"tokens": self.tokens} if self.tokens is not None else {}),
+            **({"work": self.work} if self.work is not None else {}),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -140,6 +150,8 @@ class LedgerEntry:
                 alone=bool(fields.get("alone", False)),
                 roster=None if fields.get("roster") is None else tuple(int(r) for r in fields["roster"]),
                 fork=bool(fields.get("fork", False)),
+                tokens=_optional_int(fields.get("tokens")),
+                work=_optional_int(fields.get("work")),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise LedgerBroken(
@@ -171,11 +183,15 @@ def round_entry(
     fork: bool = False,
 ) -> LedgerEntry:
     """The entry of a committed round from what every member holds alike: the members (galaxy ranks whose Δ
-    is in the average), the metadata each sent with the round (``peers``: weight, inner steps, codec, outer
-    optimizer), and the θ hashes before and after. A member's value that does not agree with the others'
-    (a misconfigured cluster) is shown, not hidden: the field lists every distinct value."""
+    is in the average), the metadata each sent with the round (``peers``: weight, inner steps, tokens, the
+    work of its chain, codec, outer optimizer), and the θ hashes before and after. A member's value that
+    does not agree with the others' (a misconfigured cluster) is shown, not hidden: the field lists every
+    distinct value. The work: the most any member's chain held (they started from one θ, so one chain) plus
+    the round's tokens."""
     ranks = sorted(members)
     metadata = [peers.get(rank, {}) for rank in ranks]
+    tokens = sum(_optional_int(meta.get("tokens")) or 0 for meta in metadata)
+    parent_work = max((_optional_int(meta.get("work")) or 0 for meta in metadata), default=0)
     return LedgerEntry(
         round=round_no,
         attempt=attempt,
@@ -191,6 +207,8 @@ def round_entry(
         alone=alone,
         roster=roster,
         fork=fork,
+        tokens=tokens,
+        work=parent_work + tokens,
     )
 
 
@@ -211,6 +229,11 @@ class Ledger:
     def last(self) -> LedgerEntry | None:
         return self.entries[-1] if self.entries else None
 
+    @property
+    def work(self) -> int:
+        """The committed work of the chain (its last entry's; 0 before the first, or from older entries)."""
+        return (self.last.work or 0) if self.last is not None else 0
+
     def append(self, entry: LedgerEntry) -> str | None:
         """Add this cluster's next committed round; returns a warning line when it does not continue the chain
         (its ``before`` is not the last entry's ``after``: the θ changed outside a round, a defect to report),
@@ -225,17 +248,20 @@ class Ledger:
         del self.entries[:-KEEP]
         return broken
 
-    def take(self, served: list[dict[str, Any]] | None) -> None:
+    def take(self, served: list[dict[str, Any]] | None) -> Dropped | None:
         """Take the chain that came with another cluster's state: its entries replace this cluster's from
-        the first round they cover on (the rounds this cluster committed on another trajectory are dropped
-        from its chain; their metrics records keep them). Nothing served (an older peer): the chain stays,
-        and the next entry shows the break."""
+        the first round they cover on. The entries of this cluster's own that the taken chain does not hold
+        (rounds it committed on another trajectory: a fork the galaxy did not keep) are dropped from its
+        chain and returned, for the record that says so (their metrics records keep them too). Nothing
+        served (an older peer): the chain stays, and the next entry shows the break."""
         if not served:
-            return
+            return None
         taken = [LedgerEntry.from_wire(fields, "a served ledger entry") for fields in served]
-        first = taken[0].round
+        first, kept = taken[0].round, {entry.hash for entry in taken}
+        dropped = [entry for entry in self.entries if entry.round >= first and entry.hash not in kept]
         self.entries = [entry for entry in self.entries if entry.round < first] + taken
         del self.entries[:-KEEP]
+        return Dropped.of(dropped, taken[-1]) if dropped else None
 
     def tail(self, count: int = SERVED) -> list[dict[str, Any]]:
         """The latest ``count`` entries on the wire (what a served state carries)."""
@@ -247,6 +273,42 @@ class Ledger:
     def load_state_dict(self, entries: list[dict[str, Any]] | None) -> None:
         where = "a checkpoint's ledger entry"
         self.entries = [LedgerEntry.from_wire(fields, where) for fields in entries or []]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A run of this cluster's entries that a taken chain replaced: a fork the galaxy did not keep (the
+    ``ledger_dropped`` metrics key)."""
+
+    rounds: tuple[int, int]
+    """The first and last round dropped."""
+    head: str
+    """The hash of the last entry dropped."""
+    work: int
+    """The committed work the dropped chain had reached."""
+    kept_head: str
+    """The hash of the last entry of the chain taken instead."""
+    kept_work: int
+    """The committed work of the chain taken instead."""
+
+    @staticmethod
+    def of(dropped: list[LedgerEntry], kept: LedgerEntry) -> Dropped:
+        return Dropped(
+            (dropped[0].round, dropped[-1].round),
+            dropped[-1].hash,
+            dropped[-1].work or 0,
+            kept.hash,
+            kept.work or 0,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rounds": list(self.rounds),
+            "head": self.head,
+            "work": self.work,
+            "kept_head": self.kept_head,
+            "kept_work": self.kept_work,
+        }
 
 
 CHECKPOINT_FILE = "ledger.jsonl"

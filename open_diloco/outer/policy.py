@@ -53,6 +53,7 @@ class RoundPolicy:
 def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
     """The peers of a round that did not start it where its reference peer did: another round id or another
     θ_outer (hash: two sides of a partition that each trained on). The reference starts from the latest round,
+    then from the chain with the most committed work (``work``: the rule of every heal, ``outer/quorum.py``),
     then from the θ_outer most peers of the group hold, then from the one committed by the most clusters
     (``committed_by``), then has the lowest galaxy rank: the state the galaxy has, not whichever rank is
     lowest. The others of its round and hash form the round's cohort. Every peer of a group holds the same
@@ -71,6 +72,7 @@ def out_of_cohort(metadata: dict[Any, dict[str, Any]]) -> set[Any]:
         valid.values(),
         key=lambda meta: (
             int(meta["round_id"]),
+            int(meta.get("work") or 0),
             holders[meta["param_hash"]],
             int(meta.get("committed_by", 0)),
             -int(meta.get("galaxy_rank", 0)),

@@ -80,8 +80,11 @@ class Membership:
     """Galaxy ranks that left (end of run, a stop) or have not refreshed their record for
     --hv.member-expiry."""
     lead: int = -1
-    """The highest outer step a live cluster has applied (-1: unknown). A cluster below it would send a Δ
-    taken from an older θ_outer than the round's."""
+    """The outer step of the live cluster ahead of all: the one whose chain holds the most committed work, the
+    furthest step among equals (-1: unknown). A cluster behind it would send a Δ taken from a θ_outer the
+    galaxy left behind."""
+    lead_work: int = 0
+    """The committed work of that cluster's chain (``LedgerEntry.work``)."""
     silent: frozenset[int] = frozenset()
     """The departed ranks that did not say they ended: crashed, or cut off and perhaps training on (a
     partition). A cluster whose round met nobody cannot call itself in sync while any is silent."""
@@ -94,6 +97,9 @@ class Membership:
     steps: dict[int, int] = field(default_factory=dict)
     """The outer step each cluster that can serve a round's state shows, by galaxy rank: the live ones and
     those that finished their run moments ago (a finished cluster serves its final state while it drains)."""
+    works: dict[int, int] = field(default_factory=dict)
+    """The committed work of the chain each cluster with a record holds (0: not said), by galaxy rank: a state
+    is taken only from a chain with at least this cluster's work (``outer/adoption.py``)."""
     sources: dict[int, str] = field(default_factory=dict)
     """The PeerID of this shard's averager in each cluster of :attr:`steps`: where to download it from."""
     attempts: dict[int, tuple[int, int]] = field(default_factory=dict)

@@ -20,6 +20,11 @@ side can hold more than half of it.
 - **A fork**, where no majority can be had (the majority is gone for good, or an even split's other side):
   after ``--hv.fork-after`` seconds of holding, the cluster commits on an entry marked ``fork``; its
   roster is then its own side.
+- **The heal**: wherever two clusters hold different states, the galaxy keeps the one whose chain holds more
+  committed work (``LedgerEntry.work``: tokens committed, cumulative), never the one further in rounds; the
+  other's clusters take it and record the rounds they drop (``ledger_dropped``). Every choice of a state reads
+  it: ``membership_record.lead_of``, ``adoption.choose_source``, ``policy.out_of_cohort``,
+  ``final_round``.
 
 Pure: no torch, no hivemind.
 """

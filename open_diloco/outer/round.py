@@ -151,6 +151,9 @@ class RoundContext:
     """The least seconds per inner step a live cluster published, as the last round's start read it."""
     holding_since: float | None = None
     """When this cluster began to hold (no quorum), on this rank's clock; ``None`` while it commits."""
+    tokens_per_step: int = 1
+    """Tokens of one inner step of this cluster (``--total-batch-size`` × ``--seq-length``): what a round's
+    ledger entry counts as committed work (1 in in-process tests: work counts steps)."""
 
     @property
     def state(self) -> OuterState:
@@ -259,8 +262,9 @@ class Round:
     out_of_bound: bool = False
     """Δ is finite but out of bound on some rank of this cluster: nothing was sent."""
     lead: int = -1
-    """The highest outer step a live cluster has applied, by the membership records (agreed by the ranks);
-    above this cluster's, its Δ would come from an older θ_outer than the round's: nothing is sent."""
+    """The outer step of the live cluster whose chain holds the most committed work, by the membership records
+    (agreed by the ranks); ahead of this cluster's, its Δ would come from a θ_outer the galaxy left behind:
+    nothing is sent."""
     silent: int = 0
     """Other clusters gone silent (not ended) when the round started (membership), the most any rank saw."""
     ended: frozenset[int] = frozenset()
@@ -290,12 +294,14 @@ class Round:
         runs the same collectives whatever happens on it."""
         state = ctx.state
         own_hash = state.hash()
-        alive, lead, silent, galaxy_attempt, ended, gone = _membership(ctx)
+        alive, (lead, lead_work), silent, galaxy_attempt, ended, gone = _membership(ctx)
         attempt = max(attempt, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
         ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
         made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=silent)
         made.ended, made.gone = ended, gone
-        if lead > state.outer_step:  # the galaxy applied rounds without this cluster (a late joiner, a cut)
+        # the galaxy committed more than this cluster's chain holds (a late joiner, a side of a cut, a lighter
+        # fork): its Δ comes from a θ_outer the galaxy left behind
+        if (lead_work, lead) > (ctx.committed.work, state.outer_step):
             made.lead, made.phase = lead, Phase.SITTING_OUT
             return made
         with contextlib.ExitStack() as held:
@@ -349,7 +355,16 @@ class Round:
             ),
             "roster": sorted(self.roster),
             "gone": sorted(self.gone),
+            "tokens": self.tokens,
+            "work": self.ctx.committed.work,
         }
+
+    @property
+    def tokens(self) -> int:
+        """The tokens this cluster's Δ puts into θ_outer if the round commits: its inner steps' tokens, over
+        the fragments (a fragment's round carries that share of the model)."""
+        hv, steps = self.ctx.hv, self.contribution.inner_steps
+        return (hv.local_steps if steps is None else steps) * self.ctx.tokens_per_step // hv.fragments
 
     @property
     def roster(self) -> frozenset[int]:
@@ -455,10 +470,14 @@ class Round:
         return Verdict(Next.COMMIT, clusters, alive)
 
     def _committed_elsewhere(self) -> bool:
-        """A live cluster's record shows this round applied (agreed by the ranks): it is the round's state
-        now."""
-        ctx = self.ctx
-        steps = [step for rank, step in ctx.averager.membership().steps.items() if rank != ctx.galaxy_rank]
+        """A live cluster's record shows this round applied on a chain with at least this cluster's committed
+        work (agreed by the ranks): it is the round's state now. A lighter fork past this round is not."""
+        ctx, view = self.ctx, self.ctx.averager.membership()
+        steps = [
+            step
+            for rank, step in view.steps.items()
+            if rank != ctx.galaxy_rank and view.works.get(rank, 0) >= ctx.committed.work
+        ]
         return -ctx.cluster.min_int(-max(steps, default=-1)) >= self.id.number  # (ours: an older life's?)
 
     def _retry(self, view: RoundView, clusters: int) -> Round:
@@ -749,6 +768,7 @@ class Round:
             )
         if report is not None:
             fields.update(report.record_fields())
+        fields.setdefault("ledger_dropped", ctx.committed.pop_dropped())
         return RoundResult(
             outcome=outcome,
             outer_step=state.outer_step,
@@ -762,6 +782,7 @@ class Round:
             pseudo_grad_norm=ctx.cluster.norm(self.local_sq),  # None when not finite (JSON has no NaN)
             param_checksum=ctx.cluster.sum_float(state.sq_norm()),
             param_hash=param_hash,
+            committed_work=ctx.committed.work,
             **fields,
         )
 
@@ -777,16 +798,19 @@ def _locked_buffer(ctx: RoundContext, held: contextlib.ExitStack) -> torch.Tenso
     return buffer if ctx.cluster.all_true(buffer is not None) else None
 
 
-def _membership(ctx: RoundContext) -> tuple[int, int, int, int, frozenset[int], frozenset[int]]:
-    """(clusters alive, the galaxy's lead outer step, other clusters gone silent, the latest attempt of the
-    next round a live cluster started, the clusters that ended), the same on every rank of this cluster; and
-    the clusters this rank reads as gone (ended or silent: what it tells the round's roster).
+def _membership(
+    ctx: RoundContext,
+) -> tuple[int, tuple[int, int], int, int, frozenset[int], frozenset[int]]:
+    """(clusters alive, the galaxy's lead (outer step, committed work), other clusters gone silent, the latest
+    attempt of the next round a live cluster started, the clusters that ended), the same on every rank of this
+    cluster; and the clusters this rank reads as gone (ended or silent: what it tells the round's roster).
 
     Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
     any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
     cluster that is there. A cluster with no record at all counts as alive for a while (a galaxy that starts
     together waits for all of it: ``galaxy.averager.NOT_HEARD_SECONDS``). Lead: the highest outer step any
-    rank saw in a live cluster's record. Silent: the most gone-by-silence clusters any rank saw (see
+    rank saw in a live cluster's record (of the chain with the most committed work: ``Membership.lead``), with
+    that chain's work. Silent: the most gone-by-silence clusters any rank saw (see
     ``Membership.silent``)."""
     view = ctx.averager.membership()
     ctx.fastest_seconds = min(view.step_seconds.values(), default=None)
@@ -796,5 +820,8 @@ def _membership(ctx: RoundContext) -> tuple[int, int, int, int, frozenset[int], 
     alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
     ended = frozenset(_ranks_by_any_rank(ctx.cluster, sorted(gone - silent)))
-    lead, silent_count = -ctx.cluster.min_int(-view.lead), -ctx.cluster.min_int(-len(silent))
-    return alive, lead, silent_count, attempt, ended, frozenset(gone)
+    # the lead any rank saw: the furthest by (work, step), agreed as the largest work, then its largest step
+    lead_work = -ctx.cluster.min_int(-view.lead_work)
+    lead = -ctx.cluster.min_int(-(view.lead if view.lead_work == lead_work else -1))
+    silent_count = -ctx.cluster.min_int(-len(silent))
+    return alive, (lead, lead_work), silent_count, attempt, ended, frozenset(gone)

@@ -55,6 +55,11 @@ class RoundResult:
     round_weight: float | None = None
     """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
     ÷ H)."""
+    committed_work: int = 0
+    """The committed work (tokens) of the ledger chain that ends at this cluster's θ_outer now
+    (``LedgerEntry.work``): how the galaxy tells which of two forks to keep."""
+    ledger_dropped: dict[str, Any] | None = None
+    """This cluster's own entries that the chain it took replaced (``ledger.Dropped``): a fork not kept."""
     ledger: LedgerEntry | None = None
     """The ledger entry of the round this cluster's θ_outer now ends at: its own commit (``applied``), the
     committer's (``adopted``), or the last of the chain it took (``resynced``); ``None`` when it holds no
@@ -86,6 +91,7 @@ class RoundResult:
             "round_inner_steps",
             "round_weight",
             "ledger",
+            "ledger_dropped",
             "matchmaking_window_seconds",
             "round_trip_seconds",
         ):

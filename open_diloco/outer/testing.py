@@ -47,7 +47,9 @@ class InProcessGalaxy:
         self.departed = departed or set()
         self.silent = silent or set()
         self.lead = -1
-        """The highest outer step the membership records show (-1: unknown)."""
+        """The lead outer step the membership records show (-1: unknown)."""
+        self.lead_work = 0
+        """The committed work of the lead's chain (``Membership.lead_work``)."""
         self.step_seconds: dict[int, float] = {}
         """Seconds per inner step each cluster's record shows (``Membership.step_seconds``)."""
         self.lead_progress = (-1, 0.0)
@@ -174,6 +176,12 @@ class InProcessAverager:
         return Membership(
             departed=frozenset(self.galaxy.departed),
             lead=self.galaxy.lead,
+            lead_work=self.galaxy.lead_work,
+            works={
+                rank: _work(other.get_state()[0])
+                for rank, other in galaxy.members().items()
+                if other.get_state is not None
+            },
             silent=frozenset(self.galaxy.silent),
             lead_inner_step=self.galaxy.lead_progress[0],
             lead_seen_seconds=self.galaxy.lead_progress[1],
@@ -210,3 +218,9 @@ class InProcessAverager:
 
     def shutdown(self, finished: bool = False) -> None:
         self.finished = finished
+
+
+def _work(served: dict) -> int:
+    """The committed work of a served state's chain (its last entry's), as its status record would say."""
+    tail = served.get("ledger") or []
+    return int(tail[-1].get("work") or 0) if tail else 0

@@ -88,6 +88,8 @@ def judge(
             left_running,
             ledger_breaks(out, len(syncs)),
             minority_taken(faults, syncs),
+            lighter_taken(syncs),
+            sum(bool(r.get("ledger_dropped")) for records in syncs for r in records),
         ),
     }
 
@@ -128,6 +130,26 @@ def minority_taken(faults: list[Fault], syncs: list[list[dict]]) -> list[str]:
     return taken
 
 
+def lighter_taken(syncs: list[list[dict]]) -> list[str]:
+    """Issue 49's rule wherever chains differ (forks included, mid-run and at the end): no cluster takes a
+    state whose chain holds less committed work (``committed_work``) than the one it held. Each breach:
+    ``cluster c took cluster k's state at outer step s: work w, its own v``."""
+    taken = []
+    for c, records in enumerate(syncs):
+        held = None
+        for r in records:
+            work = r.get("committed_work")
+            if work is None:  # a record of a version before the count
+                continue
+            if held is not None and r.get("state_source") is not None and work < held:
+                taken.append(
+                    f"cluster {c} took cluster {r['state_source']}'s state at outer step {r['outer_step']}: "
+                    f"work {work}, its own {held}"
+                )
+            held = work
+    return taken
+
+
 def ledger_breaks(out: Path, clusters: int) -> list[str]:
     """What ``open-diloco ledger --verify`` refuses in the clusters' metrics: a chain that breaks, a round
     or final θ that is not its entry's (``open_diloco/ledger_view.py``)."""
@@ -142,9 +164,11 @@ def targets(
     left_running: list[dict],
     ledger: list[str] = (),
     minority: list[str] = (),
+    lighter: list[str] = (),
+    dropped: int = 0,
 ) -> list[dict]:
     """Issue 34's acceptance targets, issue 48's (retries, the ledger) and issue 49's (the majority's work
-    kept), each ``{"target", "value", "passed"}``."""
+    kept, the heavier fork kept), each ``{"target", "value", "passed"}``."""
     finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
     free = sum(c["syncs_without_fault"] for c in clusters)
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
@@ -203,6 +227,13 @@ def targets(
             "no cluster took a cut-off cluster's state (the majority's work kept)",
             f"{len(minority)} re-syncs onto it" + (f": {minority[0]}" if minority else ""),
             not minority,
+        ),
+        (
+            "no cluster took a chain with less committed work than its own (the heavier fork kept)",
+            f"{len(lighter)} takes"
+            + (f": {lighter[0]}" if lighter else "")
+            + f"; {dropped} dropped forks recorded",
+            not lighter,
         ),
         ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
         ("nothing left running", f"{len(left_running)} processes", not left_running),

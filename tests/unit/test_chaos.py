@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, repairable_from, windows
-from scripts.chaos.judge import minority_taken, normalize, targets
+from scripts.chaos.judge import lighter_taken, minority_taken, normalize, targets
 from scripts.chaos.plan import KINDS, Fault, schedule
 from scripts.chaos.run import with_overrides
 
@@ -177,3 +177,18 @@ def test_a_resync_onto_the_cut_off_clusters_own_state_breaks_the_quorum_rule():
     assert minority_taken([cut], syncs) == []
     # two clusters: no majority to keep, the rule does not apply
     assert minority_taken([cut], [[taken("c6")], [sync(6, 125.0, h="c6")]]) == []
+
+
+def test_taking_a_chain_with_less_committed_work_than_ones_own_breaks_the_heal_rule():
+    def at(step: int, work: int, source: int | None = None) -> dict:
+        return {**sync(step, float(step), h=f"h{step}"), "committed_work": work, "state_source": source}
+
+    # cluster 1 committed alone to outer step 9 (work 90); cluster 0 (work 120 at step 6) took its state
+    syncs = [[at(5, 100), at(6, 120), at(9, 90, source=1)], [at(9, 90)]]
+    assert lighter_taken(syncs) == ["cluster 0 took cluster 1's state at outer step 9: work 90, its own 120"]
+    syncs[1].append(at(6, 120, source=0))  # the lighter fork taking the heavier chain: the rule
+    syncs[0][-1] = at(7, 130)
+    assert lighter_taken(syncs) == []
+    assert (
+        lighter_taken([[sync(5, 1.0, h="a"), {**sync(6, 2.0, h="b"), "state_source": 1}]]) == []
+    )  # no counts

@@ -252,6 +252,14 @@ def test_out_of_cohort_names_who_started_elsewhere():
         1: {**same, "committed_by": 3, "galaxy_rank": 1},
     }
     assert out_of_cohort(two) == {0}
+    # before any of those: the chain with more committed work (a heal keeps it, whoever holds it)
+    heavier = {
+        **three,
+        0: {**three[0], "work": 900},
+        1: {**three[1], "work": 600},
+        2: {**three[2], "work": 600},
+    }
+    assert out_of_cohort(heavier) == {1, 2}
 
 
 def test_a_cluster_that_started_elsewhere_is_left_out_and_the_cohort_averages_exactly():

@@ -16,9 +16,10 @@ from open_diloco.outer.round_result import RoundResult
 from tests.unit.test_round_protocol import ShardPeer, _hv, _model, _served
 
 
-def _ended(reported: dict, sources=(), silent=()) -> Membership:
+def _ended(reported: dict, sources=(), silent=(), works=None) -> Membership:
     return Membership(
         reported=reported,
+        works=works or {},
         steps={rank: reported[rank][0] for rank in sources},
         sources={rank: str(rank) for rank in sources},
         silent=frozenset(silent),
@@ -99,8 +100,8 @@ def test_a_cluster_that_ends_behind_the_galaxys_last_rounds_ends_on_their_theta(
     # cluster 1 reached the run's last step at outer step 5 (its inner steps ran ahead of the rounds while it
     # held); clusters 0 and 2 went on to 7 and finished there: it ends on their θ_outer, not on its own
     view = _ended({0: (7, "theirs", False), 2: (7, "theirs", False), 3: (9, "live", True)})
-    assert final_step(view, 1, 5) == 7  # the furthest a finished cluster reached (cluster 3 still trains)
-    assert final_step(view, 1, 8) == 8
+    assert final_step(view, 1, 5) == (0, 7)  # the furthest a finished cluster reached (3 still trains)
+    assert final_step(view, 1, 8) == (0, 8)
     verdict = final_verdict(view, 1, 7, None)
     assert verdict.winners == {0, 2} and 1 not in verdict.losers
     warnings: list[str] = []
@@ -111,3 +112,22 @@ def test_a_cluster_that_ends_behind_the_galaxys_last_rounds_ends_on_their_theta(
     assert settled is not None and settled.outer_step == 7 and settled.state_source == 0
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))
     assert "the galaxy went on to outer step 7 after this cluster's last round" in warnings[0]
+
+
+def test_the_chain_with_more_committed_work_wins_at_the_end_whatever_its_round_or_its_size():
+    """One rule mid-run and at the end (``outer/quorum.py``): a lone fork that finished further in rounds but
+    with less committed work does not win; at one outer step the heavier chain wins over the larger group."""
+    view = _ended(
+        {0: (30, "fork", False), 2: (20, "kept", False), 3: (20, "kept", False)},
+        sources=[0, 2, 3],
+        works={0: 150, 2: 240, 3: 240},
+    )
+    assert final_step(view, 1, 19, own_work=225) == (240, 20)
+    verdict = final_verdict(view, 1, 20, None, own_work=225)
+    assert verdict.winner_hash == "kept" and verdict.source_for(1, view) == 2
+    heavier = _ended({0: (7, "a", False), 2: (7, "a", False)}, sources=[0, 2], works={0: 70, 2: 70})
+    verdict = final_verdict(heavier, 1, 7, "b", own_work=90)
+    assert verdict.winners == {1} and verdict.losers == {0, 2}
+    # the lighter fork is never a source, not even at its own last round
+    assert choose_source(view, 1, 20, exact=20, min_work=225) == (2, 20)
+    assert choose_source(view, 1, 30, exact=30, min_work=225) is None

@@ -15,7 +15,7 @@ from open_diloco.galaxy.status import cluster_identity
 from open_diloco.membership_record import (
     MemberRecord,
     departed,
-    lead_outer_step,
+    lead_of,
     lead_progress,
     never_heard,
     no_reachable_cluster,
@@ -96,13 +96,26 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
     ]
     assert departed(records, expiry=15) == {1, 2}
     assert silent(records, expiry=15) == {1}
-    assert lead_outer_step(records, expiry=15) == 7  # only a live cluster leads
+    assert lead_of(records, expiry=15) == (7, 0)  # only a live cluster leads
     assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
-    assert lead_outer_step(records, expiry=60) == 9
+    assert lead_of(records, expiry=60) == (9, 0)
     # a finished cluster is gone from the rounds but still serves its final state (its averager drains), so a
     # cluster whose last average never came can take that round from it; a silent or stopped one serves
     # nothing
     assert [record.finished_and_serving(expiry=15) for record in records] == [False, False, True]
+
+
+def test_the_lead_is_the_chain_with_the_most_committed_work_not_the_furthest_round():
+    """A lighter fork (one cluster that committed alone, cheaply) further in rounds does not lead the side
+    that kept the galaxy's work; among equal work the furthest round leads (the same chain, a round on)."""
+    records = [
+        MemberRecord(galaxy_rank=0, state="training", outer_step=20, committed_work=300),
+        MemberRecord(galaxy_rank=1, state="training", outer_step=31, committed_work=210),  # the lone fork
+        MemberRecord(galaxy_rank=2, state="training", outer_step=21, committed_work=300),
+    ]
+    assert lead_of(records, expiry=15) == (21, 300)
+    old = [MemberRecord(galaxy_rank=0, state="training", outer_step=4)]  # an older version: no work said
+    assert lead_of(old, expiry=15) == (4, 0)
     assert not dataclasses.replace(records[2], last_seen_seconds=20.0).finished_and_serving(expiry=15)
     assert not dataclasses.replace(records[2], state="stopped (SIGINT)").finished_and_serving(expiry=15)
 
