@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from scripts.chaos.plan import Fault
+from scripts.chaos.plan import CUTS, Fault
 
 REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
 RESYNC_SHARE_LIMIT = 0.01  # re-synced syncs with no fault to blame
@@ -80,7 +80,7 @@ def repairable_from(fault: Fault, faults: list[Fault]) -> float:
     2026-11-28, #14 inside #1); the syncs a cut-off cluster runs alone until the link comes back are the
     partition's, and no protocol repairs anything across a cut link. Other faults overlapping it (a late
     joiner not there yet, a slow cluster) do not move it: the galaxy can repair around them."""
-    cuts = [f for f in faults if f.fired and f.kind == "partition" and f.index != fault.index]
+    cuts = [f for f in faults if f.fired and f.kind in CUTS and f.index != fault.index]
     t = fault.end
     while (ongoing := next((c for c in cuts if c.start <= t < c.end), None)) is not None:
         t = ongoing.end

@@ -7,7 +7,8 @@
   view, within a sync of the moment it struck (a retry whose matchmaking failed made no all-reduce).
 - ``kill_restart``: kill -9 of the cluster's whole process tree by PID, then, ``seconds`` later, the same
   command again with ``--ckpt.resume latest`` (when a checkpoint is complete; else it joins as a newcomer).
-- ``partition``: the cluster's port on the lab's bridge goes down for ``seconds`` (scripts/wan/control.py).
+- ``partition``, ``long_partition``: the cluster's port on the lab's bridge goes down for ``seconds``
+  (scripts/wan/control.py).
 - ``loss_burst``: the cluster's forwarder loses 5 % of the packets both ways for ``seconds``.
 - ``slow``: SIGSTOP/SIGCONT of the cluster's rank processes, half of every second (its hivemind processes run
   on: the cluster computes at half speed, as a slower machine would, while its heartbeats stay on time).
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from scripts.chaos.galaxy import Galaxy, signal_all
-from scripts.chaos.plan import BURST_LOSS_PCT, SLOW_DUTY, SLOW_PERIOD_S, Fault
+from scripts.chaos.plan import BURST_LOSS_PCT, CUTS, SLOW_DUTY, SLOW_PERIOD_S, Fault
 
 Say = Callable[[str], None]
 QUIET_SYNCS = 4  # syncs of the galaxy between the end of one fault and the start of the next
@@ -141,7 +142,7 @@ class Injector:
             left = self.galaxy.kill(fault.cluster)
             if left:
                 self.say(f"kill -9 left {left} alive")
-        elif fault.kind == "partition":
+        elif fault.kind in CUTS:
             control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=False)
         elif fault.kind == "loss_burst":
             control.set_loss(self.galaxy.lab["run_id"], f"c{fault.cluster}", BURST_LOSS_PCT)
@@ -154,7 +155,7 @@ class Injector:
 
         if fault.kind == "kill_restart":
             self.relaunch(fault.cluster, True)
-        elif fault.kind == "partition":
+        elif fault.kind in CUTS:
             control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=True)
         elif fault.kind == "loss_burst":
             control.set_loss(self.galaxy.lab["run_id"], f"c{fault.cluster}", None)

@@ -17,7 +17,7 @@ from scripts.chaos.analysis import (
     hashes_by_step,
     windows,
 )
-from scripts.chaos.plan import Fault
+from scripts.chaos.plan import CUTS, Fault
 
 NOTABLE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL)\b|Traceback|stopping:|training stopped")
 OUR_PREFIX = re.compile(r"^\S+ \S+ (WARN|WARNING|ERROR|CRITICAL) galaxy_rank=\d+ rank=\d+ local_rank=\d+ ")
@@ -105,7 +105,7 @@ def minority_taken(faults: list[Fault], syncs: list[list[dict]]) -> list[str]:
     took first) breaks nothing. Each breach: ``#fault: cluster c took cluster k's state at outer step s``."""
     taken = []
     for f in faults:
-        if f.kind != "partition" or not f.fired or len(syncs) < 3:
+        if f.kind not in CUTS or not f.fired or len(syncs) < 3:
             continue
 
         def onto_it(record: dict, cut: int = f.cluster) -> bool:

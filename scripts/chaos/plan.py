@@ -12,9 +12,18 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
-KINDS = ("lost_average", "kill_restart", "partition", "late_join", "slow", "loss_burst")
-NEEDS_LAB = frozenset({"partition", "loss_burst"})  # they act on the lab's links
-DURATION_S = {"kill_restart": 5.0, "partition": 30.0, "loss_burst": 30.0, "slow": 60.0}
+KINDS = ("lost_average", "kill_restart", "partition", "late_join", "slow", "loss_burst", "long_partition")
+CUTS = frozenset({"partition", "long_partition"})
+"""Kinds that cut one cluster's link (``long_partition``: issue 49's 60 s cut, which a cluster trained through
+alone, ahead, before the quorum; now it holds)."""
+NEEDS_LAB = CUTS | {"loss_burst"}  # they act on the lab's links
+DURATION_S = {
+    "kill_restart": 5.0,
+    "partition": 30.0,
+    "loss_burst": 30.0,
+    "slow": 60.0,
+    "long_partition": 60.0,
+}
 BURST_LOSS_PCT = 5.0
 SLOW_DUTY = 0.5  # share of each period a slowed cluster's ranks may run
 SLOW_PERIOD_S = 1.0
