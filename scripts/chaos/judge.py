@@ -218,6 +218,16 @@ def targets(
             + ")",
             retried <= RETRY_SHARE_LIMIT,
         ),
+        *ledger_rows(ledger, minority, lighter, dropped),
+        ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
+        ("nothing left running", f"{len(left_running)} processes", not left_running),
+    ]
+    return [{"target": t, "value": v, "passed": bool(ok)} for t, v, ok in rows]
+
+
+def ledger_rows(ledger: list[str], minority: list[str], lighter: list[str], dropped: int) -> list[tuple]:
+    """Issue 48's and 49's targets: whole chains, the majority's work kept, the heavier fork kept."""
+    return [
         (
             "every cluster's ledger chain continuous, ending at its final θ",
             f"{len(ledger)} breaks" + (f": {ledger[0]}" if ledger else ""),
@@ -235,10 +245,7 @@ def targets(
             + f"; {dropped} dropped forks recorded",
             not lighter,
         ),
-        ("no hang (the global timeout)", "hung" if hung else "finished", not hung),
-        ("nothing left running", f"{len(left_running)} processes", not left_running),
     ]
-    return [{"target": t, "value": v, "passed": bool(ok)} for t, v, ok in rows]
 
 
 def retried_counts(clusters: list[dict]) -> str:
