@@ -235,7 +235,6 @@ class HivemindAverager:
             lead=lead,
             lead_work=lead_work,
             works={record.galaxy_rank: record.committed_work or 0 for record in records},
-            finished=frozenset(record.galaxy_rank for record in records if record.state == "finished"),
             silent=quiet,
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,

@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 FINAL_CHECK_SECONDS = 15.0
 """How long a finished cluster waits for the others' records to reach its last outer step
 (:meth:`CatchUp.verify_final`)."""
-PROGRESS_SECONDS = 60.0
-"""At the end of a run, a cluster still training whose outer step moved within this is on its way to the
-galaxy's last rounds: a finished cluster waits for it (:meth:`CatchUp._final_view`)."""
 
 
 class CatchUp:
@@ -169,15 +166,8 @@ class CatchUp:
         source = verdict.source_for(self.galaxy_rank, view)
         chosen = self.cluster.gather_strings("" if source is None else str(source))[0]  # rank 0's
         if not chosen:
-            # finished clusters behind this one's state wait to take it (they ended at an earlier round)
-            behind = {
-                rank
-                for rank in view.finished - {self.galaxy_rank}
-                if rank in view.reported
-                and (view.works.get(rank, 0), view.reported[rank][0]) < (work, ends_at)
-            }
-            if self.galaxy_rank in verdict.winners and (verdict.losers or behind):
-                self._serve_until_taken(verdict, behind)
+            if self.galaxy_rank in verdict.winners and verdict.losers:
+                self._serve_until_taken(verdict)
             return None
         sides = (
             f"{len(verdict.winners)} cluster(s) {sorted(verdict.winners)} against {sorted(verdict.losers)}"
@@ -217,40 +207,30 @@ class CatchUp:
             ledger_dropped=self.committed.pop_dropped(),
         )
 
-    def _serve_until_taken(self, verdict: FinalVerdict, behind: set[int] = frozenset()) -> None:
+    def _serve_until_taken(self, verdict: FinalVerdict) -> None:
         """A cluster of the winning side keeps serving its final state (its averagers up, this rank here)
-        until every cluster of the smaller side, and every finished cluster ``behind`` it, shows the winning
-        hash, or ``--hv.join-timeout`` passes: they often finished first and wait for exactly this state."""
+        until every cluster of the smaller side shows the winning hash, or ``--hv.join-timeout`` passes: the
+        smaller side often finished first and is waiting for exactly this state."""
         deadline = time.monotonic() + self.hv.join_timeout
-        takers = set(verdict.losers) | set(behind)
         while time.monotonic() < deadline:
             reported = self.averager.membership().reported
-            if all(reported.get(rank, (-1, None, False))[1] == verdict.winner_hash for rank in takers):
+            if all(
+                reported.get(rank, (-1, None, False))[1] == verdict.winner_hash for rank in verdict.losers
+            ):
                 return
             time.sleep(1.0)
 
     def _final_view(self) -> Membership:
-        """The membership once no other cluster is still training and none is silent. A cluster still
-        training is waited for ``max(FINAL_CHECK_SECONDS, --hv.final-wait)``, and beyond that for as long as
-        its outer step keeps moving (:data:`PROGRESS_SECONDS`): this cluster can reach the run's last step
-        many rounds before the galaxy does (its inner steps ran on while it held or sat rounds out), and
-        ending then would end on a model the galaxy left behind. The wait ends when no cluster still training
-        has moved for that long, so it is bounded by the others' runs. A silent one: up to
-        ``--hv.final-wait``."""
-        started, moved = time.monotonic(), {}
+        """The membership once no other cluster is still training (waited for up to
+        ``max(FINAL_CHECK_SECONDS, --hv.final-wait)``: behind this one's outer step, or at it and past it on
+        its last rounds) and none is silent (up to ``--hv.final-wait``)."""
+        started = time.monotonic()
         while True:
             view = self.averager.membership()
-            now = time.monotonic()
             others = {rank: seen for rank, seen in view.reported.items() if rank != self.galaxy_rank}
-            for rank, (step, _, _) in others.items():  # seen moving since this wait began
-                if rank not in moved:
-                    moved[rank] = (step, -math.inf)
-                elif moved[rank][0] != step:
-                    moved[rank] = (step, now)
-            training = [rank for rank, (_, _, live) in others.items() if live]
-            moving = any(now - moved[rank][1] < PROGRESS_SECONDS for rank in training)
-            waited = now - started
-            if (not training or (waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait) and not moving)) and (
+            training = any(live for _, _, live in others.values())
+            waited = time.monotonic() - started
+            if (not training or waited >= max(FINAL_CHECK_SECONDS, self.hv.final_wait)) and (
                 not (view.silent - {self.galaxy_rank}) or waited >= self.hv.final_wait
             ):
                 return view

@@ -97,9 +97,6 @@ class Membership:
     steps: dict[int, int] = field(default_factory=dict)
     """The outer step each cluster that can serve a round's state shows, by galaxy rank: the live ones and
     those that finished their run moments ago (a finished cluster serves its final state while it drains)."""
-    finished: frozenset[int] = frozenset()
-    """Galaxy ranks whose record says they finished their run (not stopped, not crashed): at the end of a run
-    the winner serves its final state to those behind it (``CatchUp.settle_final``)."""
     works: dict[int, int] = field(default_factory=dict)
     """The committed work of the chain each cluster with a record holds (0: not said), by galaxy rank: a state
     is taken only from a chain with at least this cluster's work (``outer/adoption.py``)."""

@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from open_diloco.outer import catching_up
 from open_diloco.outer.adoption import choose_source
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.final_round import final_step, final_verdict
@@ -132,41 +131,3 @@ def test_the_chain_with_more_committed_work_wins_at_the_end_whatever_its_round_o
     # the lighter fork is never a source, not even at its own last round
     assert choose_source(view, 1, 20, exact=20, min_work=225) == (2, 20)
     assert choose_source(view, 1, 30, exact=30, min_work=225) is None
-
-
-class StillRounding(SplitGalaxy):
-    """Clusters 0 and 2 are still training, a round further at every read, for ``moving_reads`` reads; then
-    they finish at outer step 7 on ``"theirs"`` and serve it."""
-
-    def __init__(self, moving_reads: int):
-        super().__init__()
-        self.moving_reads = moving_reads
-
-    def membership(self):
-        self.reads += 1
-        if self.reads <= self.moving_reads:
-            step = self.reads % 7  # it moves (a round a read), never to the end yet
-            return _ended({0: (step, "theirs", True), 2: (step, "theirs", True)}, sources=[0, 2])
-        return _ended({0: (7, "theirs", False), 2: (7, "theirs", False)}, sources=[0, 2])
-
-
-def test_a_finished_cluster_waits_while_the_others_still_move_towards_the_end(monkeypatch):
-    # the lan soak of 2026-12-02 (later): a cluster that held through its cuts reached the run's last step at
-    # outer step 132 while the galaxy went on to 230; after the 15 s wait it ended on its own θ_outer. Now it
-    # waits while the others' rounds still move, and ends on their final state
-    monkeypatch.setattr(catching_up, "FINAL_CHECK_SECONDS", 0.5)
-    model = _model([1.0])
-    galaxy = StillRounding(moving_reads=4)
-    outer = DiLoCo(model, galaxy, _hv(galaxy_size=3, world_rank=1), warn=print)
-    outer.state.outer_step = 3
-    settled = outer.catch_up.settle_final(RoundResult("applied", 3, 0, "mine", 1.0, galaxy_alive=3))
-    assert galaxy.reads > 4 and settled is not None and settled.outer_step == 7 and settled.state_source == 0
-    torch.testing.assert_close(model.weight.detach(), torch.tensor([[0.25]]))
-    # others that stand still (crashed, or holding) are not waited for past the check
-    monkeypatch.setattr(catching_up, "PROGRESS_SECONDS", 0.0)
-    galaxy = StillRounding(moving_reads=99)
-    outer = DiLoCo(_model([1.0]), galaxy, _hv(galaxy_size=3, world_rank=1), warn=print)
-    outer.state.outer_step = 3
-    started = time.monotonic()
-    outer.catch_up.settle_final(RoundResult("applied", 3, 0, "mine", 1.0, galaxy_alive=3))
-    assert time.monotonic() - started < 5
