@@ -165,41 +165,39 @@ class InProcessAverager:
 
     def membership(self) -> Membership:
         """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its
-        served state) and its averager, by galaxy rank (``sources``), when the galaxy serves state."""
+        served state) and its averager, by galaxy rank (``sources``), when the galaxy serves state. Each
+        cluster's state is read once (a snapshot copies its θ_outer: benches read this every round)."""
         galaxy = self.galaxy
-        serving = {
-            rank: other
-            for rank, other in galaxy.members().items()
-            if galaxy.serve_state and other.get_state is not None and rank not in galaxy.departed
+        members = galaxy.members()
+        served = {
+            rank: other.get_state()[0] for rank, other in members.items() if other.get_state is not None
         }
-        steps = {rank: int(other.get_state()[0]["outer_step"]) for rank, other in serving.items()}
+        serving = [rank for rank in served if galaxy.serve_state and rank not in galaxy.departed]
         return Membership(
             departed=frozenset(self.galaxy.departed),
             lead=self.galaxy.lead,
             lead_work=self.galaxy.lead_work,
-            works={
-                rank: _work(other.get_state()[0])
-                for rank, other in galaxy.members().items()
-                if other.get_state is not None
-            },
+            works={rank: _work(metadata) for rank, metadata in served.items()},
             silent=frozenset(self.galaxy.silent),
             lead_inner_step=self.galaxy.lead_progress[0],
             lead_seen_seconds=self.galaxy.lead_progress[1],
-            steps=steps,
+            steps={rank: int(served[rank]["outer_step"]) for rank in serving},
             sources={rank: str(rank) for rank in serving},
-            reported={rank: self._record(rank, other) for rank, other in galaxy.members().items()},
+            reported={rank: self._record(rank, other, served.get(rank)) for rank, other in members.items()},
             step_seconds=dict(galaxy.step_seconds),
         )
 
-    def _record(self, rank: int, other: InProcessAverager) -> tuple[int, str | None, bool]:
+    def _record(
+        self, rank: int, other: InProcessAverager, metadata: dict | None
+    ) -> tuple[int, str | None, bool]:
         """What cluster ``rank``'s status record would say (``Membership.reported``): its outer step and
-        hash, read off its state (a cluster here is one rank: its shard's hash is the model's), and whether it
-        still trains. Why not "unknown": a cluster at its last round waits for those behind it, and every
-        unknown one looked behind (each finished unit-test galaxy waited the whole final check, 15 s)."""
+        hash, read off its served ``metadata`` (a cluster here is one rank: its shard's hash is the model's),
+        and whether it still trains. Why not "unknown": a cluster at its last round waits for those behind it,
+        and every unknown one looked behind (each finished unit-test galaxy waited the whole final check,
+        15 s)."""
         training = rank not in self.galaxy.departed and not other.finished
-        if other.get_state is None:
+        if metadata is None:
             return -1, None, training
-        metadata = other.get_state()[0]
         shard_hash = metadata.get("shard_hash")
         return int(metadata["outer_step"]), shard_hash and combine_hashes([shard_hash]), training
 
