@@ -84,12 +84,24 @@ class WandbMetrics:
             mode=mode,
             settings=wandb.Settings(silent=True),
         )
+        self.last_step: int | None = None
+        """The last step given to wandb, which takes steps in order (two records at one step: one row)."""
+        self.step_shift = 0
+        """What the galaxy's clock went back by in this run: added to each step given to wandb."""
         if config.ckpt.interval is not None:  # this run's checkpoints will say which run to continue
             keep_run_id(config.ckpt.path, self.run.id)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if isinstance(step, int):
+            # wandb drops a record at a step it has passed: after the galaxy's clock went back (a cluster
+            # that held, back in the galaxy) steps go on shifted past wandb's, the galaxy's kept as a value
+            if self.last_step is not None and step + self.step_shift < self.last_step:
+                self.step_shift = self.last_step + 1 - step
+            if self.step_shift:
+                numbers["galaxy_step"] = step
+            step = self.last_step = step + self.step_shift
         self.run.log(numbers, step=step)
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ def train(config: Config) -> None:
             if any(sync.diverged for sync in syncs):
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
-            if (galaxy_step := outer.inner_step_of_galaxy()) > step:  # it took a later state: catch up
+            if (galaxy_step := outer.go_on_from(step)) != step:  # it took a state: on the galaxy's clock
                 _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
                 step = galaxy_step
                 batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)

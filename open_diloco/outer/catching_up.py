@@ -50,6 +50,11 @@ class CatchUp:
         self.catch_up_step = 0
         """Where the trainer goes on after this cluster adopted a state the galaxy is already training past
         (:meth:`_catch_up_target`); 0 when it goes on from the adopted round's start."""
+        self.took_state = False
+        """A round took another cluster's state since the trainer last asked (:meth:`clock_after`)."""
+        self.rewind_to: int | None = None
+        """Where the trainer goes back to: after a take, this cluster's own clock was past the galaxy's next
+        sync (:meth:`clock_after`)."""
 
     @property
     def outer_step(self) -> int:
@@ -115,10 +120,37 @@ class CatchUp:
         """After taking the state of a galaxy that trains past it, go on where it is
         (:meth:`_catch_up_target`)."""
         self.catch_up_step = self._catch_up_target()
+        self.took_state = True
         if self.catch_up_step > self.schedule.inner_step_of(self.outer_step):
             self.warn(
                 f"outer step {self.outer_step}: the galaxy is already training towards the next sync: "
                 f"this cluster goes on from inner step {self.catch_up_step} to meet it there"
+            )
+
+    def clock_after(self, inner_step: int, sync_in_flight: bool, last: bool) -> None:
+        """After the rounds of galaxy step ``inner_step``: when one of them took a state while this cluster's
+        own clock already stands at or past the galaxy's next sync (and no sync of its own is in flight to
+        meet it), set :attr:`rewind_to`, the catch-up target, behind ``inner_step``.
+
+        Why: a cluster that held (a minority side of a partition) or sat rounds out kept training, one stride
+        a round, at its own pace and without the rounds' waits, so its clock ran ahead of the galaxy's. Going
+        on from its own clock, it would reach the galaxy's next sync a stride or more late: the galaxy waits
+        ``--hv.averaging-timeout`` for it in vain, and it takes the state again instead of averaging. The held
+        strides were dropped (nothing of them is in θ_outer), so going back to the galaxy's clock loses
+        nothing of the galaxy's; their batches are trained again. The same on every rank of the cluster (the
+        target is agreed, the rest is the cluster's shared state). Not at the run's last step: the end of a
+        run takes the galaxy's final θ_outer anyway."""
+        took, self.took_state = self.took_state, False
+        if (
+            took
+            and not sync_in_flight
+            and not last
+            and inner_step >= self.schedule.inner_step_of(self.outer_step + 1)
+        ):
+            self.rewind_to = self.inner_step_of_galaxy()
+            self.warn(
+                f"outer step {self.outer_step}: this cluster's clock ran past the galaxy's next sync while "
+                f"it was apart: back from inner step {inner_step} to {self.rewind_to} to meet it there"
             )
 
     def resync(self, at_least: int, why: str) -> Downloaded | None:

@@ -165,6 +165,10 @@ class DiLoCo:
     def inner_step_of_galaxy(self) -> int:
         return self.catch_up.inner_step_of_galaxy()
 
+    def go_on_from(self, inner_step: int) -> int:
+        rewind, self.catch_up.rewind_to = self.catch_up.rewind_to, None
+        return rewind if rewind is not None else max(inner_step, self.inner_step_of_galaxy())
+
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this shard's outer state (:meth:`OuterLoop.state_dict`), θ_outer itself
@@ -236,6 +240,7 @@ class DiLoCo:
             and (result := self._start_sync(inner_step, last))
         ):
             results.append(result)
+        self.catch_up.clock_after(inner_step, sync_in_flight=self.in_flight is not None, last=last)
         self._held += time.perf_counter() - began
         if results:
             window = time.perf_counter() - self._window_start

@@ -52,6 +52,13 @@ class OuterLoop(Protocol):
         """The inner step the galaxy's current round started at (a cluster behind it catches up)."""
         ...
 
+    def go_on_from(self, inner_step: int) -> int:
+        """The galaxy step the trainer goes on from after galaxy step ``inner_step`` and its rounds:
+        ``inner_step`` itself, unless a round took a state and this cluster's clock is not the galaxy's: ahead
+        of it (the galaxy trains past that state: catch up), or behind it (this cluster's clock ran past the
+        galaxy's next sync while it held: go back)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the outer loop, as torch.distributed.checkpoint's ``Stateful`` gives it:
         ``outer_step`` and ``fragments``; each per-value buffer it holds (``outer/stateful.py``'s ``PIECES``:
@@ -89,6 +96,9 @@ class NullOuterLoop:
 
     def inner_step_of_galaxy(self) -> int:
         return 0
+
+    def go_on_from(self, inner_step: int) -> int:
+        return inner_step
 
     def trains_at(self, inner_step: int) -> bool:
         return True

@@ -90,6 +90,42 @@ def test_a_cluster_that_sat_out_goes_on_where_the_galaxy_is(lead_progress, step_
     assert record["outer_step"] == 4 and behind.inner_step_of_galaxy() == 80
 
 
+@pytest.mark.parametrize(
+    "own_step, expected",
+    [
+        (100, 75),  # past the galaxy's next sync (80): back to the lead's clock, 5 steps before its sync
+        (80, 75),  # at it: its own next sync would be 100, a stride after the galaxy's
+        (60, 75),  # before it: the catch-up forward, as before
+        (120, 75),  # two strides past (held longer than the galaxy's rounds took): back all the same
+    ],
+)
+def test_a_cluster_whose_clock_ran_ahead_while_it_held_goes_back_to_the_galaxys(own_step, expected):
+    # a cluster that held (a minority side of a partition) kept training a stride a round without the
+    # rounds' waits: at its step 100 it takes the galaxy's state at outer step 3, while the lead cluster
+    # waits at the sync of round 4 (inner step 80). Going on from 100 it would sync round 4 at 120, a stride
+    # after the lead gave up on it; it goes back to the galaxy's clock instead
+    galaxy = InProcessGalaxy(1, serve_state=True)
+    hv = dict(
+        galaxy_size=2, local_steps=20, on_partial_round="proceed", join_timeout=5.0, averaging_timeout=4.0
+    )
+    ahead = DiLoCo(
+        linear_model([1.0]), galaxy.averager(0, 1), outer_hv(world_rank=0, **hv), warn=lambda *_: None
+    )
+    for step in (20, 40, 60):
+        ahead.after_inner_step(step)
+    galaxy.lead, galaxy.lead_progress = 3, (79, 2.0)
+    warnings: list[str] = []
+    behind = DiLoCo(
+        linear_model([7.0]), galaxy.averager(1, 1), outer_hv(world_rank=1, **hv), warn=warnings.append
+    )
+    behind.report({"step": 20, "step_seconds": 0.2})
+    record = behind.after_inner_step(own_step)
+    assert record["resynced"] and record["outer_step"] == 3
+    assert behind.go_on_from(own_step) == expected
+    assert any("ran past the galaxy's next sync" in line for line in warnings) == (own_step >= 80)
+    assert behind.go_on_from(expected + 1) == expected + 1  # once: then its clock is the galaxy's
+
+
 def test_out_of_sync_is_reported():
     galaxy = InProcessGalaxy(2)
     # cluster 1 starts from other weights: the hashes they exchange differ → in_sync False on both

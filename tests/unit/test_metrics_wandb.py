@@ -65,3 +65,19 @@ def test_a_checkpoint_without_a_kept_id_starts_a_new_run(offline):
     (offline / "old" / WANDB_RUN_FILE).write_text("not json")
     run = started(cluster(0, offline / "ckpt"), resumed_from=offline / "old" / "step_00000010")
     assert run.id and run.name == "cluster0"
+
+
+def test_records_after_the_galaxys_clock_went_back_are_kept(offline):
+    # a cluster that held apart goes back to the galaxy's clock (outer/catching_up.py): its steps repeat, and
+    # wandb drops every record at a step it has passed, so they go on at wandb's next steps
+    metrics = build_metrics(cluster(0, offline / "ckpt"), True, "cluster0", None)
+    sent = []
+    log = metrics.run.log
+    metrics.run.log = lambda data, step=None: sent.append((step, dict(data))) or log(data, step=step)
+    for step in (99, 100, 100, 96, 97, 97, 98):
+        metrics.log({"step": step, "loss": float(step)})
+    metrics.close()
+    # two records at one step stay one row (two syncs ending at one step), before and after the shift
+    assert [step for step, _ in sent] == [99, 100, 100, 101, 102, 102, 103]
+    assert [data.get("galaxy_step") for _, data in sent] == [None, None, None, 96, 97, 97, 98]
+    assert [data["loss"] for _, data in sent] == [99.0, 100.0, 100.0, 96.0, 97.0, 97.0, 98.0]
