@@ -100,8 +100,9 @@ def train(config: Config) -> None:
             if any(sync.diverged for sync in syncs):
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
-            if (galaxy_step := outer.go_on_from(step)) != step:  # it took a state: on the galaxy's clock
-                _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
+            if (galaxy_step := outer.go_on_from(step)) != step:  # back on the galaxy's clock (a take, a hold)
+                if galaxy_step > step:
+                    _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
                 step = galaxy_step
                 batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):

@@ -127,31 +127,43 @@ class CatchUp:
                 f"this cluster goes on from inner step {self.catch_up_step} to meet it there"
             )
 
-    def clock_after(self, inner_step: int, sync_in_flight: bool, last: bool) -> None:
-        """After the rounds of galaxy step ``inner_step``: when one of them took a state while this cluster's
-        own clock already stands at or past the galaxy's next sync (and no sync of its own is in flight to
-        meet it), set :attr:`rewind_to`, the catch-up target, behind ``inner_step``.
+    def clock_after(self, inner_step: int, sync_started: bool, last: bool, held: bool = False) -> int | None:
+        """After the rounds of galaxy step ``inner_step``: where this cluster's clock left the galaxy's, the
+        galaxy step to go back to (also :attr:`rewind_to`); ``None`` when it did not. ``held``: a round held
+        (no quorum, ``outer/quorum.py``): its stride is dropped, so the clock goes back a stride and the
+        round's next attempt starts where the round did. After a round took a state: where this cluster's
+        clock stands past the galaxy's. ``sync_started``: the round after it started at this step (a landing
+        at ``--hv.sync-delay`` = H/P, with the galaxy's: then the galaxy's clock is that round's start); else
+        the galaxy's next sync is ahead, and a cluster at or past it would meet it a stride late: back to the
+        catch-up target.
 
-        Why: a cluster that held (a minority side of a partition) or sat rounds out kept training, one stride
-        a round, at its own pace and without the rounds' waits, so its clock ran ahead of the galaxy's. Going
-        on from its own clock, it would reach the galaxy's next sync a stride or more late: the galaxy waits
-        ``--hv.averaging-timeout`` for it in vain, and it takes the state again instead of averaging. The held
-        strides were dropped (nothing of them is in θ_outer), so going back to the galaxy's clock loses
-        nothing of the galaxy's; their batches are trained again. The same on every rank of the cluster (the
-        target is agreed, the rest is the cluster's shared state). Not at the run's last step: the end of a
-        run takes the galaxy's final θ_outer anyway."""
+        Why: a cluster that held (a side of a partition without a quorum, a survivor while the other cluster
+        of two restarts) trained a stride a round at its own pace and without the rounds' waits, so its clock
+        ran ahead of the galaxy's: it met the galaxy's next round a stride late (the galaxy waited
+        ``--hv.averaging-timeout`` in vain and it took the state again), or, in step with the rounds at τ =
+        H/P, reached ``--max-steps`` rounds before the galaxy and ended on its own θ. The held strides were
+        dropped (nothing of them is in θ_outer): going back loses nothing of the galaxy's, and their batches
+        are trained again. The same on every rank of the cluster (the target is agreed, the rest is the
+        cluster's shared state). Not at the run's last step: the end of a run takes the galaxy's final θ
+        anyway."""
         took, self.took_state = self.took_state, False
-        if (
-            took
-            and not sync_in_flight
-            and not last
-            and inner_step >= self.schedule.inner_step_of(self.outer_step + 1)
-        ):
-            self.rewind_to = self.inner_step_of_galaxy()
-            self.warn(
-                f"outer step {self.outer_step}: this cluster's clock ran past the galaxy's next sync while "
-                f"it was apart: back from inner step {inner_step} to {self.rewind_to} to meet it there"
-            )
+        next_sync = self.schedule.inner_step_of(self.outer_step + 1)
+        if last or not (took or held):
+            return None
+        if not took:  # held: this round again, a stride back
+            back_to: int | None = inner_step - self.schedule.stride
+        elif sync_started:
+            back_to = next_sync if inner_step > next_sync else None
+        else:
+            back_to = self.inner_step_of_galaxy() if inner_step >= next_sync else None
+        if back_to is not None:
+            self.rewind_to = back_to
+            if took:
+                self.warn(
+                    f"outer step {self.outer_step}: this cluster's clock ran past the galaxy's while it was "
+                    f"apart: back from inner step {inner_step} to {back_to}, the galaxy's"
+                )
+        return back_to
 
     def resync(self, at_least: int, why: str) -> Downloaded | None:
         """Take the state of the galaxy's most advanced live cluster, at outer step ``at_least`` or later,

@@ -240,7 +240,11 @@ class DiLoCo:
             and (result := self._start_sync(inner_step, last))
         ):
             results.append(result)
-        self.catch_up.clock_after(inner_step, sync_in_flight=self.in_flight is not None, last=last)
+        # after a take, a sync in flight is the one this step started (a landing clears the one before)
+        held = any(result.outcome == "held" for result in results)
+        back_to = self.catch_up.clock_after(inner_step, self.in_flight is not None, last, held)
+        if back_to is not None and self.in_flight is not None:
+            self.in_flight.lands_at -= inner_step - back_to  # it lands as far into the galaxy's clock
         self._held += time.perf_counter() - began
         if results:
             window = time.perf_counter() - self._window_start

@@ -590,7 +590,8 @@ class Round:
         heals this cluster is behind the majority and takes its state. The fragment lands as after a round
         that applied nothing (θ_local back to θ_outer, mixed as ``--hv.sync-alpha`` says): its stride is
         dropped, as it would be at the heal anyway; kept, the next Δ would grow with every held round until
-        the guard called it out of bound and the cluster diverged."""
+        the guard called it out of bound and the cluster diverged. The trainer then trains the stride again
+        (``CatchUp.clock_after``)."""
         ctx, roster = self.ctx, self.roster
         self._enter(Phase.HELD)
         if ctx.holding_since is None:
@@ -599,7 +600,7 @@ class Round:
         ctx.warn(
             f"outer step {self.id.number}: clusters {present} are no majority of the roster {sorted(roster)}"
             f"{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster commits nothing, "
-            "and takes the majority's state when it is back (a fork after "
+            "trains the stride again, and takes the majority's state when it is back (a fork after "
             f"--hv.fork-after={ctx.hv.fork_after:g}s, held "
             f"{time.monotonic() - ctx.holding_since:.0f}s)"
         )

@@ -9,6 +9,8 @@
   command again with ``--ckpt.resume latest`` (when a checkpoint is complete; else it joins as a newcomer).
 - ``partition``, ``long_partition``: the cluster's port on the lab's bridge goes down for ``seconds``
   (scripts/wan/control.py).
+- ``split``: the lab's bridge splits in two for ``seconds`` (``plan.split_sides``: the cluster and the next
+  ranks up to half the galaxy, with the DHT, against the rest); each side's links stay up.
 - ``loss_burst``: the cluster's forwarder loses 5 % of the packets both ways for ``seconds``.
 - ``slow``: SIGSTOP/SIGCONT of the cluster's rank processes, half of every second (its hivemind processes run
   on: the cluster computes at half speed, as a slower machine would, while its heartbeats stay on time).
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from scripts.chaos.galaxy import Galaxy, signal_all
-from scripts.chaos.plan import BURST_LOSS_PCT, CUTS, SLOW_DUTY, SLOW_PERIOD_S, Fault
+from scripts.chaos.plan import BURST_LOSS_PCT, CUTS, SLOW_DUTY, SLOW_PERIOD_S, Fault, split_sides
 
 Say = Callable[[str], None]
 QUIET_SYNCS = 4  # syncs of the galaxy between the end of one fault and the start of the next
@@ -142,6 +144,11 @@ class Injector:
             left = self.galaxy.kill(fault.cluster)
             if left:
                 self.say(f"kill -9 left {left} alive")
+        elif fault.kind == "split":
+            clusters = sum(name.startswith("c") for name in self.galaxy.lab["endpoints"])
+            side, other = split_sides(fault.cluster, clusters)
+            ends = ([f"c{c}" for c in side] + ["dht"], [f"c{c}" for c in other])
+            control.set_split(self.galaxy.lab["run_id"], ends)
         elif fault.kind in CUTS:
             control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=False)
         elif fault.kind == "loss_burst":
@@ -155,6 +162,8 @@ class Injector:
 
         if fault.kind == "kill_restart":
             self.relaunch(fault.cluster, True)
+        elif fault.kind == "split":
+            control.set_split(self.galaxy.lab["run_id"], None)
         elif fault.kind in CUTS:
             control.set_link(self.galaxy.lab["run_id"], f"c{fault.cluster}", up=True)
         elif fault.kind == "loss_burst":

@@ -17,7 +17,7 @@ from scripts.chaos.analysis import (
     hashes_by_step,
     windows,
 )
-from scripts.chaos.plan import CUTS, Fault
+from scripts.chaos.plan import CUTS, Fault, minority_of
 
 NOTABLE = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL)\b|Traceback|stopping:|training stopped")
 OUR_PREFIX = re.compile(r"^\S+ \S+ (WARN|WARNING|ERROR|CRITICAL) galaxy_rank=\d+ rank=\d+ local_rank=\d+ ")
@@ -99,29 +99,32 @@ HEAL_SECONDS = 120.0
 
 
 def minority_taken(faults: list[Fault], syncs: list[list[dict]]) -> list[str]:
-    """Issue 49's rule, where one cluster of three or more is cut off: no other cluster re-syncs onto a state
-    of its own, during the cut or in the heal after it (the majority's work is kept; ``outer/quorum.py``). A
-    re-sync from it onto a θ another cluster reached by itself (the majority's, which the cut-off cluster
-    took first) breaks nothing. Each breach: ``#fault: cluster c took cluster k's state at outer step s``."""
+    """Issue 49's rule, where a cut leaves some clusters without a quorum (one cluster of three or more cut
+    off, or a split's side without rank 0: ``plan.minority_of``): no cluster of the majority re-syncs onto a
+    state of the minority's, during the cut or in the heal after it (the majority's work is kept;
+    ``outer/quorum.py``). A re-sync onto a θ a majority cluster reached by itself (the majority's, which a
+    minority cluster took first) breaks nothing. Each breach: ``#fault: cluster c took cluster k's state at
+    outer step s``."""
     taken = []
     for f in faults:
         if f.kind not in CUTS or not f.fired or len(syncs) < 3:
             continue
+        minority = set(minority_of(f, len(syncs)))
 
-        def onto_it(record: dict, cut: int = f.cluster) -> bool:
-            return bool(record.get("resynced")) and record.get("state_source") == cut
+        def onto_it(record: dict, cut: set[int] = minority) -> bool:
+            return bool(record.get("resynced")) and record.get("state_source") in cut
 
-        reached = {  # (outer step, hash) the clusters other than the cut-off one reached without it
+        majority = [(c, records) for c, records in enumerate(syncs) if c not in minority]
+        reached = {  # (outer step, hash) the majority's clusters reached without the minority
             (r["outer_step"], r.get("param_hash"))
-            for c, records in enumerate(syncs)
-            if c != f.cluster
+            for _, records in majority
             for r in records
             if not onto_it(r)
         }
         taken += [
-            f"#{f.index}: cluster {c} took cluster {f.cluster}'s state at outer step {r['outer_step']}"
-            for c, records in enumerate(syncs)
-            if c != f.cluster
+            f"#{f.index}: cluster {c} took cluster {r['state_source']}'s state "
+            f"at outer step {r['outer_step']}"
+            for c, records in majority
             for r in records
             if onto_it(r)
             and f.start <= r["time"] <= f.end + HEAL_SECONDS

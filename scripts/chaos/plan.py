@@ -12,10 +12,20 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field
 
-KINDS = ("lost_average", "kill_restart", "partition", "late_join", "slow", "loss_burst", "long_partition")
-CUTS = frozenset({"partition", "long_partition"})
-"""Kinds that cut one cluster's link (``long_partition``: issue 49's 60 s cut, which a cluster trained through
-alone, ahead, before the quorum; now it holds)."""
+KINDS = (
+    "lost_average",
+    "kill_restart",
+    "partition",
+    "late_join",
+    "slow",
+    "loss_burst",
+    "long_partition",
+    "split",
+)
+CUTS = frozenset({"partition", "long_partition", "split"})
+"""Kinds that cut links (``long_partition``: issue 49's 60 s cut, which a cluster trained through alone,
+ahead, before the quorum; now it holds; ``split``: the galaxy in two halves, :func:`split_sides`)."""
+SPLIT_MIN_CLUSTERS = 4  # a split of fewer is a partition of one cluster
 NEEDS_LAB = CUTS | {"loss_burst"}  # they act on the lab's links
 DURATION_S = {
     "kill_restart": 5.0,
@@ -23,6 +33,7 @@ DURATION_S = {
     "loss_burst": 30.0,
     "slow": 60.0,
     "long_partition": 60.0,
+    "split": 60.0,
 }
 BURST_LOSS_PCT = 5.0
 SLOW_DUTY = 0.5  # share of each period a slowed cluster's ranks may run
@@ -62,6 +73,22 @@ class Fault:
 
     def to_json(self) -> dict:
         return {**asdict(self), "fired": self.fired}
+
+
+def split_sides(cluster: int, clusters: int) -> tuple[list[int], list[int]]:
+    """A ``split`` on ``cluster``: its side is it and the next ranks up to half the galaxy (wrapping), the
+    other side the rest: 2 | 2 of four. The side without the lowest rank has no quorum (``outer/quorum.py``'s
+    tie-break): it holds, and takes the other side's state at the heal."""
+    side = sorted((cluster + i) % clusters for i in range(clusters // 2))
+    return side, [c for c in range(clusters) if c not in side]
+
+
+def minority_of(fault: Fault, clusters: int) -> list[int]:
+    """The clusters a cut leaves without a quorum: the cut-off one, or a split's side without rank 0."""
+    if fault.kind != "split":
+        return [fault.cluster]
+    side, other = split_sides(fault.cluster, clusters)
+    return other if 0 in side else side
 
 
 def _kinds_in_order(n: int, kinds: list[str], rng: random.Random) -> list[str]:

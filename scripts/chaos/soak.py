@@ -27,7 +27,7 @@ from pathlib import Path
 
 from scripts.chaos import judge, report
 from scripts.chaos.galaxy import REPO, python_default
-from scripts.chaos.plan import DURATION_S, KINDS, NEEDS_LAB, Fault, schedule
+from scripts.chaos.plan import DURATION_S, KINDS, NEEDS_LAB, SPLIT_MIN_CLUSTERS, Fault, schedule
 from scripts.chaos.run import Soak, SoakConfig, with_overrides
 
 TARGET = dict(
@@ -115,6 +115,8 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> SoakConfig:
         raise SystemExit(f"soak: unknown fault kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
     if profile is None:
         kinds = [k for k in kinds if k not in NEEDS_LAB]
+    if args.clusters < SPLIT_MIN_CLUSTERS:
+        kinds = [k for k in kinds if k != "split"]
     if args.local_steps % args.fragments:
         raise SystemExit(f"soak: --fragments {args.fragments} must divide --local-steps {args.local_steps}")
     if profile and os.geteuid() != 0:

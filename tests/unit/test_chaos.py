@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, repairable_from, windows
 from scripts.chaos.judge import lighter_taken, minority_taken, normalize, targets
-from scripts.chaos.plan import KINDS, Fault, schedule
+from scripts.chaos.plan import KINDS, Fault, minority_of, schedule, split_sides
 from scripts.chaos.run import with_overrides
 
 
@@ -177,6 +177,26 @@ def test_a_resync_onto_the_cut_off_clusters_own_state_breaks_the_quorum_rule():
     assert minority_taken([cut], syncs) == []
     # two clusters: no majority to keep, the rule does not apply
     assert minority_taken([cut], [[taken("c6")], [sync(6, 125.0, h="c6")]]) == []
+
+
+def test_a_split_halves_the_galaxy_and_the_side_without_rank_0_is_the_minority():
+    assert split_sides(1, 4) == ([1, 2], [0, 3])
+    assert split_sides(3, 4) == ([0, 3], [1, 2])  # wraps
+    assert minority_of(Fault(0, "split", 1, 10, 60.0), 4) == [1, 2]
+    assert minority_of(Fault(0, "split", 3, 10, 60.0), 4) == [1, 2]  # its side holds rank 0
+    assert minority_of(Fault(0, "partition", 0, 10, 30.0), 4) == [0]
+
+
+def test_a_majority_cluster_taking_a_split_minoritys_own_state_breaks_the_quorum_rule():
+    split = Fault(0, "split", 1, 10, 60.0, start=100.0, end=160.0)  # {1, 2} | {0, 3}: {1, 2} hold
+    syncs = [[sync(5, 120.0, h="m5")] for _ in range(4)]
+    syncs[2].append(sync(6, 150.0, h="f6"))  # the minority's own θ (a fork it should not have made)
+    syncs[3].append({**sync(6, 170.0, h="f6", resynced=True), "state_source": 2})
+    assert minority_taken([split], syncs) == ["#0: cluster 3 took cluster 2's state at outer step 6"]
+    syncs[1].append({**sync(6, 171.0, h="f6", resynced=True), "state_source": 2})  # inside it: its own
+    assert len(minority_taken([split], syncs)) == 1
+    syncs[0].append(sync(6, 165.0, h="f6"))  # cluster 0 reached it by itself: the majority's
+    assert minority_taken([split], syncs) == []
 
 
 def test_taking_a_chain_with_less_committed_work_than_ones_own_breaks_the_heal_rule():

@@ -122,7 +122,7 @@ def test_a_cluster_whose_clock_ran_ahead_while_it_held_goes_back_to_the_galaxys(
     record = behind.after_inner_step(own_step)
     assert record["resynced"] and record["outer_step"] == 3
     assert behind.go_on_from(own_step) == expected
-    assert any("ran past the galaxy's next sync" in line for line in warnings) == (own_step >= 80)
+    assert any("ran past the galaxy's while it was apart" in line for line in warnings) == (own_step >= 80)
     assert behind.go_on_from(expected + 1) == expected + 1  # once: then its clock is the galaxy's
 
 
@@ -324,3 +324,53 @@ def test_a_cluster_that_started_elsewhere_is_left_out_and_the_cohort_averages_ex
         assert not record["resynced"]
     assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[2][1], results[0][1])
     assert results[2][0]["resynced"] is True
+
+
+@pytest.mark.parametrize(
+    "own_step, sync_started, last, expected",
+    [
+        (100, True, False, 60),  # two strides ahead: back to the start of the round it starts with the galaxy
+        (60, True, False, None),  # on the galaxy's clock already
+        (100, True, True, None),  # the run's last step: the end of the run takes the galaxy's θ anyway
+        (100, False, False, 40),  # no sync started here: the catch-up target (no lead known: round 2 done)
+    ],
+)
+def test_after_a_take_at_a_landing_the_clock_goes_back_to_the_galaxys(own_step, sync_started, last, expected):
+    # τ = H/P: a landing that takes the galaxy's state (outer step 2 here) starts the next sync, round 3, in
+    # step with the galaxy's (which started when round 2 landed there). A cluster whose clock ran two strides
+    # ahead while it held would go on in step with the rounds but reach --max-steps two rounds before the
+    # galaxy, and end on its own: it goes back to round 3's start on the galaxy's clock, inner step 60
+    warnings: list[str] = []
+    hv = outer_hv(galaxy_size=1, local_steps=20, sync_delay=20)
+    outer = DiLoCo(linear_model([1.0]), InProcessGalaxy(1).averager(0, 1), hv, warn=warnings.append)
+    outer.state.outer_step = 2  # the state it took
+    outer.catch_up.took_state = True
+    assert outer.catch_up.clock_after(own_step, sync_started=sync_started, last=last) == expected
+    assert outer.go_on_from(own_step) == (own_step if expected is None else expected)
+    assert bool(warnings) == (expected is not None)
+    assert outer.catch_up.clock_after(own_step, sync_started=sync_started, last=last) is None  # once a take
+
+
+@pytest.mark.parametrize("sync_delay", [0, 10, 20])
+def test_a_held_round_trains_its_stride_again(sync_delay):
+    # cluster 1 of two, alone (cluster 0, the roster's lowest rank, is away): no quorum, so each round holds.
+    # Its clock goes back a stride each time, so the round's next attempt starts where the round did (step 20)
+    # and it meets the galaxy's round there, not a stride later per hold
+    warnings: list[str] = []
+    hv = outer_hv(
+        world_rank=1, galaxy_size=2, local_steps=20, sync_delay=sync_delay, on_partial_round="proceed"
+    )
+    galaxy = InProcessGalaxy(1)
+    outer = DiLoCo(linear_model([1.0]), galaxy.averager(1, 1), hv, warn=warnings.append)
+    step, landed = 0, []
+    for _ in range(100):
+        step += 1
+        results = outer.syncs_after_inner_step(step)
+        landed += [(step, r.outcome, r.outer_step) for r in results]
+        step = outer.go_on_from(step)
+        if len(landed) == 3:
+            break
+    assert [outcome for _, outcome, _ in landed] == ["held"] * 3
+    assert [at for at, _, _ in landed] == [20 + sync_delay] * 3  # the same round's landing, each time
+    assert outer.outer_step == 0 and step == sync_delay  # the clock is where round 1's stride began
+    assert any("trains the stride again" in line for line in warnings)

@@ -51,6 +51,54 @@ def test_self_check_within_ten_percent():
     assert_gone(lab, pids)
 
 
+LISTENER = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 7790))
+print("ready", flush=True)
+while True:
+    server.accept()[0].close()
+"""
+
+
+def _reaches(lab: Lab, src: str, dst: str) -> bool:
+    """Whether a TCP connection from ``src``'s namespace to ``dst``'s listener opens within 3 s."""
+    connect = f"import socket; socket.create_connection(('{lab.address(dst)}', 7790), timeout=3)"
+    return subprocess.run([*lab.exec_prefix(src), sys.executable, "-c", connect], timeout=30).returncode == 0
+
+
+@needs_root
+def test_a_split_cuts_between_its_sides_and_not_within_them():
+    # the chaos soak's 2 | 2 split (scripts/chaos/plan.py): nftables on the lab's bridge, each side's
+    # links up (unlike a partition, which takes one cluster's link down)
+    from scripts.wan import control
+
+    ends = ["c0", "c1", "c2", "dht"]
+    with Lab(3, "lan") as lab:
+        pids = lab_pids(lab)
+        listeners = [
+            subprocess.Popen(
+                [*lab.exec_prefix(name), sys.executable, "-c", LISTENER, lab.listen_address(name)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for name in ends
+        ]
+        pids += [proc.pid for proc in listeners]
+        try:
+            assert all("ready" in proc.stdout.readline() for proc in listeners)
+            control.set_split(lab.run_id, (["c0", "dht"], ["c1", "c2"]))
+            split = {(a, b) for a in ends for b in ends if a != b and _reaches(lab, a, b)}
+            control.set_split(lab.run_id, None)
+            healed = {(a, b) for a in ends for b in ends if a != b and _reaches(lab, a, b)}
+        finally:
+            for proc in listeners:
+                proc.kill()
+                proc.wait(timeout=5)
+    assert_gone(lab, pids)
+    assert split == {("c0", "dht"), ("dht", "c0"), ("c1", "c2"), ("c2", "c1")}
+    assert healed == {(a, b) for a in ends for b in ends if a != b}
+
+
 @needs_root
 def test_two_clusters_over_intercontinental(tmp_path):
     # 4 rounds, 3 checked: a cluster that exits right after the final round can cut off the tail of the span
