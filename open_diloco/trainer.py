@@ -101,9 +101,7 @@ def train(config: Config) -> None:
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
             if (galaxy_step := outer.go_on_from(step)) != step:  # back on the galaxy's clock (a take, a hold)
-                if galaxy_step > step:
-                    _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
-                step = galaxy_step
+                step = _on_galaxy_clock(world, step, galaxy_step)
                 batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
@@ -323,6 +321,14 @@ def format_step_line(record: dict[str, Any], max_steps: int) -> str:
             f"in_sync {record.get('in_sync', '?')}"
         )
     return line
+
+
+def _on_galaxy_clock(world: World, step: int, galaxy_step: int) -> int:
+    """The galaxy step the trainer goes on from; said when it skips ahead (going back, after a held round or a
+    take, the round's own warning says why)."""
+    if galaxy_step > step:
+        _say(world, f"catching up with the galaxy: inner step {step} -> {galaxy_step}")
+    return galaxy_step
 
 
 def _say(world: World, message: str) -> None:
