@@ -294,11 +294,15 @@ class Round:
         runs the same collectives whatever happens on it."""
         state = ctx.state
         own_hash = state.hash()
-        alive, (lead, lead_work), silent, galaxy_attempt, ended, gone = _membership(ctx)
+        alive, (lead, lead_work), silent, galaxy_attempt, (ended, unheard), gone = _membership(ctx)
         attempt = max(attempt, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
         ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
         made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=silent)
-        made.ended, made.gone = ended, gone
+        # a cluster without a record votes no more only before any entry named a roster (it never started);
+        # one the chain's roster names was a member: unreadable is not ended (a side of a split that read no
+        # record of the others committed alone, as if they had all ended: chaos soak, 2026-12-02 evening)
+        genesis = (last := ctx.committed.ledger.last) is None or last.roster is None
+        made.ended, made.gone = ended | unheard if genesis else ended, gone
         # the galaxy committed more than this cluster's chain holds (a late joiner, a side of a cut, a lighter
         # fork): its Δ comes from a θ_outer the galaxy left behind
         if (lead_work, lead) > (ctx.committed.work, state.outer_step):
@@ -801,10 +805,11 @@ def _locked_buffer(ctx: RoundContext, held: contextlib.ExitStack) -> torch.Tenso
 
 def _membership(
     ctx: RoundContext,
-) -> tuple[int, tuple[int, int], int, int, frozenset[int], frozenset[int]]:
+) -> tuple[int, tuple[int, int], int, int, tuple[frozenset[int], frozenset[int]], frozenset[int]]:
     """(clusters alive, the galaxy's lead (outer step, committed work), other clusters gone silent, the latest
-    attempt of the next round a live cluster started, the clusters that ended), the same on every rank of this
-    cluster; and the clusters this rank reads as gone (ended or silent: what it tells the round's roster).
+    attempt of the next round a live cluster started, (the clusters that said they ended, those gone without a
+    record)), the same on every rank of this cluster; and the clusters this rank reads as gone (ended, silent
+    or unheard: what it tells the round's roster).
 
     Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
     any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
@@ -820,9 +825,12 @@ def _membership(
     silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
     alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
-    ended = frozenset(_ranks_by_any_rank(ctx.cluster, sorted(gone - silent)))
+    # gone, not silent: a record that says it ended, or no record at all (not started, or unreadable: after a
+    # split the DHT may not reach the others' records for a while). Only the first ends a vote (Round.start)
+    ended = frozenset(_ranks_by_any_rank(ctx.cluster, sorted(r for r in gone - silent if r in view.reported)))
+    unheard = frozenset(_ranks_by_any_rank(ctx.cluster, sorted(gone - silent - set(view.reported))))
     # the lead any rank saw: the furthest by (work, step), agreed as the largest work, then its largest step
     lead_work = -ctx.cluster.min_int(-view.lead_work)
     lead = -ctx.cluster.min_int(-(view.lead if view.lead_work == lead_work else -1))
     silent_count = -ctx.cluster.min_int(-len(silent))
-    return alive, (lead, lead_work), silent_count, attempt, ended, frozenset(gone)
+    return alive, (lead, lead_work), silent_count, attempt, (ended, unheard), frozenset(gone)

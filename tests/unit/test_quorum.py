@@ -3,12 +3,15 @@ a cluster that holds (commits nothing, drops its stride) or, after ``--hv.fork-a
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
 from open_diloco.outer.quorum import has_quorum, next_roster, roster_of
 from open_diloco.outer.testing import InProcessGalaxy
-from tests.support.tiny_outer import run_clusters
+from tests.support.tiny_outer import linear_model, outer_hv, run_clusters
 
 PLAIN = dict(on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0)
 
@@ -71,3 +74,29 @@ def test_after_fork_after_a_cut_off_cluster_commits_on_a_fork():
     assert records[0]["round_outcome"] == "applied" and outer.state.params.item() == 0.25
     assert outer.ledger.last.fork and outer.ledger.last.ranks == [2]
     assert not results[0][2].ledger.last.fork  # the majority's entry is no fork
+
+
+def test_a_member_whose_record_cannot_be_read_still_votes():
+    # two clusters commit round 1 together: the chain's roster is (0, 1). Then cluster 1 reads no record of
+    # cluster 0 at all (a side of a split whose DHT cannot reach it yet), which says nothing of cluster 0
+    # having ended: cluster 1 alone is no majority, and holds (the soak of 2026-12-02 evening: a cluster back
+    # from a split read "1 of 4 alive" and committed a round alone that the majority then took)
+    galaxy = InProcessGalaxy(2)
+    results = run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, **PLAIN)
+    _, records, outer = results[1]
+    assert records[0]["round_outcome"] == "applied" and outer.ledger.last.roster == (0, 1)
+    with galaxy._joining:
+        del galaxy.averagers[0]  # no record of cluster 0 ...
+    galaxy.departed.add(0)  # ... so the membership calls it gone, without a record saying it ended
+    galaxy.barrier = threading.Barrier(1)
+    assert outer.after_inner_step(2)["round_outcome"] == "held"
+
+
+def test_before_any_roster_a_cluster_never_heard_of_votes_in_no_quorum():
+    # a galaxy of two whose cluster 0 never started: cluster 1 trains on (the roster of genesis, every rank,
+    # names clusters that may never come)
+    galaxy = InProcessGalaxy(1)
+    galaxy.departed.add(0)
+    hv = outer_hv(world_rank=1, galaxy_size=2, **PLAIN)
+    outer = DiLoCo(linear_model([1.0]), galaxy.averager(1, 1), hv, warn=lambda *_: None)
+    assert outer.after_inner_step(1)["round_outcome"] == "applied"
