@@ -53,8 +53,8 @@ class CatchUp:
         self.took_state = False
         """A round took another cluster's state since the trainer last asked (:meth:`clock_after`)."""
         self.rewind_to: int | None = None
-        """Where the trainer goes back to: after a take, this cluster's own clock was past the galaxy's next
-        sync (:meth:`clock_after`)."""
+        """Where the trainer goes back to: a round held, or a take found this cluster's clock past the
+        galaxy's (:meth:`clock_after`)."""
 
     @property
     def outer_step(self) -> int:

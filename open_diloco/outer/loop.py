@@ -54,9 +54,9 @@ class OuterLoop(Protocol):
 
     def go_on_from(self, inner_step: int) -> int:
         """The galaxy step the trainer goes on from after galaxy step ``inner_step`` and its rounds:
-        ``inner_step`` itself, unless a round took a state and this cluster's clock is not the galaxy's: ahead
-        of it (the galaxy trains past that state: catch up), or behind it (this cluster's clock ran past the
-        galaxy's next sync while it held: go back)."""
+        ``inner_step`` itself, unless a round held (a stride back: its stride is trained again) or took a
+        state while this cluster's clock was not the galaxy's: behind it (the galaxy trains past that state:
+        catch up), or past it (the clock ran on while it held or sat out: go back)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
