@@ -46,14 +46,14 @@ SPLIT_TABLE = "odw_split"
 def set_split(run_id: str, sides: tuple[list[str], list[str]] | None) -> None:
     """Split lab ``run_id``'s bridge in two ``sides`` (endpoints each): no frame crosses between them, while
     each side's endpoints still reach each other. ``None``: one lab again (no error when it was not split)."""
+    a, b = ({_endpoint(name) for name in side} for side in sides or ((), ()))
+    if sides is not None and (not a or not b or a & b):  # checked before the split in place is undone
+        raise LabError(f"a split needs two disjoint sides of endpoints, not {sorted(a)} and {sorted(b)}")
     ensure_nft()
     netns = f"{PREFIX}{run_id}-br"
     run("ip", "netns", "exec", netns, "nft", "delete", "table", "bridge", SPLIT_TABLE, check=False)
     if sides is None:
         return
-    a, b = ({_endpoint(name) for name in side} for side in sides)
-    if not a or not b or a & b:
-        raise LabError(f"a split needs two disjoint sides of endpoints, not {sorted(a)} and {sorted(b)}")
     ports = [", ".join(f'"{name}"' for name in sorted(side)) for side in (a, b)]
     rules = "\n".join(
         [
