@@ -9,8 +9,8 @@ Words as the figures use them:
 - a fault's **repair**: from the fault's end (or, while a partition is still on then, the partition's end:
   :func:`repairable_from`) to a cluster's first good sync after it, in that cluster's syncs (1: its very next
   sync is good) and seconds; the fault's repair is the slowest cluster's;
-- a sync is **due to a fault** while the fault lasts (a kill until the victim's first sync after its restart,
-  a late joiner from the soak's start to its first sync) and for the syncs after it until the cluster's
+- a sync is **due to a fault** while the fault lasts (a fault that takes clusters out of the galaxy, a kill, a
+  late join or a cut, until they are back: :func:`windows`) and for the syncs after it until the cluster's
   repair, at most ``REPAIR_LIMIT``; everything else happened with no fault to blame.
 """
 
@@ -19,11 +19,14 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from scripts.chaos.plan import CUTS, Fault
+from scripts.chaos.plan import CUTS, Fault, minority_of
 
 REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
 RESYNC_SHARE_LIMIT = 0.01  # re-synced syncs with no fault to blame
 RETRY_SHARE_LIMIT = 0.05  # syncs retried with no fault to blame, in each cluster (issue 48)
+BACK_LIMIT = REPAIR_LIMIT + 1
+"""Syncs a cluster out of the galaxy (killed, late, cut off) may take to be back after the fault's end: a
+take, a second take when the galaxy committed during the first one's download, then its own Δ in a round."""
 
 
 @dataclass
@@ -32,6 +35,9 @@ class Window:
     start: float
     end: float  # the fault's end (repairs count from here)
     settled: float  # until here every cluster's syncs are the fault's (>= end)
+    back: float = (
+        0.0  # when the clusters it took out are back in a round (:func:`back_at`); 0: not such a fault
+    )
 
 
 def hashes_by_step(syncs: list[list[dict]]) -> dict[int, dict[int, str]]:
@@ -53,16 +59,38 @@ def is_good(record: dict, cluster: int, table: dict[int, dict[int, str]]) -> boo
 def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:
     """The fired faults' spans; a kill or a late join lasts until the cluster's first sync after its launch
     (a restart spends tens of seconds loading before it can take part: its absence is still the fault, and a
-    galaxy that waits for a member it was told of is waiting because of it)."""
+    galaxy that waits for a member it was told of is waiting because of it).
+
+    A fault that takes clusters out of the galaxy (a kill, a late join, a cut: the cut-off cluster, or a
+    split's side without rank 0) also has a ``back``: when each of them is back in a round (:func:`back_at`).
+    A cluster back from a cut first takes the state the galaxy committed without it (twice when the galaxy
+    commits again during the download) before its Δ meets the others'; the rounds the others retry waiting
+    for it, and its own re-syncs, are the fault's until then (:func:`due_to_fault`). Streaks of syncs out of
+    sync still count from ``settled``: being apart longer is no excuse for being apart."""
     spans = []
     for f in faults:
         if not f.fired:
             continue
-        settled = f.end
+        settled = back = f.end
         if f.kind in ("kill_restart", "late_join"):
             settled = max(f.end, next((s["time"] for s in syncs[f.cluster] if s["time"] > f.end), f.end))
-        spans.append(Window(f.index, f.start, f.end, settled))
+        if f.kind in ("kill_restart", "late_join") or f.kind in CUTS:
+            out = [f.cluster] if f.kind not in CUTS else minority_of(f, len(syncs))
+            back = max([settled, *(back_at(syncs[c], f.end) for c in out if c < len(syncs))])
+        spans.append(Window(f.index, f.start, f.end, settled, back))
     return spans
+
+
+def back_at(records: list[dict], after: float) -> float:
+    """When a cluster out of the galaxy since ``after`` is back: the time of its first sync after it that
+    commits with other clusters (``committed``, peers ≥ 2), at most its ``BACK_LIMIT``-th sync after it (a
+    cluster not back by then has a trouble of its own, which counts); ``after`` if it never syncs again."""
+    later = [r for r in records if r["time"] > after][:BACK_LIMIT]
+    for record in later:
+        committed = record.get("committed", not record.get("resynced"))
+        if committed and (record.get("galaxy_peers") or 0) >= 2:
+            return record["time"]
+    return later[-1]["time"] if later else after
 
 
 def repair(after: float, records: list[dict], cluster: int, table: dict) -> tuple[int, float] | None:
@@ -114,9 +142,10 @@ def fault_figures(faults: list[Fault], syncs: list[list[dict]], table: dict) -> 
 
 def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window], repairs: dict) -> bool:
     """Whether cluster ``cluster``'s sync at ``t`` (``times``: all its syncs' times, sorted) falls in a fault
-    or among the syncs after it up to the cluster's repair (at most ``REPAIR_LIMIT``)."""
+    (until the clusters it took out are back: :func:`windows`) or among the syncs after it up to the
+    cluster's repair (at most ``REPAIR_LIMIT``)."""
     for w in spans:
-        if w.start <= t <= w.settled:
+        if w.start <= t <= max(w.settled, w.back):
             return True
         if t > w.settled:
             nth_after = bisect_right(times, t) - bisect_right(times, w.settled)

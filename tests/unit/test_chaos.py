@@ -212,3 +212,31 @@ def test_taking_a_chain_with_less_committed_work_than_ones_own_breaks_the_heal_r
     assert (
         lighter_taken([[sync(5, 1.0, h="a"), {**sync(6, 2.0, h="b"), "state_source": 1}]]) == []
     )  # no counts
+
+
+def test_a_cut_lasts_until_the_cut_off_cluster_is_back_in_a_round():
+    # cluster 1 is cut off from t=10 to t=20; after it, it takes the state twice (the galaxy committed during
+    # the first download) and is back in a round at t=27: the galaxy's retries until then are the cut's
+    cut = Fault(0, "partition", 1, trigger=5, seconds=10, start=10.0, end=20.0)
+    c0 = [sync(s, float(s * 2)) for s in range(1, 20)]
+    c1 = [sync(s, float(s * 2) + 0.5) for s in range(1, 5)]
+    c1 += [sync(10, 22.0, resynced=True, peers=0), sync(11, 24.0, resynced=True, peers=0)]
+    c1 += [{**sync(13, 27.0), "committed": True}, sync(14, 29.0)]
+    (w,) = windows([cut], [c0, c1])
+    assert (w.start, w.end, w.settled, w.back) == (10.0, 20.0, 20.0, 27.0)
+    c0[12]["retries"] = 1  # round 13 at t=26, while cluster 1 was not back yet: the cut's
+    c0[14]["retries"] = 1  # round 15 at t=30, after: no fault to blame
+    fig = cluster_figures(0, c0, [w], {(0, 0): 1}, hashes_by_step([c0, c1]))
+    assert fig["retried_without_fault"] == 1
+    # a cluster not back within BACK_LIMIT syncs: the window ends at its BACK_LIMIT-th, later trouble counts
+    stuck = c1[:4] + [sync(s, 20.0 + s, resynced=True, peers=0) for s in range(10, 16)]
+    (w,) = windows([cut], [c0, stuck])
+    assert w.back == 32.0  # its third sync after the cut (t=30, 31, 32, ...)
+    # a split: the side without rank 0 is the one out of the galaxy; its latest return ends the window
+    split = Fault(1, "split", 1, trigger=5, seconds=10, start=10.0, end=20.0)
+    c2 = [sync(s, float(s * 2)) for s in range(1, 20)]
+    c3 = [sync(s, float(s * 2)) for s in range(1, 5)] + [{**sync(14, 35.0), "committed": True}]
+    (w,) = windows([split], [c0, c1, c2, c3])  # sides {1, 2} and {0, 3}: {1, 2} is out
+    assert w.back == 27.0
+    (w,) = windows([Fault(2, "split", 2, trigger=5, seconds=10, start=10.0, end=20.0)], [c0, c1, c2, c3])
+    assert w.back == 35.0  # sides {2, 3} and {0, 1}: cluster 3 is back last
