@@ -142,8 +142,8 @@ class HivemindAverager:
         finally:
             lock.release()
 
-    def matchmaking_plan(self, live_clusters: int, attempt: int = 0) -> MatchmakingPlan:
-        return self.clock.plan(live_clusters, attempt)
+    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+        return self.clock.plan(live_clusters)
 
     def start_round(
         self,

@@ -94,9 +94,8 @@ class HivemindRound:
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
         matchmaking_seconds = max(0.0, result["grouped_at"] - self.start)
-        if self.plan is not None:  # a retry's matchmaking waited for a late cluster: not how long one forms
-            whole = len(peers) >= self.plan.group_size and not self.metadata.get("attempt")
-            owner.clock.observe_round(matchmaking_seconds, whole=whole)
+        if self.plan is not None:
+            owner.clock.observe_round(matchmaking_seconds, whole=len(peers) >= self.plan.group_size)
         owner.last_group = (round_id, frozenset(peers) - {owner.galaxy_rank})
         stale_peers = out_of_cohort(result["gathered"])
         stale = sorted(result["gathered"][peer].get("galaxy_rank", -1) for peer in stale_peers)

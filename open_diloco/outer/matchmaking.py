@@ -24,17 +24,6 @@ gave at this window (``min(3 s, window / 2)``: a loaded host's answer), or 4 rou
 retransmission where that is longer. Pure Python: ``galaxy/averager.py`` feeds it, the outer loop agrees the
 plan across the cluster's ranks (every shard's group then waits as long).
 
-**A retry waits longer.** Attempt a of a round waits (1 + a) windows (up to the ceiling). A retry exists to
-let a live cluster that did not come take part; the same window again met it only by chance. The clusters it
-waits for are late by what made them late: a cluster back from a cut took the galaxy's state (4–20 s over
-`home`) and came a window after the others' attempt had closed; it then led a group of the other late ones
-under the same attempt, and the two groups stayed a window apart through every attempt (the `home` soak of
-2026-12-02 14:26, round 35: {0, 1} and {2, 3} for three attempts, then {2, 3} took the round, and were late
-for the next one by the download). A group forms when full, so a longer window costs only when a cluster
-does not come; a cluster gone leaves ``live_clusters`` at its record's expiry, and waits no more. Only an
-attempt-0 round's matchmaking is a sample of how long a round takes to form: a retry's waited for a late
-cluster.
-
 Why the old rule stays the join request's floor: the first 4 × 2 soak over `intercontinental` with the
 request wait from round trips alone (1–1.3 s at a 150 ms RTT) split rounds into groups of two under a load
 average of 18 (19 % of fault-free syncs retried, docs/results/chaos-soak.md): a follower that gives up on a
@@ -109,20 +98,18 @@ class MatchmakingClock:
         """The 90th percentile of the measured round trips; ``None`` before the first."""
         return percentile(self.round_trips, 0.9)
 
-    def plan(self, live_clusters: int, attempt: int = 0) -> MatchmakingPlan:
-        """Attempt ``attempt``'s plan (the module's docstring: a retry waits ``1 + attempt`` windows)."""
+    def plan(self, live_clusters: int) -> MatchmakingPlan:
         rtt, formed = self.round_trip(), percentile(self.formed, 0.9)
         window = self.floor
         if rtt is not None:
             window = max(window, WINDOW_RTTS * rtt)
         if formed is not None:
             window = max(window, WINDOW_FACTOR * formed)
-        request = min(REQUEST_CAP_SECONDS, min(window, self.ceiling) / 2)
+        window = min(window, self.ceiling)
+        request = min(REQUEST_CAP_SECONDS, window / 2)
         if rtt is not None:
-            request = max(
-                request, min(REQUEST_RTTS * rtt + RETRANSMIT_SECONDS, min(window, self.ceiling) / 2)
-            )
-        return MatchmakingPlan(min(window * (1 + max(0, attempt)), self.ceiling), request, live_clusters)
+            request = max(request, min(REQUEST_RTTS * rtt + RETRANSMIT_SECONDS, window / 2))
+        return MatchmakingPlan(window, request, live_clusters)
 
 
 def percentile(samples: deque[float] | list[float], q: float) -> float | None:

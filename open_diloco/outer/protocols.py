@@ -152,8 +152,8 @@ class Averager(Protocol):
         outlived its timeout may still be writing, and the lock waits for it (bounded; ``RoundFailed``)."""
         ...
 
-    def matchmaking_plan(self, live_clusters: int, attempt: int = 0) -> MatchmakingPlan:
-        """How the next round's matchmaking (its attempt ``attempt``) waits for ``live_clusters`` clusters
+    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+        """How the next round's matchmaking waits for ``live_clusters`` clusters
         (``outer/matchmaking.py``)."""
         ...
 

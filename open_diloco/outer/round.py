@@ -340,7 +340,7 @@ class Round:
                 meta = {**fingerprint, "galaxy_rank": ctx.galaxy_rank, "round_id": state.outer_step}
                 made.pending = AloneRound(ctx.galaxy_rank, meta)
             else:
-                plan = ctx.averager.matchmaking_plan(alive, attempt).agreed(ctx.cluster.min_int)
+                plan = ctx.averager.matchmaking_plan(alive).agreed(ctx.cluster.min_int)
                 made.pending = ctx.averager.start_round(state.outer_step, fingerprint, attempt, plan=plan)
         except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             made.start_error = str(err)

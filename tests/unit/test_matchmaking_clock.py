@@ -90,14 +90,3 @@ def test_percentile_is_a_sample_not_an_interpolation():
     assert percentile([3.0], 0.9) == 3.0
     assert percentile([float(i) for i in range(1, 11)], 0.9) == 9.0
     assert percentile([float(i) for i in range(1, 11)], 0.5) == 5.0
-
-
-def test_a_retry_waits_one_window_more_per_attempt_up_to_the_ceiling_and_asks_as_fast():
-    clock = MatchmakingClock(floor=2.0, ceiling=10.0)
-    for _ in range(10):
-        clock.observe_round(2.0, whole=True)
-    first, second, third, late = (clock.plan(4, attempt) for attempt in (0, 1, 2, 5))
-    assert (first.window, second.window, third.window) == pytest.approx((3.0, 6.0, 9.0))
-    assert late.window == 10.0  # the ceiling: a round must leave time to exchange
-    assert first.request_timeout == second.request_timeout == third.request_timeout == 1.5
-    assert second.group_size == 4
