@@ -24,6 +24,8 @@ from scripts.chaos.plan import CUTS, Fault, minority_of
 REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
 RESYNC_SHARE_LIMIT = 0.01  # re-synced syncs with no fault to blame
 RETRY_SHARE_LIMIT = 0.05  # syncs retried with no fault to blame, in each cluster (issue 48)
+TAKES_OUT = CUTS | {"kill_restart", "late_join"}
+"""Faults that take clusters out of the galaxy (``plan.minority_of`` names them) until they are back."""
 BACK_LIMIT = REPAIR_LIMIT + 1
 """Syncs a cluster out of the galaxy (killed, late, cut off) may take to be back after the fault's end: a
 take, a second take when the galaxy committed during the first one's download, then its own Δ in a round."""
@@ -35,9 +37,7 @@ class Window:
     start: float
     end: float  # the fault's end (repairs count from here)
     settled: float  # until here every cluster's syncs are the fault's (>= end)
-    back: float = (
-        0.0  # when the clusters it took out are back in a round (:func:`back_at`); 0: not such a fault
-    )
+    back: float  # >= settled: when the clusters it took out are back in a round (:func:`back_at`)
 
 
 def hashes_by_step(syncs: list[list[dict]]) -> dict[int, dict[int, str]]:
@@ -74,9 +74,8 @@ def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:
         settled = back = f.end
         if f.kind in ("kill_restart", "late_join"):
             settled = max(f.end, next((s["time"] for s in syncs[f.cluster] if s["time"] > f.end), f.end))
-        if f.kind in ("kill_restart", "late_join") or f.kind in CUTS:
-            out = [f.cluster] if f.kind not in CUTS else minority_of(f, len(syncs))
-            back = max([settled, *(back_at(syncs[c], f.end) for c in out if c < len(syncs))])
+        if f.kind in TAKES_OUT:
+            back = max([settled, *(back_at(syncs[c], f.end) for c in minority_of(f, len(syncs)))])
         spans.append(Window(f.index, f.start, f.end, settled, back))
     return spans
 
@@ -145,7 +144,7 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
     (until the clusters it took out are back: :func:`windows`) or among the syncs after it up to the
     cluster's repair (at most ``REPAIR_LIMIT``)."""
     for w in spans:
-        if w.start <= t <= max(w.settled, w.back):
+        if w.start <= t <= w.back:
             return True
         if t > w.settled:
             nth_after = bisect_right(times, t) - bisect_right(times, w.settled)
