@@ -2,9 +2,7 @@
 
 - ``lost_average``: tests/e2e/faults/lose_last_average on the target cluster's PYTHONPATH, armed at launch for
   one all-reduce number (the target's outer step the schedule picked, less the outer step it launches at) and
-  one shard (local rank). Its window runs from the record that brings the target's all-reduces (a sync and its
-  retries, as its records count them) to that number less one, to the record that reaches it: the records'
-  view, within a sync of the moment it struck (a retry whose matchmaking failed made no all-reduce).
+  one shard (local rank). It is timed by the mark the module writes when a reducer's stream is cut.
 - ``kill_restart``: kill -9 of the cluster's whole process tree by PID, then, ``seconds`` later, the same
   command again with ``--ckpt.resume latest`` (when a checkpoint is complete; else it joins as a newcomer).
 - ``partition``, ``long_partition``: the cluster's port on the lab's bridge goes down for ``seconds``
@@ -87,13 +85,12 @@ class Injector:
             f"fault end   #{fault.index} {fault.kind} on cluster {fault.cluster}{': ' + note if note else ''}"
         )
 
-    def tick(self, progress: int, allreduces: Callable[[int], int]) -> None:
-        """``progress``: the galaxy's outer step (its clusters' median); ``allreduces(c)``: the all-reduces
-        cluster ``c`` made in its current launch (as its records tell: a sync and its retries)."""
+    def tick(self, progress: int) -> None:
+        """``progress``: the galaxy's outer step (its clusters' median)."""
         now, self.progress = time.time(), progress
         for fault in self.faults:
             if fault.kind == "lost_average":
-                self._watch_lost_average(fault, allreduces)
+                self._watch_lost_average(fault)
             elif fault.kind == "late_join":
                 if fault.end is None and progress >= fault.trigger:
                     self.relaunch(fault.cluster, False)
@@ -115,16 +112,24 @@ class Injector:
             if due is not None:
                 self._do(due)
 
-    def _watch_lost_average(self, fault: Fault, allreduces: Callable[[int], int]) -> None:
+    def _watch_lost_average(self, fault: Fault) -> None:
+        """Times the fault by the mark the fault module writes when it strikes (``Fault.strike_mark``): the
+        records' count of all-reduces ran ahead of the averager's own (a retry whose matchmaking failed, a
+        held round: no all-reduce), and placed the fault up to 5 minutes before it struck (soak of
+        2026-12-02, 14:26), so its repair and the retries it caused were judged as faultless."""
         launch = self.galaxy.current(fault.cluster)
         if fault.end is not None or launch is None or str(launch.number) not in fault.armed:
             return  # not armed in this launch (one killed before it struck re-arms at its restart)
+        mark = fault.strike_mark(self.galaxy.out, launch.number)
+        try:
+            struck = float(mark.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return  # not struck yet, or the line is still being written
         ordinal = fault.armed[str(launch.number)]
-        done = allreduces(fault.cluster)
-        if fault.start is None and done >= ordinal - 1:
-            self._begin(fault, f"all-reduce {ordinal} of launch {launch.number} loses its last average")
-        if fault.start is not None and done >= ordinal:
-            self._finish(fault)
+        self._begin(fault, f"all-reduce {ordinal} of launch {launch.number} lost its last average")
+        fault.start = struck
+        self._finish(fault)
+        fault.end = struck
 
     def _do(self, fault: Fault) -> None:
         from scripts.wan import control

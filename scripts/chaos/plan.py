@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 KINDS = (
     "lost_average",
@@ -65,6 +66,10 @@ class Fault:
     @property
     def fired(self) -> bool:
         return self.start is not None and self.end is not None
+
+    def strike_mark(self, out: Path, launch: int) -> Path:
+        """lost_average: where the armed fault module notes when it struck in launch ``launch``."""
+        return out / f"lost_average{self.index}.launch{launch}.mark"
 
     def describe(self) -> str:
         where = f"cluster {self.cluster}" + (f" shard {self.shard}" if self.shard is not None else "")

@@ -154,7 +154,6 @@ class Soak:
         self.cfg, self.faults, self.say = cfg, faults, say
         self.galaxy = Galaxy(cfg.out, cfg.python, cfg.trainer_root)
         self.tails = [MetricsTail(cfg.out / f"cluster{c}.jsonl") for c in range(cfg.clusters)]
-        self.synced_at_launch = [0] * cfg.clusters
         self.injector = Injector(self.galaxy, faults, self.launch, say)
         self.loads: list[float] = []  # 1-minute load average, once a minute
         self._next_load = 0.0
@@ -185,24 +184,17 @@ class Soak:
                     env = {
                         "PYTHONPATH": str(fault_path(cfg.trainer_root)),
                         "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(ordinal),
+                        "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_MARK": str(fault.strike_mark(cfg.out, number)),
                     }
                     if fault.shard is not None:
                         env["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK"] = str(fault.shard)
                     fault.armed[str(number)] = ordinal
                     self.say(f"armed  {fault.describe()}: all-reduce {ordinal} of launch {number}")
-        self.tails[cluster].read()
-        self.synced_at_launch[cluster] = len(self.tails[cluster].syncs)
         launch = g.launch(cluster, cfg.ranks, flags, env)
         self.say(
             f"launch cluster {cluster} #{launch.number} (pid {launch.proc.pid})"
             + (" from its checkpoint" if "--ckpt.resume" in flags else "")
         )
-
-    def allreduces(self, cluster: int) -> int:
-        """All-reduces cluster ``cluster`` made in its current launch, as its records count them: each sync it
-        did not sit out, and each retry (what the lost-average fault module counts, near enough)."""
-        syncs = self.tails[cluster].syncs[self.synced_at_launch[cluster] :]
-        return sum(1 + (s.get("retries") or 0) for s in syncs if s.get("galaxy_peers") != 0)
 
     def _done(self) -> bool:
         """Every started cluster ended and no fault will start one again."""
@@ -249,7 +241,7 @@ class Soak:
             self.galaxy.poll()
             for tail in self.tails:
                 tail.read()
-            self.injector.tick(self.progress(), self.allreduces)
+            self.injector.tick(self.progress())
             if self._done():
                 return False
             if time.time() >= self._next_load:  # the machine's load: a soak's pace is the machine's as well

@@ -38,6 +38,8 @@ def test_quick_soak_injects_a_lost_average_and_measures_its_repair(tmp_path):
     (fault,) = summary["faults"]
     assert fault["kind"] == "lost_average" and fault["fired"] and fault["armed"] == {"1": 5}, shown
     assert "fault start #0 lost_average" in (out / "events.log").read_text()
+    struck = [float(t) for t in (out / "lost_average0.launch1.mark").read_text().split()]
+    assert fault["start"] == fault["end"] == struck[0], shown  # timed when the reducer's stream was cut
     assert fault["repaired"] and 1 <= fault["repair_syncs"] and fault["repair_seconds"] >= 0, shown
     assert set(fault["repair_by_cluster"]) == {"0", "1"}
     targets = {t["target"]: t for t in summary["acceptance"]}

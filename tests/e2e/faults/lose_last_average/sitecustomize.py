@@ -2,7 +2,11 @@
 ``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF`` (1-based, counted per averager process) this cluster's reducers
 never send the last average of their span, as a stream cut short did under load ("sent 2 parts, but we
 expected 3"): the round is whole here and partial at the other peer. With
-``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK`` set, only that local rank's averager (that shard) loses it.
+``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK`` set, only that local rank's averager (that shard) loses it. With
+``OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_MARK`` set to a path, the moment it strikes is appended there (Unix
+seconds, one line per reducer stream cut): the chaos soak times the fault by it, not by counting the records'
+syncs (a retry whose matchmaking failed, or a held round, made no all-reduce: the count ran up to 5 minutes
+early).
 Applied when ``open_diloco.galaxy.allreduce`` is first imported (the averager process is forked after that and
 inherits it); nothing else changes."""
 
@@ -10,8 +14,16 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 
 _TARGET = "open_diloco.galaxy.allreduce"
+
+
+def _mark_strike() -> None:
+    mark = os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_MARK")
+    if mark:
+        with open(mark, "a") as f:
+            f.write(f"{time.time()}\n")
 
 
 def _lose_last_average(module) -> None:
@@ -30,6 +42,7 @@ def _lose_last_average(module) -> None:
         async for message in original_stream(self, stream, sender_index):
             sent += 1
             if self.ordinal_for_test == lose_in and sent == self.tensor_part_reducer.num_parts:
+                _mark_strike()
                 return  # the stream is cut short: the last average never leaves
             yield message
 
