@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from open_diloco.config import CkptConfig
 from open_diloco.errors import ConfigError
+from open_diloco.model import SHAPE_FIELDS
 from open_diloco.outer.ledger import read_checkpoint_ledger, write_checkpoint_ledger
 from open_diloco.outer.loop import OuterLoop
 from open_diloco.outer.stateful import zeros_placed_like_params
@@ -49,11 +50,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
-# Model-config keys that must match for a checkpoint to fit the model being built.
-_SHAPE_KEYS = tuple(
-    "model_type vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
-    "num_key_value_heads tie_word_embeddings".split()
-)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -110,7 +106,8 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
         path = Path(ckpt.resume)
     metadata = read_metadata(path)
     saved = metadata.get("model_config", {})
-    differing = [k for k in _SHAPE_KEYS if saved.get(k) != model_config.get(k)]
+    # the model's own list of what decides the parameters' shapes: one list, so none is left out
+    differing = [k for k in SHAPE_FIELDS if saved.get(k) != model_config.get(k)]
     if differing:
         details = ", ".join(f"{k} {saved.get(k)} vs {model_config.get(k)}" for k in differing)
         raise ConfigError(

@@ -222,7 +222,16 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path, step_20):
     (other_model / "config.json").write_text(
         (SHALLOW_MODEL / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 64')
     )
-    assert "made for another model (hidden_size 128 vs 64)" in refused(
+    assert "made for another model (hidden_size 128 vs 64, head_dim 32 vs 16)" in refused(
+        good, "--path-model", str(other_model), nproc=1
+    )
+    # another head size: the same hidden size, other attention shapes
+    (other_model / "config.json").write_text(
+        (SHALLOW_MODEL / "config.json")
+        .read_text()
+        .replace('"hidden_size": 128', '"hidden_size": 128, "head_dim": 16')
+    )
+    assert "made for another model (head_dim 32 vs 16)" in refused(
         good, "--path-model", str(other_model), nproc=1
     )
     # partial: no metadata
