@@ -142,8 +142,8 @@ class HivemindAverager:
         finally:
             lock.release()
 
-    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
-        return self.clock.plan(live_clusters)
+    def matchmaking_plan(self, live_clusters: int, coming: bool = False) -> MatchmakingPlan:
+        return self.clock.plan(live_clusters, coming)
 
     def start_round(
         self,

@@ -94,7 +94,7 @@ class HivemindRound:
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
         matchmaking_seconds = max(0.0, result["grouped_at"] - self.start)
-        if self.plan is not None:
+        if self.plan is not None and not self.plan.waits_for_behind:
             owner.clock.observe_round(matchmaking_seconds, whole=len(peers) >= self.plan.group_size)
         owner.last_group = (round_id, frozenset(peers) - {owner.galaxy_rank})
         stale_peers = out_of_cohort(result["gathered"])

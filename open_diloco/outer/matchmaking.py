@@ -64,6 +64,10 @@ class MatchmakingPlan:
     """Seconds a join request waits for the leader's answer."""
     group_size: int
     """Peers that make the group full: it forms at once when that many joined."""
+    waits_for_behind: bool = False
+    """The window waits for a live cluster still on its way from an earlier round
+    (:meth:`MatchmakingClock.plan`): its matchmaking seconds measure that cluster's lateness, not how long a
+    group takes to form."""
 
     def agreed(self, min_int: Callable[[int], int]) -> MatchmakingPlan:
         """The plan every rank of the cluster runs (``min_int``: the cluster's, ``ClusterComm.min_int``): the
@@ -71,7 +75,9 @@ class MatchmakingPlan:
         shard's group does not give up on a cluster that another shard's still waits for."""
         window = -min_int(-math.ceil(self.window * 1000)) / 1000
         request = -min_int(-math.ceil(self.request_timeout * 1000)) / 1000
-        return MatchmakingPlan(window, request, -min_int(-self.group_size))
+        group = -min_int(-self.group_size)
+        behind = min_int(0 if self.waits_for_behind else 1) == 0  # any rank's: its window is the longest
+        return MatchmakingPlan(window, request, group, behind)
 
 
 class MatchmakingClock:
@@ -98,7 +104,12 @@ class MatchmakingClock:
         """The 90th percentile of the measured round trips; ``None`` before the first."""
         return percentile(self.round_trips, 0.9)
 
-    def plan(self, live_clusters: int) -> MatchmakingPlan:
+    def plan(self, live_clusters: int, coming: bool = False) -> MatchmakingPlan:
+        """``coming``: a live cluster's record shows it still in an earlier round (finishing its stride, or
+        taking the last round's result: a 4 MB state over `home` took 12-20 s). The window then waits the
+        ceiling for it, since the group forms the moment it joins; a window the usual length went on without
+        it, it came late to the next round by its download too, and each such round was retried until the
+        last attempt (the `home` soak of 2026-12-02: 8 of 13 galaxy-wide retried rounds)."""
         rtt, formed = self.round_trip(), percentile(self.formed, 0.9)
         window = self.floor
         if rtt is not None:
@@ -109,6 +120,8 @@ class MatchmakingClock:
         request = min(REQUEST_CAP_SECONDS, window / 2)
         if rtt is not None:
             request = max(request, min(REQUEST_RTTS * rtt + RETRANSMIT_SECONDS, window / 2))
+        if coming:
+            return MatchmakingPlan(self.ceiling, request, live_clusters, waits_for_behind=True)
         return MatchmakingPlan(window, request, live_clusters)
 
 

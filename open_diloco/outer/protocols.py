@@ -114,6 +114,13 @@ class Membership:
     """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
     rank: what a cluster at the end of its run compares its final θ_outer with."""
 
+    def behind(self, round_no: int, galaxy_rank: int) -> frozenset[int]:
+        """Other live clusters whose last started round is before ``round_no``: on their way to it (finishing
+        their stride, or taking the last round's result), not gone."""
+        return frozenset(
+            rank for rank, (rnd, _) in self.attempts.items() if rank != galaxy_rank and rnd < round_no
+        )
+
     def attempt_of(self, round_no: int) -> int:
         """The latest attempt of round ``round_no`` a live cluster started (0 when none did)."""
         return max((attempt for rnd, attempt in self.attempts.values() if rnd == round_no), default=0)
@@ -152,9 +159,9 @@ class Averager(Protocol):
         outlived its timeout may still be writing, and the lock waits for it (bounded; ``RoundFailed``)."""
         ...
 
-    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
-        """How the next round's matchmaking waits for ``live_clusters`` clusters
-        (``outer/matchmaking.py``)."""
+    def matchmaking_plan(self, live_clusters: int, coming: bool = False) -> MatchmakingPlan:
+        """How the next round's matchmaking waits for ``live_clusters`` clusters (``outer/matchmaking.py``);
+        ``coming``: a live cluster is still on its way from an earlier round."""
         ...
 
     def start_round(

@@ -33,7 +33,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -294,15 +294,17 @@ class Round:
         runs the same collectives whatever happens on it."""
         state = ctx.state
         own_hash = state.hash()
-        alive, (lead, lead_work), silent, galaxy_attempt, (ended, unheard), gone = _membership(ctx)
-        attempt = max(attempt, galaxy_attempt)  # join the galaxy's current attempt, not one nobody is in
+        seen = _membership(ctx)
+        alive, (lead, lead_work), (ended, unheard) = seen.alive, seen.lead, seen.ended_unheard
+        attempt = max(attempt, seen.attempt)  # join the galaxy's current attempt, not one nobody is in
         ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
-        made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=silent)
+        made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive)
+        made.silent = seen.silent
         # a cluster without a record votes no more only before any entry named a roster (it never started);
         # one the chain's roster names was a member: unreadable is not ended (a side of a split that read no
         # record of the others committed alone, as if they had all ended: chaos soak, 2026-12-02 evening)
         genesis = (last := ctx.committed.ledger.last) is None or last.roster is None
-        made.ended, made.gone = ended | unheard if genesis else ended, gone
+        made.ended, made.gone = ended | unheard if genesis else ended, seen.gone
         # the galaxy committed more than this cluster's chain holds (a late joiner, a side of a cut, a lighter
         # fork): its Δ comes from a θ_outer the galaxy left behind
         if (lead_work, lead) > (ctx.committed.work, state.outer_step):
@@ -340,7 +342,7 @@ class Round:
                 meta = {**fingerprint, "galaxy_rank": ctx.galaxy_rank, "round_id": state.outer_step}
                 made.pending = AloneRound(ctx.galaxy_rank, meta)
             else:
-                plan = ctx.averager.matchmaking_plan(alive).agreed(ctx.cluster.min_int)
+                plan = ctx.averager.matchmaking_plan(alive, bool(seen.behind)).agreed(ctx.cluster.min_int)
                 made.pending = ctx.averager.start_round(state.outer_step, fingerprint, attempt, plan=plan)
         except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             made.start_error = str(err)
@@ -803,13 +805,25 @@ def _locked_buffer(ctx: RoundContext, held: contextlib.ExitStack) -> torch.Tenso
     return buffer if ctx.cluster.all_true(buffer is not None) else None
 
 
-def _membership(
-    ctx: RoundContext,
-) -> tuple[int, tuple[int, int], int, int, tuple[frozenset[int], frozenset[int]], frozenset[int]]:
+class Seen(NamedTuple):
+    """The galaxy as a round's start reads it (:func:`_membership`)."""
+
+    alive: int
+    lead: tuple[int, int]
+    """(outer step, committed work)."""
+    silent: int
+    attempt: int
+    ended_unheard: tuple[frozenset[int], frozenset[int]]
+    gone: frozenset[int]
+    behind: frozenset[int]
+    """Live clusters this rank reads as still in an earlier round (``Membership.behind``): on their way."""
+
+
+def _membership(ctx: RoundContext) -> Seen:
     """(clusters alive, the galaxy's lead (outer step, committed work), other clusters gone silent, the latest
     attempt of the next round a live cluster started, (the clusters that said they ended, those gone without a
     record)), the same on every rank of this cluster; and the clusters this rank reads as gone (ended, silent
-    or unheard: what it tells the round's roster).
+    or unheard: what it tells the round's roster) and as behind (the plan's agreement makes them everyone's).
 
     Alive: the galaxy less the clusters whose record says they are gone (never this one), the largest count
     any rank saw, so that a rank that could not read the DHT in time makes the round wait rather than skip a
@@ -833,4 +847,5 @@ def _membership(
     lead_work = -ctx.cluster.min_int(-view.lead_work)
     lead = -ctx.cluster.min_int(-(view.lead if view.lead_work == lead_work else -1))
     silent_count = -ctx.cluster.min_int(-len(silent))
-    return alive, (lead, lead_work), silent_count, attempt, (ended, unheard), frozenset(gone)
+    behind = view.behind(ctx.state.outer_step + 1, ctx.galaxy_rank) - gone
+    return Seen(alive, (lead, lead_work), silent_count, attempt, (ended, unheard), frozenset(gone), behind)

@@ -153,7 +153,7 @@ class InProcessAverager:
     def buffer(self) -> Iterator[torch.Tensor]:
         yield self.values
 
-    def matchmaking_plan(self, live_clusters: int) -> MatchmakingPlan:
+    def matchmaking_plan(self, live_clusters: int, coming: bool = False) -> MatchmakingPlan:
         """Nothing to wait for in one process: every cluster's round is already there."""
         return MatchmakingPlan(window=0.0, request_timeout=0.0, group_size=live_clusters)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from open_diloco.outer.matchmaking import MatchmakingClock, MatchmakingPlan, percentile
+from open_diloco.outer.protocols import Membership
 
 
 def test_with_nothing_measured_the_plan_is_the_flags():
@@ -72,7 +73,12 @@ class TwoRanks:
 
     def __init__(self, other: MatchmakingPlan):
         self.others = iter(
-            [-round(other.window * 1000), -round(other.request_timeout * 1000), -other.group_size]
+            [
+                -round(other.window * 1000),
+                -round(other.request_timeout * 1000),
+                -other.group_size,
+                0 if other.waits_for_behind else 1,
+            ]
         )
 
     def min_int(self, value: int) -> int:
@@ -90,3 +96,24 @@ def test_percentile_is_a_sample_not_an_interpolation():
     assert percentile([3.0], 0.9) == 3.0
     assert percentile([float(i) for i in range(1, 11)], 0.9) == 9.0
     assert percentile([float(i) for i in range(1, 11)], 0.5) == 5.0
+
+
+def test_a_cluster_on_its_way_from_an_earlier_round_is_waited_for_up_to_the_ceiling():
+    """A cluster that took the last round's state (12-20 s over `home`) arrives late: the window waits the
+    ceiling for it (the group still forms the moment it joins), the join request waits as usual, and such a
+    round's matchmaking, which measures the late cluster, does not teach the clock."""
+    clock = MatchmakingClock(floor=2.0, ceiling=30.0)
+    usual = clock.plan(4)
+    waiting = clock.plan(4, coming=True)
+    assert waiting.window == 30.0 and waiting.waits_for_behind and not usual.waits_for_behind
+    assert waiting.request_timeout == usual.request_timeout and waiting.group_size == 4
+    assert not usual.agreed(TwoRanks(usual).min_int).waits_for_behind
+    # one rank read a late cluster, the other did not: the cluster waits for it, on every shard
+    assert usual.agreed(TwoRanks(waiting).min_int) == waiting.agreed(TwoRanks(usual).min_int) == waiting
+
+
+def test_a_cluster_still_in_an_earlier_round_is_behind_and_a_gone_one_is_not_in_the_view():
+    view = Membership(attempts={0: (7, 0), 1: (6, 1), 2: (7, 1), 3: (5, 0)})
+    assert view.behind(7, galaxy_rank=0) == {1, 3}
+    assert view.behind(7, galaxy_rank=1) == {3}  # never itself
+    assert view.behind(6, galaxy_rank=0) == {3}
