@@ -593,11 +593,10 @@ class Round:
         self, view: RoundView, report: RoundReport, network_wait: float, voting: set[int]
     ) -> RoundResult:
         """Commit nothing: no quorum (``outer/quorum.py``). θ_outer and the chain stay, so once the partition
-        heals this cluster is behind the majority and takes its state. The fragment lands as after a round
-        that applied nothing (θ_local back to θ_outer, mixed as ``--hv.sync-alpha`` says): its stride is
-        dropped, as it would be at the heal anyway; kept, the next Δ would grow with every held round until
-        the guard called it out of bound and the cluster diverged. The trainer then trains the stride again
-        (``CatchUp.clock_after``)."""
+        heals this cluster is behind the majority and takes its state. θ_local goes back to θ_outer, every
+        fragment of it (:meth:`OuterState.drop_progress`): its progress is dropped, as it would be at the heal
+        anyway; kept, the next Δ would grow with every held round until the guard called it out of bound and
+        the cluster diverged. The trainer then trains the stride again (``CatchUp.clock_after``)."""
         ctx, roster = self.ctx, self.roster
         self._enter(Phase.HELD)
         if ctx.holding_since is None:
@@ -610,7 +609,7 @@ class Round:
             f"--hv.fork-after={ctx.hv.fork_after:g}s, held "
             f"{time.monotonic() - ctx.holding_since:.0f}s)"
         )
-        ctx.state.land()
+        ctx.state.drop_progress()
         return self._result("held", report, network_wait, galaxy_complete=view.whole)
 
     def _say_what_is_applied(self, clusters: int, alone: str | None) -> None:

@@ -207,6 +207,16 @@ class OuterState(OuterStateTransfer):
                 piece.copy_(mixed, non_blocking=True)
         self.local_at_start = None
 
+    def drop_progress(self) -> None:
+        """θ_local ← θ_outer on the whole shard, every fragment, unmixed: a held round's landing
+        (``Round._hold``). Landing only the held fragment (and by ``--hv.sync-alpha`` only half of it) let
+        the other fragments keep the progress of every stride the cluster trained again, so their next Δ grew
+        with each hold until the guard called it out of bound (chaos soak of 2026-12-02, 20:33: 37.5 against
+        a bound of 28.6, after 15 held attempts). Nothing is lost: a held cluster's progress is in no
+        committed round, and it takes the majority's state when it is back."""
+        self.local_at_start = None
+        self.scatter_into_model()
+
     def _selection(self) -> Selection:
         """What the current round of a sparse run sends: a function of the round id and (``magnitude``) of the
         fragment's block scores, both the same in every cluster and unchanged from the round's start to its

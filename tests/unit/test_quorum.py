@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
@@ -65,6 +66,35 @@ def test_a_cluster_cut_off_from_the_majority_holds_and_drops_its_stride():
     assert [r["round_outcome"] for r in records] == ["held", "held"]
     assert [r["outer_step"] for r in records] == [0, 0] and outer.ledger.last is None
     assert weight.item() == 1.0 and outer.state.params.item() == 1.0  # back to θ_outer, untouched
+
+
+def test_a_held_round_drops_the_progress_of_every_fragment_not_only_its_own():
+    """Two fragments of one value each, a sync every step (H = 2, P = 2): cluster 2 is cut off and holds every
+    round. After each hold its whole θ_local is θ_outer again: the other fragment's progress, kept before,
+    piled up over the strides a held cluster trains again until its Δ was out of bound (chaos soak)."""
+    galaxy = InProcessGalaxy(3, drop={2})
+    results = {}
+
+    def cluster(rank: int) -> None:
+        model = linear_model([1.0, 1.0])
+        hv = outer_hv(world_rank=rank, galaxy_size=3, local_steps=2, fragments=2, **PLAIN)
+        outer = DiLoCo(model, galaxy.averager(rank, 2), hv, warn=lambda *_: None)
+        seen = []
+        for step in (1, 2, 3, 4):
+            with torch.no_grad():
+                model.weight.add_(0.25)  # an inner step's progress, on both fragments
+            record = outer.after_inner_step(step)
+            seen.append((record["round_outcome"], model.weight.detach().flatten().tolist()))
+        results[rank] = seen
+
+    threads = [threading.Thread(target=cluster, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [outcome for outcome, _ in results[2]] == ["held"] * 4
+    assert all(weights == [1.0, 1.0] for _, weights in results[2]), results[2]
+    assert [outcome for outcome, _ in results[0]] == ["applied"] * 4
 
 
 def test_after_fork_after_a_cut_off_cluster_commits_on_a_fork():
