@@ -49,6 +49,10 @@ class MemberRecord:
     """The cluster's last training loss."""
     tokens_per_second: float | None = None
     """The cluster's last inner step's throughput."""
+    tokens_computed: int | None = None
+    """Tokens of every inner step the cluster trained (``outer/goodput.py``)."""
+    tokens_committed: int | None = None
+    """Tokens of its own in the ledger chain it holds: what of its work the galaxy committed."""
     galaxy_peers: int | None = None
     """Clusters in its last round's group."""
     galaxy_alive: int | None = None

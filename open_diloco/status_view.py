@@ -39,8 +39,24 @@ def judge(records: list[MemberRecord]) -> list[dict[str, Any]]:
         if record.param_hash is not None and record.param_hash != majority.get(record.outer_step):
             flags.append("hash differs")
         row = {**record.to_wire(), "last_seen_seconds": record.last_seen_seconds}
-        rows.append({**row, "behind_by": behind_by, "flags": flags})
+        rows.append({**row, "behind_by": behind_by, "flags": flags, "goodput": _goodput([record])})
     return rows
+
+
+def _goodput(records: list[MemberRecord]) -> float | None:
+    """Tokens committed ÷ tokens computed over ``records`` (``outer/goodput.py``); ``None`` when none says."""
+    said = [r for r in records if r.tokens_computed and r.tokens_committed is not None]
+    computed = sum(r.tokens_computed or 0 for r in said)
+    return sum(r.tokens_committed or 0 for r in said) / computed if computed else None
+
+
+def galaxy_line(records: list[MemberRecord]) -> str:
+    """The galaxy's goodput (every cluster with a record, ended ones too: their work counts) beside its
+    throughput (the training clusters' tokens per second): a cluster that computes less lowers the second."""
+    goodput = _goodput(records)
+    rate = sum(r.tokens_per_second or 0.0 for r in records if r.training and not _silent(r))
+    shown = "-" if goodput is None else f"{goodput:.1%}"
+    return f"galaxy: goodput {shown} (tokens committed / computed), {rate:,.0f} tokens/s training"
 
 
 def _silent(record: MemberRecord) -> bool:
@@ -96,6 +112,9 @@ JSON_KEYS = (
     "round_weight",
     "inner_step_seconds",
     "client_mode",
+    "tokens_computed",
+    "tokens_committed",
+    "goodput",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""
@@ -124,6 +143,7 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
         ("tok/s", "right"),
         ("round s", "right"),
         ("MB sent", "right"),
+        ("goodput", "right"),
         *((("steps/round", "right"), ("weight", "right")) if by_speed else ()),
         ("codec", "left"),
         ("hash", "left"),
@@ -151,6 +171,7 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
             _number(row.get("tokens_per_second"), "{:,.0f}"),
             _number(row.get("allreduce_seconds"), "{:.2f}"),
             _number(row.get("bytes_sent"), "{:.1f}", scale=1e-6),
+            _number(row.get("goodput"), "{:.1%}"),
             *pace,
             str(row.get("codec", "?")),
             str(row.get("param_hash") or "-"),

@@ -52,18 +52,20 @@ def status(
     reader = open_reader(initial_peers, run_id, timeout)
     from rich.console import Console
 
-    from open_diloco.status_view import as_json_rows, build_table, judge
+    from open_diloco.status_view import as_json_rows, build_table, galaxy_line, judge
 
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a log or a pipe: cut no column
     with reader:
         while True:
-            rows = judge(reader.read())
+            records = reader.read()
+            rows = judge(records)
             if json_output:
                 print(json.dumps(as_json_rows(rows)), flush=True)
             elif rows:
                 if watch:
                     console.clear()
                 console.print(build_table(rows, run_id, galaxy_size))
+                console.print(galaxy_line(records))
             if not watch:
                 break
             time.sleep(interval)

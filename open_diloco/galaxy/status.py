@@ -54,6 +54,8 @@ _FROM_METRICS = (
     "outer_step",
     "param_hash",
     "committed_work",
+    "tokens_computed",
+    "tokens_committed",
     "in_sync",
     "galaxy_peers",
     "galaxy_alive",

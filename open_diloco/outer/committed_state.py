@@ -20,6 +20,7 @@ import torch
 from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.digests import combine_hashes
+from open_diloco.outer.goodput import Goodput
 from open_diloco.outer.ledger import Dropped, Ledger, LedgerEntry, round_entry
 from open_diloco.outer.quorum import next_roster
 from open_diloco.outer.state import OuterState
@@ -31,10 +32,19 @@ LEDGER_LOCK_SECONDS = 10.0
 class CommittedState:
     """This shard's :class:`OuterState` and the cluster's :class:`Ledger`, one lock over both."""
 
-    def __init__(self, state: OuterState, cluster: ClusterComm, galaxy_rank: int, warn: Callable[[str], Any]):
+    def __init__(
+        self,
+        state: OuterState,
+        cluster: ClusterComm,
+        galaxy_rank: int,
+        warn: Callable[[str], Any],
+        goodput: Goodput | None = None,
+    ):
         self.state, self.cluster, self.galaxy_rank, self.warn = state, cluster, galaxy_rank, warn
         self.ledger = Ledger()
         """The chain of committed rounds this cluster's θ_outer went through."""
+        self.goodput = goodput or Goodput(galaxy_rank, tokens_per_step=1, local_steps=1)
+        """This cluster's tokens computed and committed: the chain's changes count the committed ones."""
         self.dropped: Dropped | None = None
         """Entries of this cluster's own that the last taken chain replaced, until a round's record says so
         (:meth:`pop_dropped`)."""
@@ -105,8 +115,10 @@ class CommittedState:
         )
         (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
         entry = LedgerEntry.from_wire(json.loads(wire))
+        before = list(self.ledger.entries)
         if broken := self.ledger.append(entry):
             self.warn(broken)
+        self.goodput.chain_changed(before, self.ledger.entries)
         return entry
 
     def take(self, got: Downloaded, own_round: bool = False) -> None:
@@ -118,7 +130,9 @@ class CommittedState:
                 self.state.adopt_round(got.metadata, got.tensors)
             else:
                 self.state.adopt(got.metadata, got.tensors)
+            before = list(self.ledger.entries)
             dropped = self.ledger.take(got.metadata.get("ledger"))
+            self.goodput.chain_changed(before, self.ledger.entries)
         if dropped is not None:
             self.dropped = dropped
             self.warn(

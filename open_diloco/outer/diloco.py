@@ -22,6 +22,7 @@ from open_diloco.outer.catching_up import CatchUp
 from open_diloco.outer.cluster import ClusterComm
 from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.committed_state import CommittedState
+from open_diloco.outer.goodput import Goodput
 from open_diloco.outer.guard import NormHistory
 from open_diloco.outer.ledger import Ledger
 from open_diloco.outer.pacing import Pace, StepTime
@@ -52,9 +53,7 @@ class DiLoCo:
         status: StatusBoard | None = None,
         tokens_per_step: int = 1,
     ):
-        self.averager = averager
-        self.status = status or NullStatusBoard()
-        self.hv = hv
+        self.averager, self.status, self.hv = averager, status or NullStatusBoard(), hv
         self.galaxy_rank = hv.world_rank
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self.warn = warn
@@ -84,7 +83,8 @@ class DiLoCo:
             fragments=hv.fragments,
             sync_alpha=hv.sync_alpha,
         )
-        self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn)
+        self.goodput = Goodput(self.galaxy_rank, max(1, tokens_per_step), hv.local_steps, hv.fragments)
+        self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn, self.goodput)
         """θ_outer with the ledger chain that ends at it: what a commit changes and a peer downloads."""
         self.averager.serve_state(self.committed.served)
         adoption = StateAdoption(
@@ -179,6 +179,7 @@ class DiLoCo:
         state["param_hash"] = self.committed.cluster_hash()
         if self.ledger.entries:
             state["ledger"] = self.ledger.state_dict()
+        state["goodput"] = self.goodput.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -199,6 +200,7 @@ class DiLoCo:
         self.state.load_checkpoint_state(state_dict)
         self.pace.load_state_dict(state_dict.get("pace"))
         self.ledger.load_state_dict(state_dict.get("ledger"))
+        self.goodput.load_state_dict(state_dict.get("goodput"))
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False, trained: bool = True) -> dict[str, Any]:
@@ -225,6 +227,8 @@ class DiLoCo:
         the step the next starts and that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
         self.pace.count(trained)
+        if trained:
+            self.goodput.trained()
         if self._window_start is None:
             self._window_start = began
         results: list[RoundResult] = []
@@ -253,6 +257,7 @@ class DiLoCo:
             utilization = max(0.0, 1.0 - self._held / window) if window > 0 else 1.0
             for result in results:
                 result.compute_utilization = utilization
+                result.goodput = self.goodput.metrics()
                 if self.pace.by_speed and (pace := self._sync_pace.get(result.outer_step)):
                     result.round_inner_steps, result.round_weight = pace
             self._sync_pace = {rnd: pace for rnd, pace in self._sync_pace.items() if rnd > self.outer_step}
@@ -271,6 +276,7 @@ class DiLoCo:
         settled = self.catch_up.settle_final(last)
         if settled is not None:  # the galaxy split and its larger side ended elsewhere
             self._final_hash = settled.param_hash
+            settled.goodput = self.goodput.metrics()
         return settled
 
     def _start_sync(self, inner_step: int, last: bool) -> RoundResult | None:

@@ -60,6 +60,9 @@ class RoundResult:
     (``LedgerEntry.work``): how the galaxy tells which of two forks to keep."""
     ledger_dropped: dict[str, Any] | None = None
     """This cluster's own entries that the chain it took replaced (``ledger.Dropped``): a fork not kept."""
+    goodput: dict[str, Any] | None = None
+    """``tokens_computed``, ``tokens_committed`` and ``goodput`` of this cluster after the round
+    (``outer/goodput.py``); in the record as top-level keys."""
     ledger: LedgerEntry | None = None
     """The ledger entry of the round this cluster's θ_outer now ends at: its own commit (``applied``), the
     committer's (``adopted``), or the last of the chain it took (``resynced``); ``None`` when it holds no
@@ -84,6 +87,7 @@ class RoundResult:
         record["retries"] = self.attempt
         record["resynced"] = self.outcome == "resynced"
         record["committed"] = self.committed
+        record.update(record.pop("goodput") or {})
         for optional in (
             "fragment_hash",
             "average_finite",

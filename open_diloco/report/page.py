@@ -152,10 +152,12 @@ def _last(records: list[dict], key: str) -> float | None:
 
 
 def clusters_table(clusters: list[ClusterMetrics]) -> str:
-    """Per cluster: launches, steps, rounds, busy share, throughput, bytes, and where its loss ended."""
+    """Per cluster: launches, steps, rounds, busy share, throughput, bytes, goodput (its last sync's: the
+    share of its tokens the galaxy committed, ``outer/goodput.py``), and where its loss ended."""
     rows = [
         "<tr><th>cluster</th><th>launches</th><th>last step</th><th>rounds</th><th>busy share (mean)</th>"
-        "<th>tokens/s (mean)</th><th>MB sent</th><th>last loss</th><th>last val_loss</th></tr>"
+        "<th>tokens/s (mean)</th><th>MB sent</th><th>goodput</th><th>last loss</th>"
+        "<th>last val_loss</th></tr>"
     ]
     for i, c in enumerate(clusters):
         busy = _mean(c.syncs, "compute_utilization")
@@ -166,7 +168,8 @@ def clusters_table(clusters: list[ClusterMetrics]) -> str:
             f"<td>{c.steps[-1]['step']}</td><td>{len(c.syncs)}</td>"
             f"<td>{'–' if busy is None else f'{busy:.0%}'}</td>"
             f"<td>{_num(_mean(c.steps, 'tokens_per_second'), '.0f')}</td>"
-            f"<td>{sent / 1e6:.1f}</td><td>{_num(_last(c.steps, 'loss'), '.3f')}</td>"
+            f"<td>{sent / 1e6:.1f}</td><td>{_num(_last(c.syncs, 'goodput'), '.1%')}</td>"
+            f"<td>{_num(_last(c.steps, 'loss'), '.3f')}</td>"
             f"<td>{_num(_last(c.steps, 'val_loss'), '.3f')}</td></tr>"
         )
     return "<table>" + "".join(rows) + "</table>"

@@ -153,6 +153,13 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
     return False
 
 
+def galaxy_goodput(clusters: list[dict]) -> float | None:
+    """Tokens committed ÷ tokens computed over every cluster that counted them (``None``: none did)."""
+    said = [c for c in clusters if c.get("tokens_computed")]
+    computed = sum(c["tokens_computed"] for c in said)
+    return sum(c.get("tokens_committed") or 0 for c in said) / computed if computed else None
+
+
 def _longest_streak(bad: list[bool], counted: list[bool] | None = None) -> int:
     """The longest run of bad syncs; a bad one not ``counted`` (inside a fault: the fault's doing) neither
     adds to a run nor breaks it, a good one ends it."""
@@ -211,4 +218,9 @@ def cluster_figures(
         "final_outer_step": last.get("outer_step"),
         "final_step": last.get("step"),
         "final_param_hash": last.get("param_hash"),
+        # goodput (outer/goodput.py), as the last record counts it: a killed launch's steps after its last
+        # checkpoint are in no count
+        "tokens_computed": last.get("tokens_computed"),
+        "tokens_committed": last.get("tokens_committed"),
+        "goodput": last.get("goodput"),
     }

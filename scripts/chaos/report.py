@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from scripts.chaos.analysis import galaxy_goodput
+
 
 def _fmt(value, digits: int = 1) -> str:
     if value is None:
@@ -21,8 +23,8 @@ def cluster_table(clusters: list[dict]) -> list[str]:
         "| cluster | launches | syncs | out of sync | longest run | longest run after faults "
         "| in_sync false (longest after faults) | re-synced "
         "| re-synced w/o fault | sat out (bad Δ) | retries | retried w/o fault | split syncs | stopped "
-        "| final outer step | final hash |",
-        "|" + "---|" * 16,
+        "| final outer step | final hash | goodput |",
+        "|" + "---|" * 17,
     ]
     for i, c in enumerate(clusters):
         rows.append(
@@ -34,9 +36,16 @@ def cluster_table(clusters: list[dict]) -> list[str]:
             f"({c['resynced_share_without_fault']:.1%}) | {c['sat_out']} ({c['sat_out_bad_pseudo_grad']}) "
             f"| {c['retries']} | {c.get('retried_without_fault', '–')} | {c['split_syncs']} "
             f"| {'YES' if c['stopped'] else 'no'} "
-            f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} |"
+            f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} "
+            f"| {_percent(c.get('goodput'))} |"
         )
+    goodput = galaxy_goodput(clusters)
+    rows += ["", f"Galaxy goodput (tokens committed ÷ computed, every cluster): {_percent(goodput)}."]
     return rows
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1%}"
 
 
 def _by_cluster(fault: dict) -> str:

@@ -60,6 +60,11 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     # the ledger: one entry per round, made by each cluster alone, the same in both; a chain; verified
     assert_one_chain(metrics, [1, 2, 3], members=[0, 1])
     assert_verifies_and_refuses_an_altered_hash(metrics, galaxy.workdir / "ledger")
+    # goodput: every step trained went into a committed round
+    for c in (0, 1):
+        first, last = rounds[c][1], rounds[c][3]
+        assert last["tokens_computed"] == 3 * first["tokens_computed"] > 0, last
+        assert last["tokens_committed"] == last["tokens_computed"] and last["goodput"] == 1.0, last
 
 
 def test_an_average_lost_on_its_way_costs_the_cluster_nothing(galaxy):

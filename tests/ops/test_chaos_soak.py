@@ -35,6 +35,9 @@ def test_quick_soak_injects_a_lost_average_and_measures_its_repair(tmp_path):
     clusters = summary["clusters"]
     assert len(clusters) == 2 and all(c["syncs"] >= 15 for c in clusters), shown  # 40 steps at H/P = 2: 20
     assert all(c["final_outer_step"] == 20 and c["final_param_hash"] for c in clusters), shown
+    # goodput: the lost average's round is adopted, so no cluster's work is lost
+    assert all(c["tokens_computed"] > 0 and 0.9 <= c["goodput"] <= 1.0 for c in clusters), shown
+    assert "Galaxy goodput (tokens committed ÷ computed, every cluster): " in (out / "summary.md").read_text()
     (fault,) = summary["faults"]
     assert fault["kind"] == "lost_average" and fault["fired"] and fault["armed"] == {"1": 5}, shown
     assert "fault start #0 lost_average" in (out / "events.log").read_text()

@@ -88,7 +88,7 @@ def test_outer_state_dict_round_trips_bit_exact(run):
     _fill(outer, model, seed=1)
     assert isinstance(outer, Stateful)
     saved = copy.deepcopy(outer.state_dict())
-    assert set(saved) == {"outer_step", "fragments", "param_hash"} | pieces
+    assert set(saved) == {"outer_step", "fragments", "param_hash", "goodput"} | pieces
     for piece in pieces & set(PIECES):  # keyed and shaped like the parameters, so DCP can reshard them
         assert {name: p.shape for name, p in saved[piece].items()} == {
             name: p.shape for name, p in model.named_parameters()
@@ -115,7 +115,7 @@ def test_without_theta_outer_in_the_checkpoint_the_model_is_theta_outer():
     """A run whose model is θ_outer at every save stores no θ_outer: a load reads it from the loaded model."""
     outer, model, _ = _outer(0)
     saved = outer.state_dict()
-    assert set(saved) == {"outer_step", "fragments", "param_hash"}  # no momentum before a round with momentum
+    assert set(saved) == {"outer_step", "fragments", "param_hash", "goodput"}  # no momentum before a round with momentum
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

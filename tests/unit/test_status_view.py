@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from open_diloco.membership_record import MemberRecord
-from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, judge
+from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, galaxy_line, judge
 
 
 def record(
@@ -97,3 +97,25 @@ def test_the_table_shows_each_clusters_steps_per_round_and_weight_when_steps_go_
     assert "steps/round" in text and "weight" in text
     assert "8/8" in text and "3/8" in text and "0.38" in text
     assert as_json_rows(rows)[1]["round_weight"] == 0.375
+
+
+def test_goodput_per_cluster_and_for_the_galaxy_beside_its_throughput():
+    records = [
+        record(0, 4, "aa", tokens_computed=1000, tokens_committed=900, tokens_per_second=50.0),
+        record(1, 4, "aa", tokens_computed=3000, tokens_committed=1500, tokens_per_second=150.0),
+        record(2, 2, "bb", state="finished", tokens_computed=1000, tokens_committed=1000),
+        record(3, 4, "aa"),  # an older version: says nothing, counts for nothing
+    ]
+    rows = judge(records)
+    assert [row["goodput"] for row in rows] == [0.9, 0.5, 1.0, None]
+    assert as_json_rows(rows)[1]["tokens_committed"] == 1500
+    # the finished cluster's work counts, its throughput no more
+    assert galaxy_line(records) == (
+        "galaxy: goodput 68.0% (tokens committed / computed), 200 tokens/s training"
+    )
+    from rich.console import Console
+
+    console = Console(width=220, record=True)
+    console.print(build_table(rows, "demo"))
+    text = console.export_text()
+    assert "90.0%" in text and "goodput" in text
