@@ -115,7 +115,12 @@ def test_without_theta_outer_in_the_checkpoint_the_model_is_theta_outer():
     """A run whose model is θ_outer at every save stores no θ_outer: a load reads it from the loaded model."""
     outer, model, _ = _outer(0)
     saved = outer.state_dict()
-    assert set(saved) == {"outer_step", "fragments", "param_hash", "goodput"}  # no momentum before a round with momentum
+    assert set(saved) == {
+        "outer_step",
+        "fragments",
+        "param_hash",
+        "goodput",
+    }  # no momentum before a round with momentum
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
