@@ -9,8 +9,10 @@ trained, a stride trained again after a held round included: that stride is the 
 show. A cluster that computes less does not raise its goodput by it: the galaxy's tokens per second stand
 beside it (``open-diloco status``).
 
-Both counts are kept in checkpoints (``goodput``), so a resumed run goes on counting; the steps a killed
-launch trained after its last checkpoint are in no count (its metrics records show them).
+Both counts are kept in checkpoints (``goodput``), so a resumed run goes on counting. The steps a killed
+launch trained after its last checkpoint are not in ``computed`` (its metrics records show them), though a
+round the galaxy committed with them is in ``committed`` once the restart takes the galaxy's chain: after a
+crash the ratio can read a little high.
 
 Pure Python: no torch, no hivemind.
 """

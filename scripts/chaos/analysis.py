@@ -219,7 +219,7 @@ def cluster_figures(
         "final_step": last.get("step"),
         "final_param_hash": last.get("param_hash"),
         # goodput (outer/goodput.py), as the last record counts it: a killed launch's steps after its last
-        # checkpoint are in no count
+        # checkpoint are not in tokens_computed
         "tokens_computed": last.get("tokens_computed"),
         "tokens_committed": last.get("tokens_committed"),
         "goodput": last.get("goodput"),
