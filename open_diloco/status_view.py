@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 from open_diloco.membership_record import MemberRecord
+from open_diloco.outer.goodput import share
 
 
 def judge(records: list[MemberRecord]) -> list[dict[str, Any]]:
@@ -45,9 +46,7 @@ def judge(records: list[MemberRecord]) -> list[dict[str, Any]]:
 
 def _goodput(records: list[MemberRecord]) -> float | None:
     """Tokens committed ÷ tokens computed over ``records`` (``outer/goodput.py``); ``None`` when none says."""
-    said = [r for r in records if r.tokens_computed and r.tokens_committed is not None]
-    computed = sum(r.tokens_computed or 0 for r in said)
-    return sum(r.tokens_committed or 0 for r in said) / computed if computed else None
+    return share((r.tokens_computed, r.tokens_committed) for r in records)
 
 
 def galaxy_line(records: list[MemberRecord]) -> str:

@@ -115,10 +115,9 @@ class CommittedState:
         )
         (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
         entry = LedgerEntry.from_wire(json.loads(wire))
-        before = list(self.ledger.entries)
         if broken := self.ledger.append(entry):
             self.warn(broken)
-        self.goodput.chain_changed(before, self.ledger.entries)
+        self.goodput.appended(entry)
         return entry
 
     def take(self, got: Downloaded, own_round: bool = False) -> None:

@@ -52,9 +52,13 @@ class Goodput:
         steps = self.local_steps if member.inner_steps is None else member.inner_steps
         return steps * self.tokens_per_step // self.fragments
 
+    def appended(self, entry: LedgerEntry) -> None:
+        """This cluster committed ``entry`` at the end of its chain."""
+        self.committed += self.own_tokens(entry)
+
     def chain_changed(self, before: Iterable[LedgerEntry], after: list[LedgerEntry]) -> None:
-        """The chain went from ``before`` to ``after`` (an entry appended, or another cluster's chain
-        taken): count the entries that came in and take out the ones that left, except those that only
+        """The chain went from ``before`` to ``after`` (another cluster's chain taken): count the entries that
+        came in and take out the ones that left, except those that only
         fell off its front (``ledger.KEEP``: still committed, just no longer kept)."""
         held = {entry.hash: entry for entry in before}
         now = {entry.hash for entry in after}
@@ -85,3 +89,12 @@ class Goodput:
         """A checkpoint's counts; none (a checkpoint from before goodput was counted): from zero."""
         state = state or {}
         self.computed, self.committed = int(state.get("computed", 0)), int(state.get("committed", 0))
+
+
+def share(counts: Iterable[tuple[int | None, int | None]]) -> float | None:
+    """Tokens committed ÷ tokens computed over several clusters' ``(computed, committed)`` counts (those that
+    counted nothing left out); ``None`` when none did: the galaxy's goodput (``open-diloco status``, the chaos
+    soak's summary)."""
+    said = [(computed, committed or 0) for computed, committed in counts if computed]
+    total = sum(computed for computed, _ in said)
+    return sum(committed for _, committed in said) / total if total else None

@@ -298,8 +298,9 @@ class Round:
         alive, (lead, lead_work), (ended, unheard) = seen.alive, seen.lead, seen.ended_unheard
         attempt = max(attempt, seen.attempt)  # join the galaxy's current attempt, not one nobody is in
         ctx.status.update({"round_attempt": [state.outer_step + 1, attempt]})
-        made = cls(ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive)
-        made.silent = seen.silent
+        made = cls(
+            ctx, RoundId(state.outer_step + 1, attempt), contribution, own_hash, alive, silent=seen.silent
+        )
         # a cluster without a record votes no more only before any entry named a roster (it never started);
         # one the chain's roster names was a member: unreadable is not ended (a side of a split that read no
         # record of the others committed alone, as if they had all ended: chaos soak, 2026-12-02 evening)

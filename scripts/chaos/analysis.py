@@ -19,6 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from open_diloco.outer.goodput import share
 from scripts.chaos.plan import CUTS, Fault, minority_of
 
 REPAIR_LIMIT = 2  # syncs: every repair within 2, and no longer out-of-sync run after a fault
@@ -155,9 +156,7 @@ def due_to_fault(t: float, cluster: int, times: list[float], spans: list[Window]
 
 def galaxy_goodput(clusters: list[dict]) -> float | None:
     """Tokens committed ÷ tokens computed over every cluster that counted them (``None``: none did)."""
-    said = [c for c in clusters if c.get("tokens_computed")]
-    computed = sum(c["tokens_computed"] for c in said)
-    return sum(c.get("tokens_committed") or 0 for c in said) / computed if computed else None
+    return share((c.get("tokens_computed"), c.get("tokens_committed")) for c in clusters)
 
 
 def _longest_streak(bad: list[bool], counted: list[bool] | None = None) -> int:

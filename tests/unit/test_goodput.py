@@ -21,9 +21,8 @@ def entry(rnd: int, members: tuple[int, ...], steps: int | None = 4, tag: str = 
 
 
 def appended(goodput: Goodput, ledger: Ledger, new: LedgerEntry) -> None:
-    before = list(ledger.entries)
     ledger.append(new)
-    goodput.chain_changed(before, ledger.entries)
+    goodput.appended(new)
 
 
 def test_a_cluster_counts_its_own_steps_in_the_rounds_it_is_a_member_of():
@@ -60,6 +59,11 @@ def test_entries_that_only_fall_off_the_front_stay_counted():
     for rnd in range(1, KEEP + 3):
         appended(goodput, ledger, entry(rnd, (0,), steps=1))
     assert len(ledger.entries) == KEEP and goodput.committed == KEEP + 2
+    # a taken chain that pushes the front out: only what the taken chain changed counts
+    before = list(ledger.entries)
+    ledger.take([before[-1].to_wire(), entry(KEEP + 3, (0,), steps=1).to_wire()])
+    goodput.chain_changed(before, ledger.entries)
+    assert ledger.entries[0].round == 4 and goodput.committed == KEEP + 3
 
 
 def test_the_counts_go_through_a_checkpoint_and_an_old_one_starts_them_at_zero():
