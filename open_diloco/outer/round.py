@@ -186,6 +186,9 @@ class RoundView:
     """Each shard's group (its clusters, comma-separated), in rank order: what a warning names."""
     overtaken_shards: tuple[int, ...] = ()
     """The local ranks whose shard was overtaken while it looked for a group."""
+    gone: frozenset[int] = frozenset()
+    """Clusters outside the group that some member (any shard, any rank) calls gone in its metadata: the
+    round's one view of who is not coming, the same for every member of a committable round."""
 
     @property
     def committable(self) -> bool:
@@ -210,10 +213,13 @@ class RoundView:
             )
         )
         overtaken = cluster.gather_strings("1" if report.overtaken else "")
+        called_gone = sorted({int(rank) for meta in report.peers.values() for rank in meta.get("gone") or ()})
+        gone = _ranks_by_any_rank(cluster, called_gone)
+        group = frozenset(int(rank) for rank in groups[0].split(",") if rank)
         return RoundView(
             whole=cluster.all_true(report.complete and not failed),
             same_group=len(set(groups)) == 1,
-            group=frozenset(int(rank) for rank in groups[0].split(",") if rank),
+            group=group,
             overtaken=any(overtaken),  # any shard: a cluster never half-adopts
             rejected=rejected,
             stale=stale,
@@ -221,6 +227,7 @@ class RoundView:
             left_out=left_out,
             shard_groups=tuple(groups),
             overtaken_shards=tuple(rank for rank, flag in enumerate(overtaken) if flag),
+            gone=frozenset(gone) - group,
         )
 
 
@@ -448,7 +455,7 @@ class Round:
             )
             return Verdict(Next.TAKE)
         clusters = len(view.group) - len(view.rejected) - len(view.stale)
-        alive = self.alive - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
+        alive = self.alive_by(view) - len(view.rejected) - len(view.stale)  # garbage is no use waiting for
         retry_partial = ctx.policy.on_partial_round == "retry"
         # whoever committed it has our Δ if we were in its group
         if (not view.committable or (clusters < alive and retry_partial)) and self._committed_elsewhere():
@@ -476,6 +483,18 @@ class Round:
             return Verdict(Next.TAKE, appear_within=ctx.hv.heartbeat_interval + 2 * MEMBERSHIP_READ_SECONDS)
         return Verdict(Next.COMMIT, clusters, alive)
 
+    def alive_by(self, view: RoundView) -> int:
+        """The live clusters a committable round should have had, as its members agree: the galaxy less the
+        clusters outside the group that any member calls gone. Every member reads the same gathered metadata,
+        so all commit or all retry. Why: each cluster's own count split rounds after a heal (chaos soak,
+        2026-12-02, `home`): a member one read behind still counted a cluster back from a cut as gone, found
+        its group whole and committed, while the others retried a "partial" round, then took its round (17 s
+        of download) and came late to the next one. Not committable: this cluster's own count (nothing is
+        applied from such a round either way)."""
+        if not view.committable:
+            return self.alive
+        return self.ctx.hv.galaxy_size - len(view.gone)
+
     def _committed_elsewhere(self) -> bool:
         """A live cluster's record shows this round applied on a chain with at least this cluster's committed
         work (agreed by the ranks): it is the round's state now. A lighter fork past this round is not."""
@@ -491,7 +510,7 @@ class Round:
         """This attempt ends retried; the next one starts, with the same Δ."""
         ctx, number = self.ctx, self.id.number
         what = (
-            f"partial round ({clusters} of {self.alive} live clusters)"
+            f"partial round ({clusters} of {self.alive_by(view)} live clusters)"
             if view.committable
             else "an average did not arrive whole on every shard"
             if not view.whole
@@ -528,7 +547,7 @@ class Round:
         if galaxy_average:
             self._record_claims(report, view)
         self._note_alive()
-        self._say_what_is_applied(clusters, alone)
+        self._say_what_is_applied(clusters, alive, alone)
         before = ctx.committed.cluster_hash(self.own_hash)
         with contextlib.ExitStack() as held:
             averaged = _locked_buffer(ctx, held)
@@ -613,7 +632,7 @@ class Round:
         ctx.state.drop_progress()
         return self._result("held", report, network_wait, galaxy_complete=view.whole)
 
-    def _say_what_is_applied(self, clusters: int, alone: str | None) -> None:
+    def _say_what_is_applied(self, clusters: int, alive: int, alone: str | None) -> None:
         """A warning when the round commits without every live cluster, or this cluster's Δ alone."""
         number = self.id.number
         if alone is not None:
@@ -621,10 +640,10 @@ class Round:
                 f"outer step {number}: {alone}: this cluster applies its own pseudo-gradient alone (the "
                 "next round's hash check re-syncs it)"
             )
-        elif clusters < self.alive:
+        elif clusters < alive:
             retried = f" after {self.id.attempt} retries" if self.id.attempt else ""
             self.ctx.warn(
-                f"outer step {number}: proceeding with {clusters} of {self.alive} live clusters{retried}"
+                f"outer step {number}: proceeding with {clusters} of {alive} live clusters{retried}"
             )
 
     def _say_who_was_left_out(self, view: RoundView) -> None:

@@ -81,12 +81,15 @@ class ShardPeer(InProcessAverager):
         self.reports, self.served, self.membership_after = reports, served, membership_after
         self.shown_from_read, self.reads = shown_from_read, 0
         self.sources_asked: list[str] = []
+        self.peers_say: dict[int, dict] = {}
+        """Galaxy rank → what that peer's round metadata says besides ours (e.g. its ``gone``)."""
 
     def start_round(self, round_id, fingerprint, attempt=0, plan=None):
         self.calls += 1
         report = self.reports[min(self.calls, len(self.reports)) - 1]
         own = {"galaxy_rank": 0, "round_id": round_id, "attempt": attempt, **fingerprint}
-        report.peers = {rank: {**own, "galaxy_rank": rank} for rank in report.peers}
+        said = self.peers_say.get
+        report.peers = {rank: {**own, **said(rank, {}), "galaxy_rank": rank} for rank in report.peers}
         return types.SimpleNamespace(wait=lambda: report)
 
     def membership(self):
@@ -342,6 +345,26 @@ def test_a_round_goes_through_its_phases_and_a_retried_attempt_ends_retried():
     result = partial.finish()
     assert partial.phase is Phase.RETRIED and peer.calls == 2
     assert result.outcome == "applied" and result.attempt == 1 and result.ledger.attempt == 1
+
+
+def test_the_members_of_a_round_agree_on_who_is_gone_so_all_commit_or_all_retry():
+    # the `home` soak's heal (2026-12-02): cluster 2, back from a cut, was late; cluster 1 (a read behind)
+    # still called it gone, found its group {0, 1} whole and committed, while cluster 0 counted it alive,
+    # retried a "partial" round, then took cluster 1's round and came late to the next one. The round's
+    # metadata carries each member's `gone`: both now read one view of who is coming
+    peer = ShardPeer(2, [_report([0, 1]), _report([0, 1])], {})
+    peer.peers_say = {1: {"gone": [2]}}
+    outer, round_ = _started(peer, galaxy_size=3)
+    assert round_.alive == 3 and round_.gone == frozenset()  # to this cluster alone, cluster 2 is coming
+    result = round_.finish()
+    assert peer.calls == 1 and result.outcome == "applied" and result.attempt == 0
+    assert result.ledger.ranks == [0, 1]
+
+    # nobody in the group calls cluster 2 gone: the round is partial to every member, and retried
+    peer = ShardPeer(2, [_report([0, 1]), _report([0, 1, 2])], {})
+    outer, round_ = _started(peer, galaxy_size=3)
+    result = round_.finish()
+    assert peer.calls == 2 and result.outcome == "applied" and result.attempt == 1
 
 
 def test_a_round_behind_the_galaxy_sits_out_and_ends_taken():
