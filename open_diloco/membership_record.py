@@ -53,6 +53,9 @@ class MemberRecord:
     """Tokens of every inner step the cluster trained (``outer/goodput.py``)."""
     tokens_committed: int | None = None
     """Tokens of its own in the ledger chain it holds: what of its work the galaxy committed."""
+    roster: list[int] | None = None
+    """The roster its ledger chain names (``outer/quorum.py``): the clusters whose majority its next round
+    needs."""
     galaxy_peers: int | None = None
     """Clusters in its last round's group."""
     galaxy_alive: int | None = None

@@ -51,11 +51,18 @@ def _goodput(records: list[MemberRecord]) -> float | None:
 
 def galaxy_line(records: list[MemberRecord]) -> str:
     """The galaxy's goodput (every cluster with a record, ended ones too: their work counts) beside its
-    throughput (the training clusters' tokens per second): a cluster that computes less lowers the second."""
+    throughput (the training clusters' tokens per second): a cluster that computes less lowers the second;
+    and the roster of the chain with the most committed work (the one the galaxy keeps): whose majority a
+    round needs, so an operator sees a cluster the roster dropped."""
     goodput = _goodput(records)
     rate = sum(r.tokens_per_second or 0.0 for r in records if r.training and not _silent(r))
     shown = "-" if goodput is None else f"{goodput:.1%}"
-    return f"galaxy: goodput {shown} (tokens committed / computed), {rate:,.0f} tokens/s training"
+    line = f"galaxy: goodput {shown} (tokens committed / computed), {rate:,.0f} tokens/s training"
+    named = [r for r in records if r.roster is not None]
+    if named:
+        heaviest = max(named, key=lambda r: (r.committed_work or 0, r.outer_step, -r.galaxy_rank))
+        line += f"; roster {sorted(heaviest.roster)} (cluster {heaviest.galaxy_rank}'s chain, the heaviest)"
+    return line
 
 
 def _silent(record: MemberRecord) -> bool:
@@ -114,6 +121,7 @@ JSON_KEYS = (
     "tokens_computed",
     "tokens_committed",
     "goodput",
+    "roster",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""

@@ -56,6 +56,7 @@ _FROM_METRICS = (
     "committed_work",
     "tokens_computed",
     "tokens_committed",
+    "roster",
     "in_sync",
     "galaxy_peers",
     "galaxy_alive",

@@ -88,6 +88,10 @@ class RoundResult:
         record["resynced"] = self.outcome == "resynced"
         record["committed"] = self.committed
         record.update(record.pop("goodput") or {})
+        if self.ledger is not None and self.ledger.roster is not None:
+            record["roster"] = list(
+                self.ledger.roster
+            )  # whose majority the next round needs (status shows it)
         for optional in (
             "fragment_hash",
             "average_finite",

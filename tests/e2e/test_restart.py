@@ -18,7 +18,7 @@ from tests.conftest import read_metrics
 
 pytestmark = pytest.mark.e2e
 
-STEPS = ["--max-steps", "160", "--hv.local-steps", "5", "--warmup-steps", "2"]
+STEPS = ["--max-steps", "80", "--hv.local-steps", "5", "--warmup-steps", "2"]
 
 
 def rank_pid(torchrun_pid: int, local_rank: int) -> int:
@@ -94,7 +94,7 @@ def test_a_rank_killed_under_max_restarts_brings_its_cluster_back_in_sync(galaxy
     # stride (it stays on the galaxy's clock and ends with it), and nowhere else
     other = read_metrics(metrics[1])
     steps = [r["step"] for r in other]
-    assert sorted(set(steps)) == list(range(1, 161)) and steps[-1] == 160, steps
+    assert sorted(set(steps)) == list(range(1, 81)) and steps[-1] == 80, steps
     back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert all(other[i - 1].get("round_outcome") == "held" and steps[i] == steps[i - 1] - 4 for i in back), [
         (steps[i - 1], steps[i], other[i - 1].get("round_outcome")) for i in back

@@ -61,6 +61,7 @@ def straight(tmp_path_factory):
         galaxy.close()
 
 
+@pytest.mark.xdist_group("unequal_straight")  # one worker: the module fixture runs once
 def test_a_half_speed_cluster_takes_half_the_steps_and_rounds_stay_bitwise_identical(straight):
     records, _, _ = straight
     trained = [[r["step"] for r in side if r["trained"]] for side in records]
@@ -86,6 +87,7 @@ def test_a_half_speed_cluster_takes_half_the_steps_and_rounds_stay_bitwise_ident
         assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.xdist_group("unequal_straight")  # one worker: the module fixture runs once
 def test_a_galaxy_of_unequal_clusters_resumes_bit_exact(straight):
     records, ckpt, galaxy = straight
     checkpoints = [Path(ckpt.format(rank=rank)) / "step_00000008" for rank in (0, 1)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from open_diloco.membership_record import MemberRecord
 from open_diloco.status_view import JSON_KEYS, as_json_rows, build_table, galaxy_line, judge
 
@@ -113,6 +115,11 @@ def test_goodput_per_cluster_and_for_the_galaxy_beside_its_throughput():
     assert galaxy_line(records) == (
         "galaxy: goodput 68.0% (tokens committed / computed), 200 tokens/s training"
     )
+    # the roster of the heaviest chain (most committed work): a cluster one member called gone is out of it
+    records[0] = dataclasses.replace(records[0], roster=[0, 1, 2, 3], committed_work=40)
+    records[1] = dataclasses.replace(records[1], roster=[0, 3], committed_work=44)
+    assert galaxy_line(records).endswith("; roster [0, 3] (cluster 1's chain, the heaviest)")
+    assert as_json_rows(judge(records))[1]["roster"] == [0, 3]
     from rich.console import Console
 
     console = Console(width=220, record=True)
