@@ -46,6 +46,7 @@ def choose_source(
     exact: int | None = None,
     only: frozenset[int] | None = None,
     min_work: int = 0,
+    failed: dict[int, int] | None = None,
 ) -> tuple[int, int] | None:
     """``(galaxy rank, outer step)`` of the live cluster to take the state from: at outer step ``at_least`` or
     later, its chain holding at least ``min_work`` (this cluster's own: a state with less committed work is a
@@ -53,6 +54,12 @@ def choose_source(
     to), else the one ahead of all (the most committed work, then the furthest step); ties go to the lowest
     galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given; a cluster
     that finished its run only at ``exact``.
+    ``failed``: downloads that already failed from a cluster, by galaxy rank: another cluster whose record
+    shows the very same state (step, committed work and ``param_hash``) goes first. Why: a source killed
+    right after its round stays in the records until ``--hv.member-expiry``, and the lowest rank won every
+    try: two clusters of the `intercontinental` soak (2026-12-03) sat out 60 s dialling a dead cluster 0
+    while cluster 1 served the same round. Never another state: equal work and step with another hash is a
+    fork, and the rule of which fork is kept must not depend on who could dial whom.
     ``None``: no live cluster qualifies (or none whose record names this shard's averager)."""
     candidates = [
         (rank, step, view.works.get(rank, 0))
@@ -66,8 +73,16 @@ def choose_source(
     ]
     if not candidates:
         return None
-    rank, step, _ = min(candidates, key=lambda item: (item[1] != exact, -item[2], -item[1], item[0]))
-    return rank, step
+    best = min(candidates, key=lambda item: (item[1] != exact, -item[2], -item[1], item[0]))
+    if failed and failed.get(best[0]):
+        state = _reported_hash(view, best[0])
+        same = [c for c in candidates if c[1:] == best[1:] and state and _reported_hash(view, c[0]) == state]
+        best = min(same or [best], key=lambda item: (failed.get(item[0], 0), item[0]))
+    return best[0], best[1]
+
+
+def _reported_hash(view: Membership, rank: int) -> str | None:
+    return view.reported.get(rank, (-1, None, True))[1]
 
 
 def choose_holders(
@@ -138,9 +153,10 @@ class StateAdoption:
         sooner when no record has shown a source at all after that many seconds (nobody has that state)."""
         started = time.monotonic()
         deadline = started + timeout
+        failed: dict[int, int] = {}  # rank 0's: its choice is every rank's
         while True:
             view = self.averager.membership()
-            pick = choose_source(view, self.galaxy_rank, at_least, exact, only, self.own_work())
+            pick = choose_source(view, self.galaxy_rank, at_least, exact, only, self.own_work(), failed)
             ranks = [] if pick is None else [pick[0], *choose_holders(view, self.galaxy_rank, pick[0], only)]
             chosen = self.cluster.gather_strings(",".join(map(str, ranks)))[0]  # rank 0's source and holders
             if (
@@ -156,6 +172,8 @@ class StateAdoption:
             agreed = whole and self.cluster.min_int(step) == -self.cluster.min_int(-step)
             if agreed and self._is_its_entrys(ranks[0], *got):
                 return Downloaded(ranks[0], step, *got)
+            if ranks:
+                failed[ranks[0]] = failed.get(ranks[0], 0) + 1
             if not self.cluster.all_true(time.monotonic() + RETRY_SECONDS < deadline):
                 return None
             time.sleep(RETRY_SECONDS)
