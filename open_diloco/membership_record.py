@@ -302,14 +302,17 @@ def past_round(records: list[MemberRecord], round_id: int, ranks: frozenset[int]
     )
 
 
+def chain_weight(record: MemberRecord) -> tuple[int, int]:
+    """``(committed work, outer step)``: how far ahead a cluster's chain is, the most committed work first,
+    the furthest outer step among equals. Why work first: after a split, a lighter fork (a side that committed
+    alone, cheaply) can be further in rounds than the side that kept the galaxy's work."""
+    return record.committed_work or 0, record.outer_step
+
+
 def lead_of(records: list[MemberRecord], expiry: float) -> tuple[int, int]:
-    """``(outer step, committed work)`` of the live cluster ahead of all: the most committed work, the
-    furthest outer step among equals (``(-1, 0)``: none). Why work first: after a split, a lighter fork (a
-    side that committed alone, cheaply) can be further in rounds than the side that kept the galaxy's work."""
-    work, step = max(
-        ((record.committed_work or 0, record.outer_step) for record in records if record.is_live(expiry)),
-        default=(0, -1),
-    )
+    """``(outer step, committed work)`` of the live cluster ahead of all (:func:`chain_weight`; ``(-1, 0)``:
+    none)."""
+    work, step = max((chain_weight(record) for record in records if record.is_live(expiry)), default=(0, -1))
     return step, work
 
 

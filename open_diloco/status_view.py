@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from open_diloco.membership_record import MemberRecord
+from open_diloco.membership_record import MemberRecord, chain_weight
 from open_diloco.outer.goodput import share
 
 
@@ -60,7 +60,7 @@ def galaxy_line(records: list[MemberRecord]) -> str:
     line = f"galaxy: goodput {shown} (tokens committed / computed), {rate:,.0f} tokens/s training"
     named = [r for r in records if r.roster is not None]
     if named:
-        heaviest = max(named, key=lambda r: (r.committed_work or 0, r.outer_step, -r.galaxy_rank))
+        heaviest = max(named, key=lambda r: (*chain_weight(r), -r.galaxy_rank))
         line += f"; roster {sorted(heaviest.roster)} (cluster {heaviest.galaxy_rank}'s chain, the heaviest)"
     return line
 

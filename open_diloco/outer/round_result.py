@@ -89,9 +89,8 @@ class RoundResult:
         record["committed"] = self.committed
         record.update(record.pop("goodput") or {})
         if self.ledger is not None and self.ledger.roster is not None:
-            record["roster"] = list(
-                self.ledger.roster
-            )  # whose majority the next round needs (status shows it)
+            # whose majority the next round needs (status shows it)
+            record["roster"] = list(self.ledger.roster)
         for optional in (
             "fragment_hash",
             "average_finite",
