@@ -19,10 +19,14 @@ FAULTS = Path(__file__).parent / "faults"
 
 
 # bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs through a trainer's
-# rounds, stop and resume in test_galaxy_checkpoint, so its case here is slow; sparse runs, since its default
-# rule (magnitude) adds the block scores to the round's tensors and to the state the hash proves. fp16 runs in
+# rounds, stop and resume in test_galaxy_checkpoint, so its case here is slow. sparse is slow too: its rounds
+# (the outer loop's selection, what stays local, bitwise) are tests/unit/test_sparse.py's, its wire with the
+# block scores over real reducers test_averager's, its state's round trip test_outer_stateful's. fp16 runs in
 # test_unequal_clusters.py, whose 2 x 2 galaxy makes the same checks with steps by speed and resumes bit-exact
-@pytest.mark.parametrize("compression", ["none", pytest.param("int2", marks=pytest.mark.slow), "sparse"])
+@pytest.mark.parametrize(
+    "compression",
+    ["none", pytest.param("int2", marks=pytest.mark.slow), pytest.param("sparse", marks=pytest.mark.slow)],
+)
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
     metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
@@ -196,12 +200,15 @@ def _both_clusters_rounds(rounds: list[dict[int, dict]]) -> dict[int, list[dict]
 
 
 def test_galaxy_of_one(galaxy):
-    metrics = galaxy.start_cluster(0, 1, "--max-steps", "6", "--hv.local-steps", "2")
+    metrics = galaxy.start_cluster(0, 1, "--max-steps", "6", "--hv.local-steps", "2", nproc=1)
     assert galaxy.wait("cluster0", 180) == 0, galaxy.log("cluster0")[-3000:]
     rounds = outer_records(metrics)
     assert sorted(rounds) == [1, 2, 3] and all(r["galaxy_peers"] == 1 for r in rounds.values())
 
 
+# slow: a late joiner takes the galaxy's state and then averages in sync in test_striped_join.py (one rank a
+# cluster), and a 2-rank cluster behind the galaxy takes its state shard by shard in test_restart.py
+@pytest.mark.slow
 def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
     # cluster 0 trains alone for two rounds (partial rounds proceed), then cluster 1 joins. Cluster 0 runs
     # longer, so a round the late cluster spends behind (its Δ met cluster 0's next round) is re-synced. The

@@ -45,16 +45,16 @@ def _dropping_parts() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_DROP_STATE_PARTS": "1"}
 
 
-def _join_three(galaxy, faulty: int | None = None) -> None:
+def _join_three(galaxy, faulty: int | None = None) -> list[Path]:
     """Clusters 0-2 train (``faulty`` drops every state part it is asked for); cluster 3 joins after their
     first round. Checks that the joiner took the θ_outer its holders hold at the outer step it joined at (its
-    ``param_hash`` is theirs in their metrics)."""
+    ``param_hash`` is theirs in their metrics); returns the four clusters' metrics files."""
     metrics = [
         galaxy.start_cluster(rank, 4, *COMMON, nproc=1, env=_dropping_parts() if rank == faulty else None)
         for rank in range(3)
     ]
     galaxy.wait_for_step(metrics[0], 10, 240)
-    galaxy.start_cluster(3, 4, *COMMON, nproc=1)
+    metrics.append(galaxy.start_cluster(3, 4, *COMMON, nproc=1))
     joined = _wait_for(galaxy, JOIN, 300)
     step, param_hash = int(joined.group(1)), joined.group(2)
     line = re.search(r"striped state download: .*", galaxy.log("cluster3")).group(0)  # the join's: the first
@@ -62,6 +62,7 @@ def _join_three(galaxy, faulty: int | None = None) -> None:
     # metrics record of a round before its status record
     theirs = [outer_records(m).get(step, {}).get("param_hash") for m in metrics]
     assert theirs.count(param_hash) >= len(_parts(line)) >= 1, (joined.group(0), line, theirs)
+    return metrics
 
 
 def _wait_for(galaxy, pattern: re.Pattern, timeout: float) -> re.Match:
@@ -81,12 +82,31 @@ def _parts(line: str) -> list[int]:
     return [int(count) for count in re.findall(r": (\d+)", by_holder)]
 
 
-def test_a_late_joiner_takes_the_state_in_parts_from_all_three_clusters(galaxy):
-    _join_three(galaxy)
+def test_a_late_joiner_takes_the_state_in_parts_from_all_three_clusters_and_averages_in_sync(galaxy):
+    metrics = _join_three(galaxy)
     # the join's download, or (when one of the three was a round off as the joiner read the records: seen
     # under load) a re-sync's that follows as the joiner catches up with the galaxy
     line = _wait_for(galaxy, re.compile(r"striped state download: 3 holder\(s\).*"), 120).group(0)
     assert len(_parts(line)) == 3 and min(_parts(line)) > 0 and "0 holder(s) dropped" in line, line
+    # and then it is one of the galaxy: a round it averaged with the three ends on the hash they all hold
+    records = _first_round_of_all(galaxy, metrics, 180)
+    assert all(rec["in_sync"] for rec in records), records
+    assert len({rec["param_hash"] for rec in records}) == 1, records
+
+
+def _first_round_of_all(galaxy, metrics: list[Path], timeout: float) -> list[dict]:
+    """Every cluster's record of the first round in which each averaged with all the others (as many peers as
+    clusters), waited for while they run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rounds = [outer_records(m) if m.exists() else {} for m in metrics]
+        for r in sorted(set.intersection(*(set(side) for side in rounds))):
+            if all(side[r]["galaxy_peers"] == len(metrics) for side in rounds):
+                return [side[r] for side in rounds]
+        assert time.monotonic() < deadline, [sorted(side)[-3:] for side in rounds]
+        assert all(galaxy.procs[f"cluster{rank}"].poll() is None for rank in range(len(metrics)))
+        galaxy.track()
+        time.sleep(1.0)
 
 
 @pytest.mark.slow  # ~3 min; the averager-level failover (test_striped_download.py) is in the suite

@@ -131,11 +131,13 @@ def test_two_clusters_over_intercontinental(tmp_path):
 
 
 @needs_root
-def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
+def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped_fork(tmp_path):
     # cluster 1's link goes down for 30 s after round 2. Of two clusters, cluster 0 holds the roster's
-    # lowest rank: it is the quorum of the split (outer/quorum.py) and trains on alone; cluster 1 commits
-    # nothing (its rounds hold; 30 s is under --hv.fork-after) and once the link is back it takes cluster
-    # 0's state: the quorum's work while apart is kept. The two average together again with equal hashes
+    # lowest rank: it is the quorum of the split (outer/quorum.py) and trains on alone; cluster 1's rounds
+    # hold, and after --hv.fork-after (2 s here) it commits on a fork of its own. Once the link is back the
+    # galaxy keeps the chain with more committed work, cluster 0's (it committed every round of the cut,
+    # cluster 1 all but its held ones; equal work would go to the lowest rank): cluster 1 takes cluster 0's
+    # state and records the fork it dropped. The two average together again with equal hashes
     # within 2 rounds. H = 80 makes a round 7-15 s: the heal costs seconds whatever the round length (5-7 s:
     # HEAL_SECONDS), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
@@ -152,6 +154,8 @@ def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
         "4",
         "--hv.on-partial-round",
         "proceed",
+        "--hv.fork-after",
+        "2",
     ]
     with Lab(2, "region") as lab:
         pids = lab_pids(lab)
@@ -180,9 +184,11 @@ def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
     assert while_apart, (cut_at, apart)
     assert not any(rec["in_sync"] for rec in while_apart), while_apart
     assert any(rec["galaxy_alive"] == 1 for rec in while_apart), while_apart  # a lone round
-    # cluster 1 committed nothing past the round in flight at the cut: it held
-    held = [r for r in read_metrics(metrics[1]) if r.get("round_outcome") == "held"]
-    assert apart[1] <= cut_at[1] + 1 and held, (cut_at, apart, held)
+    # cluster 1 held, then committed on a fork of its own: entries of one member, marked fork
+    records1 = read_metrics(metrics[1])
+    held = [r for r in records1 if r.get("round_outcome") == "held"]
+    forked = [r["outer_step"] for r in records1 if (r.get("ledger") or {}).get("fork")]
+    assert held and forked, (cut_at, apart, len(held), forked)
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
     ]
@@ -207,9 +213,15 @@ def test_a_partition_heals_onto_the_side_with_the_quorum(tmp_path):
     # rounds of this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs),
     # and 32.2 s at rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
     assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
-    # the heal went one way: cluster 1 took cluster 0's state, cluster 0 never took cluster 1's
+    # the heal went one way: cluster 1 took cluster 0's state, cluster 0 never took cluster 1's; cluster 1's
+    # record names its fork's rounds as dropped, lighter than the chain it took
     assert any(rounds[1][r].get("resynced") for r in rounds[1] if r > apart[1]), rounds[1]
     assert not any(rounds[0][r].get("resynced") for r in rounds[0] if r > cut_at[0]), rounds[0]
+    dropped = [r["ledger_dropped"] for r in read_metrics(metrics[1]) if r.get("ledger_dropped")]
+    assert dropped, records1[-3:]
+    first, last = dropped[0]["rounds"]
+    assert first <= min(forked) and max(forked) <= last, (dropped, forked)
+    assert dropped[0]["work"] <= dropped[0]["kept_work"], dropped
 
 
 def _first_round_together(rounds: list[dict], after: int) -> int | None:
