@@ -130,6 +130,12 @@ def test_two_clusters_over_intercontinental(tmp_path):
         assert losses[-1] < losses[0], losses
 
 
+PARTITION_RUN = (
+    "--max-steps 5000 --hv.local-steps 80 --hv.averaging-timeout {averaging_timeout} "
+    "--hv.heartbeat-interval 1 --hv.member-expiry 4 --hv.on-partial-round proceed --hv.fork-after 2"
+)
+
+
 @needs_root
 def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped_fork(tmp_path):
     # cluster 1's link goes down for 30 s after round 2. Of two clusters, cluster 0 holds the roster's
@@ -141,22 +147,7 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped
     # within 2 rounds. H = 80 makes a round 7-15 s: the heal costs seconds whatever the round length (5-7 s:
     # HEAL_SECONDS), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
-    steps = [
-        "--max-steps",
-        "5000",
-        "--hv.local-steps",
-        "80",
-        "--hv.averaging-timeout",
-        str(averaging_timeout),
-        "--hv.heartbeat-interval",
-        "1",
-        "--hv.member-expiry",
-        "4",
-        "--hv.on-partial-round",
-        "proceed",
-        "--hv.fork-after",
-        "2",
-    ]
+    steps = PARTITION_RUN.format(averaging_timeout=averaging_timeout).split()
     with Lab(2, "region") as lab:
         pids = lab_pids(lab)
         galaxy = Galaxy(tmp_path, lab=lab)
@@ -184,11 +175,7 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped
     assert while_apart, (cut_at, apart)
     assert not any(rec["in_sync"] for rec in while_apart), while_apart
     assert any(rec["galaxy_alive"] == 1 for rec in while_apart), while_apart  # a lone round
-    # cluster 1 held, then committed on a fork of its own: entries of one member, marked fork
-    records1 = read_metrics(metrics[1])
-    held = [r for r in records1 if r.get("round_outcome") == "held"]
-    forked = [r["outer_step"] for r in records1 if (r.get("ledger") or {}).get("fork")]
-    assert held and forked, (cut_at, apart, len(held), forked)
+    forked = _held_then_forked(metrics[1])
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
     ]
@@ -218,10 +205,19 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped
     assert any(rounds[1][r].get("resynced") for r in rounds[1] if r > apart[1]), rounds[1]
     assert not any(rounds[0][r].get("resynced") for r in rounds[0] if r > cut_at[0]), rounds[0]
     dropped = [r["ledger_dropped"] for r in read_metrics(metrics[1]) if r.get("ledger_dropped")]
-    assert dropped, records1[-3:]
+    assert dropped, read_metrics(metrics[1])[-3:]
     first, last = dropped[0]["rounds"]
     assert first <= min(forked) and max(forked) <= last, (dropped, forked)
     assert dropped[0]["work"] <= dropped[0]["kept_work"], dropped
+
+
+def _held_then_forked(metrics) -> list[int]:
+    """The rounds a cut-off cluster committed on a fork (entries marked ``fork``), checking it held first."""
+    records = read_metrics(metrics)
+    held = [r for r in records if r.get("round_outcome") == "held"]
+    forked = [r["outer_step"] for r in records if (r.get("ledger") or {}).get("fork")]
+    assert held and forked, (len(held), forked)
+    return forked
 
 
 def _first_round_together(rounds: list[dict], after: int) -> int | None:
