@@ -14,7 +14,7 @@ ROUNDS = ["--max-steps", "20", "--hv.local-steps", "4"]
 
 def test_a_galaxy_of_clients_only_refuses_in_one_line(galaxy):
     for rank in (0, 1):
-        galaxy.start_cluster(rank, 2, *ROUNDS, "--hv.client-mode")
+        galaxy.start_cluster(rank, 2, *ROUNDS, "--hv.client-mode", nproc=1)  # the galaxy is the subject
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 120) != 0
         log = galaxy.log(f"cluster{rank}")
