@@ -137,13 +137,12 @@ PARTITION_RUN = (
 
 
 @needs_root
-def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped_fork(tmp_path):
+def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dropped(tmp_path):
     # cluster 1's link goes down for 30 s after round 2. Of two clusters, cluster 0 holds the roster's
     # lowest rank: it is the quorum of the split (outer/quorum.py) and trains on alone; cluster 1's rounds
     # hold, and after --hv.fork-after (2 s here) it commits on a fork of its own. Once the link is back the
-    # galaxy keeps the chain with more committed work, cluster 0's (it committed every round of the cut,
-    # cluster 1 all but its held ones; equal work would go to the lowest rank): cluster 1 takes cluster 0's
-    # state and records the fork it dropped. The two average together again with equal hashes
+    # galaxy keeps the chain with more committed work (below): the lighter side takes the other's state and
+    # records the rounds it dropped. The two average together again with equal hashes
     # within 2 rounds. H = 80 makes a round 7-15 s: the heal costs seconds whatever the round length (5-7 s:
     # HEAL_SECONDS), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
@@ -200,15 +199,19 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_the_dropped
     # rounds of this run's pace before the return. Seen: 22.9 s at rounds of 10-15 s (the slowest of 12 runs),
     # and 32.2 s at rounds of 9-11 s in a clean-checkout run whose round in flight waited out its 10 s timeout
     assert healed_after < averaging_timeout + 2 * pace + 5, (healed_after, pace)
-    # the heal went one way: cluster 1 took cluster 0's state, cluster 0 never took cluster 1's; cluster 1's
-    # record names its fork's rounds as dropped, lighter than the chain it took
-    assert any(rounds[1][r].get("resynced") for r in rounds[1] if r > apart[1]), rounds[1]
-    assert not any(rounds[0][r].get("resynced") for r in rounds[0] if r > cut_at[0]), rounds[0]
-    dropped = [r["ledger_dropped"] for r in read_metrics(metrics[1]) if r.get("ledger_dropped")]
-    assert dropped, read_metrics(metrics[1])[-3:]
+    # the heal went one way, onto the chain with more committed work: one side took the other's state and
+    # names the rounds it dropped, never the heavier. That is cluster 1 and its fork (cluster 0 committed
+    # every round of the cut, cluster 1 all but its held ones; equal work goes to the lowest rank), unless
+    # its fork got a round more in: then cluster 0 takes it, by the same rule
+    took = [c for c in (0, 1) if any(rounds[c][r].get("resynced") for r in rounds[c] if r > cut_at[c])]
+    assert len(took) == 1, took
+    dropped = [r["ledger_dropped"] for r in read_metrics(metrics[took[0]]) if r.get("ledger_dropped")]
+    assert dropped and dropped[0]["work"] <= dropped[0]["kept_work"], dropped
     first, last = dropped[0]["rounds"]
-    assert first <= min(forked) and max(forked) <= last, (dropped, forked)
-    assert dropped[0]["work"] <= dropped[0]["kept_work"], dropped
+    if took == [1]:
+        assert first <= min(forked) and max(forked) <= last, (dropped, forked)
+    else:
+        assert dropped[0]["work"] < dropped[0]["kept_work"], dropped  # a tie would keep cluster 0's
 
 
 def _held_then_forked(metrics) -> list[int]:
