@@ -236,7 +236,7 @@ def _peer(
         if download:
             start = time.monotonic()
             state = av.download_state(download, *([holders[0], list(holders[1:])] if holders else []))
-            queue.put(("state", rank, state, time.monotonic() - start))
+            queue.put(("state", rank, _by_value(state), time.monotonic() - start))
         if fault == "cancelled round":
             _cancel_a_round_collecting_garbage(av)
         n = hv.galaxy_size
@@ -263,6 +263,20 @@ def _peer(
     finally:
         av.shutdown()
         queue.put(("done", rank))
+
+
+def _by_value(state: tuple | None) -> tuple | None:
+    """A downloaded state with numpy arrays for tensors, so the queue carries its values: a tensor travels
+    as a handle the receiver fetches from the sender, which may have ended (the suite: "Connection reset")."""
+    return None if state is None else (state[0], [tensor.numpy() for tensor in state[1]])
+
+
+def _as_tensors(message: tuple) -> tuple:
+    """A peer's message with a state's arrays as tensors again (:func:`_by_value`)."""
+    if message[0] != "state" or message[2] is None:
+        return message
+    kind, rank, (metadata, arrays), seconds = message
+    return kind, rank, (metadata, [torch.from_numpy(array) for array in arrays]), seconds
 
 
 def _round_result(
@@ -334,7 +348,7 @@ class Galaxy:
         while len(got := [m for m in self.messages if m[0] == kind]) < count:
             errors = [m for m in self.messages if m[0] == "error"]
             assert not errors or kind == "error", f"a peer failed to start: {errors}"
-            self.messages.append(self.queue.get(timeout=max(0.1, deadline - time.monotonic())))
+            self.messages.append(_as_tensors(self.queue.get(timeout=max(0.1, deadline - time.monotonic()))))
         self.snapshot()
         return got
 
