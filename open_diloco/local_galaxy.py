@@ -9,6 +9,7 @@ expects of it (raised explicitly: ``python -O`` drops ``assert`` statements).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from open_diloco import processes
 from open_diloco.processes import alive, descendants
@@ -253,6 +256,22 @@ class Galaxy:
                 return
             time.sleep(0.2)
         raise AssertionError(f"{metrics.name} did not reach step {step} in {timeout} s")
+
+    @contextlib.contextmanager
+    def paused(self, name: str):
+        """Process ``name``'s whole tree (torchrun, its ranks, their hivemind processes and p2pd daemons)
+        stopped with SIGSTOP until the block ends: to the rest of the galaxy the cluster is silent, as if its
+        link were cut, and it goes on where it was, as after the cut heals."""
+        root = self.procs[name].pid
+        tree = [psutil.Process(pid) for pid in [root, *descendants(root)]]
+        for process in tree:
+            process.suspend()
+        try:
+            yield
+        finally:
+            for process in reversed(tree):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.resume()
 
     def log(self, name: str) -> str:
         """What process ``name`` printed so far."""

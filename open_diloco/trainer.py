@@ -101,7 +101,7 @@ def train(config: Config) -> None:
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
             if (galaxy_step := outer.go_on_from(step)) != step:  # back on the galaxy's clock (a take, a hold)
-                step = _on_galaxy_clock(world, step, galaxy_step)
+                step = _on_galaxy_clock(world, step, min(galaxy_step, config.max_steps))
                 batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)

@@ -107,12 +107,13 @@ class HvConfig(BaseModel):
     join_timeout: Annotated[float, Field(gt=0)] = 60.0
     """Seconds to wait for the DHT and (for a late joiner) for a peer to download the outer state from."""
 
-    final_wait: Annotated[float, Field(ge=0)] = 0.0
-    """Seconds a cluster at the end of its run waits for clusters that went silent (crashed, or cut off by a
-    partition and training on) to come back and end at its last outer step, before the galaxy's larger side
-    decides the final θ_outer (docs/round-protocol.md, The last round). 0: only clusters already there
-    count. A crashed cluster looks the same as a cut-off one: a run with a crash waits the whole time at its
-    end."""
+    final_wait: Annotated[float, Field(ge=0)] = 120.0
+    """Seconds a cluster at the end of its run waits for clusters that went silent less than this long ago
+    (crashed, or cut off by a partition and training on) to come back and end on the galaxy's final θ_outer,
+    serving it meanwhile (docs/round-protocol.md, The last round). A crashed cluster looks the same as a
+    cut-off one: a run whose cluster crashed within this time of its end waits out the rest of it; one silent
+    for longer costs nothing. 0: only clusters already there count (a cut across the run's end then ends the
+    galaxy split)."""
 
     compression: Literal["none", "fp16", "bf16", "int8", "int4", "int2", "sparse"] = "none"
     """Wire compression of the pseudo-gradient all-reduce (bytes per round vs fp32 `none`): `fp16`/`bf16` 2x;

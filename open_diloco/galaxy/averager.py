@@ -236,6 +236,11 @@ class HivemindAverager:
             lead_work=lead_work,
             works={record.galaxy_rank: record.committed_work or 0 for record in records},
             silent=quiet,
+            silent_seconds={
+                record.galaxy_rank: float(record.last_seen_seconds)
+                for record in records
+                if record.galaxy_rank in quiet
+            },
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,
             steps={record.galaxy_rank: record.outer_step for record in serving},

@@ -53,7 +53,7 @@ def choose_source(
     fork the galaxy does not keep, never taken), ``exact`` first when given (a round this cluster sent its Δ
     to), else the one ahead of all (the most committed work, then the furthest step); ties go to the lowest
     galaxy rank, so clusters that re-sync at once pick the same source; among ``only`` when given; a cluster
-    that finished its run only at ``exact``.
+    that finished its run only at ``exact``, or once no other cluster trains on (:func:`_galaxy_finished`).
     ``failed``: downloads that already failed from a cluster, by galaxy rank: another cluster whose record
     shows the very same state (step, committed work and ``param_hash``) goes first. Why: a source killed
     right after its round stays in the records until ``--hv.member-expiry``, and the lowest rank won every
@@ -61,6 +61,7 @@ def choose_source(
     while cluster 1 served the same round. Never another state: equal work and step with another hash is a
     fork, and the rule of which fork is kept must not depend on who could dial whom.
     ``None``: no live cluster qualifies (or none whose record names this shard's averager)."""
+    finished = _galaxy_finished(view, own_rank)
     candidates = [
         (rank, step, view.works.get(rank, 0))
         for rank, step in view.steps.items()
@@ -69,7 +70,7 @@ def choose_source(
         and view.works.get(rank, 0) >= min_work
         and rank in view.sources
         and (only is None or rank in only)
-        and (_still_training(view, rank) or step == exact)
+        and (_still_training(view, rank) or step == exact or finished)
     ]
     if not candidates:
         return None
@@ -114,6 +115,16 @@ def _still_training(view: Membership, rank: int) -> bool:
     to the smaller side (seen in a targeted soak, docs/results/chaos-soak.md). Without a record (the
     in-process galaxy of unit tests) a source counts as training."""
     return view.reported.get(rank, (-1, None, True))[2]
+
+
+def _galaxy_finished(view: Membership, own_rank: int) -> bool:
+    """No other cluster with a record trains on: the galaxy finished its run while this cluster was apart (a
+    cut across the run's end, chaos soak `lan` seed 3). Its final state, the heaviest chain (``min_work``),
+    is then the galaxy's, and this cluster ends on it (the trainer's clock jumps to the run's end) rather than
+    train its last rounds alone and end split. Not while any other cluster still trains: a side that trained
+    alone and finished first must not hand the galaxy to itself (:func:`_still_training`)."""
+    others = [live for rank, (_, _, live) in view.reported.items() if rank != own_rank]
+    return bool(others) and not any(others)
 
 
 def served_hash(metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:

@@ -88,6 +88,9 @@ class Membership:
     silent: frozenset[int] = frozenset()
     """The departed ranks that did not say they ended: crashed, or cut off and perhaps training on (a
     partition). A cluster whose round met nobody cannot call itself in sync while any is silent."""
+    silent_seconds: dict[int, float] = field(default_factory=dict)
+    """How long each :attr:`silent` cluster has been silent (its record's age on this reader's clock): a cut
+    is back within minutes, a crash never is (``CatchUp.settle_final`` waits only for the recent)."""
     lead_inner_step: int = -1
     """The furthest inner step a live cluster at the ``lead`` outer step has reported (-1: unknown): how far
     into the next round the galaxy is, for a cluster that just adopted the lead state

@@ -20,7 +20,7 @@ from open_diloco.config import HvConfig
 from open_diloco.world import describe_world, join_process_group, leave_process_group, process_group_timeout
 
 FLOOR, WAIT = 1.0, 2.5
-HV = HvConfig(averaging_timeout=2.0, matchmaking_time=0.5, max_retries=0, join_timeout=1.0)
+HV = HvConfig(averaging_timeout=2.0, matchmaking_time=0.5, max_retries=0, join_timeout=1.0, final_wait=0.0)
 
 
 def collective(group: dist.ProcessGroup | None) -> tuple[float, str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import statistics
 import subprocess
@@ -35,6 +36,8 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
         "1",
         "--hv.member-expiry",
         str(EXPIRY),
+        "--hv.final-wait",  # a crash is never back: the survivors' end need not wait for it (the next test)
+        "0",
     ]
     metrics = [
         galaxy.start_cluster(rank, 3, "--max-steps", steps, *common, nproc=1)
@@ -100,6 +103,52 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
     assert "2 of 3 clusters alive (were 3)" in log and "1 of 3 clusters alive (were 2)" in log
     losses = [r["loss"] for r in read_metrics(metrics[0])]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_a_cluster_cut_off_across_the_runs_end_ends_on_the_galaxys_final_state(galaxy):
+    """The chaos soak's `lan` seed 3 (docs/results/chaos-soak.md): a cut covered the run's end, the others
+    finished and left, and the cut-off cluster came back to nobody serving and ended on a θ of its own. Here
+    cluster 2 is paused (silent, as behind a cut) from round 6 until both others have finished round 10, the
+    last: with the default --hv.final-wait they wait for a cluster silent that recently, serving; back, it
+    sees the galaxy finished, takes its final state and ends there. Three clusters, one final θ_outer."""
+    common = [
+        "--max-steps",
+        "30",
+        "--hv.local-steps",
+        "3",
+        "--hv.averaging-timeout",
+        "10",
+        "--hv.matchmaking-time",
+        str(MATCHMAKING),
+        "--hv.heartbeat-interval",
+        "1",
+        "--hv.member-expiry",
+        str(EXPIRY),
+    ]
+    metrics = [galaxy.start_cluster(rank, 3, *common, nproc=1) for rank in range(3)]
+    galaxy.wait_for_step(metrics[2], 17, 240)
+    galaxy.track()
+    with galaxy.paused("cluster2"):
+        cut_at = max(outer_records(metrics[2]))
+        for rank in (0, 1):
+            galaxy.wait_for_step(metrics[rank], 30, 240)
+        time.sleep(2 * EXPIRY)  # they are waiting at the end, the cut-off cluster silent
+        assert all(galaxy.procs[f"cluster{rank}"].poll() is None for rank in (0, 1))
+    back = time.monotonic()
+    for rank in range(3):
+        assert galaxy.wait(f"cluster{rank}", 240) == 0, galaxy.log(f"cluster{rank}")[-3000:]
+    assert time.monotonic() - back < 90, "the finished clusters waited out --hv.final-wait"
+    rounds = [outer_records(m) for m in metrics]
+    final = [side[max(side)] for side in rounds]
+    assert [r["outer_step"] for r in final] == [10, 10, 10], final
+    assert len({r["param_hash"] for r in final}) == 1, final
+    assert cut_at < 10 and final[2]["round_outcome"] == "resynced", final[2]
+    # at once: not a --hv.join-timeout for each round the finished clusters will never serve, each ending in
+    # this cluster's Δ alone (before: four such rounds, dropped at its last)
+    assert re.search(r"took cluster [01]'s state at outer step 10", galaxy.log("cluster2"))
+    assert "pseudo-gradient alone" not in galaxy.log("cluster2")
+    for rank in range(3):
+        assert "unlike that of" not in galaxy.log(f"cluster{rank}")
 
 
 def _identity(directory) -> str:

@@ -4,7 +4,6 @@ cluster never stops (issue 51). ``--ckpt.resume auto`` is the one value that ser
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import time
@@ -35,23 +34,6 @@ def rank_pid(torchrun_pid: int, local_rank: int) -> int:
     raise AssertionError(f"no trainer of local rank {local_rank} under torchrun {torchrun_pid}")
 
 
-@contextlib.contextmanager
-def paused(torchrun_pid: int):
-    """Cluster 1's process tree stopped (SIGSTOP) until the block ends. Why: the killed cluster's SIGTERMed
-    rank says it left, so the other trains on alone, at full speed; on a loaded host (CI) it used to finish
-    its run while torchrun was still restarting the killed cluster, and there was no galaxy left to be back
-    in. Paused while torchrun restarts it, it is still training when the restarted ranks look for it."""
-    tree = [psutil.Process(pid) for pid in [torchrun_pid, *descendants(torchrun_pid)]]
-    for process in tree:
-        process.suspend()
-    try:
-        yield
-    finally:
-        for process in reversed(tree):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.resume()
-
-
 def wait_for_text(galaxy, name: str, text: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while text not in galaxy.log(name):
@@ -74,7 +56,10 @@ def test_a_rank_killed_under_max_restarts_brings_its_cluster_back_in_sync(galaxy
     galaxy.wait_for_step(metrics[0], 22 if checkpointed else 12, 240)
     killed_at = max(r["step"] for r in read_metrics(metrics[0]))
     galaxy.track()
-    with paused(galaxy.procs["cluster1"].pid):
+    # cluster 1 paused while torchrun restarts cluster 0. Why: the killed cluster's SIGTERMed rank says it
+    # left, so the other trains on alone, at full speed; on a loaded host (CI) it used to finish its run while
+    # torchrun was still restarting the killed cluster, and there was no galaxy left to be back in
+    with galaxy.paused("cluster1"):
         psutil.Process(rank_pid(galaxy.procs["cluster0"].pid, 1)).send_signal(signal.SIGKILL)
         wait_for_text(galaxy, "cluster0", "torchrun restarted this cluster (restart 1)", 240)
     for rank in (0, 1):

@@ -82,9 +82,40 @@ def test_a_silent_side_is_waited_for_up_to_final_wait():
     assert settled is not None and settled.state_source == 0 and 1.5 < time.monotonic() - started < 6
     # without the wait, the silent side has no say: the cluster keeps its own θ_outer
     model = _model([1.0])
-    outer = DiLoCo(model, SplitGalaxy(silent_reads=99), _hv(galaxy_size=3, world_rank=1), warn=print)
+    no_wait = _hv(galaxy_size=3, world_rank=1, final_wait=0.0)
+    outer = DiLoCo(model, SplitGalaxy(silent_reads=99), no_wait, warn=print)
     assert outer.catch_up.settle_final(_last_round(outer)) is None
     torch.testing.assert_close(model.weight.detach(), torch.tensor([[1.0]]))
+
+
+def test_a_read_that_shows_no_other_cluster_is_read_again():
+    """A DHT read that met a cut-off node comes back empty: that is not a galaxy gone (records outlive their
+    clusters by an hour), and ending at once would leave the cluster on its own θ_outer."""
+
+    class Unread(SplitGalaxy):
+        def membership(self):
+            self.empty = getattr(self, "empty", 0) + 1
+            return Membership() if self.empty <= 2 else super().membership()
+
+    outer = DiLoCo(_model([1.0]), Unread(), _hv(galaxy_size=3, world_rank=1), warn=print)
+    settled = outer.catch_up.settle_final(_last_round(outer))
+    assert settled is not None and settled.state_source == 0
+
+
+def test_only_a_cluster_silent_for_less_than_final_wait_is_waited_for():
+    """A cut across the run's end is back within minutes, a crash never is: the default wait (120 s) is for
+    the recent silence only, so a cluster that crashed long before the end costs the others nothing."""
+    assert _hv().final_wait == 120.0
+
+    class LongSilent(SplitGalaxy):
+        def membership(self):
+            view = super().membership()
+            return Membership(**{**view.__dict__, "silent": frozenset({3}), "silent_seconds": {3: 400.0}})
+
+    outer = DiLoCo(_model([1.0]), LongSilent(), _hv(galaxy_size=4, world_rank=1), warn=print)
+    started = time.monotonic()
+    settled = outer.catch_up.settle_final(_last_round(outer))
+    assert settled is not None and settled.state_source == 0 and time.monotonic() - started < 1.0
 
 
 def test_a_finished_cluster_serves_only_its_last_round_never_as_the_galaxys_lead():
@@ -94,6 +125,22 @@ def test_a_finished_cluster_serves_only_its_last_round_never_as_the_galaxys_lead
     assert choose_source(view, 1, 3, exact=3) == (2, 3)
     assert choose_source(view, 1, 4, exact=4) is None  # only the finished one is that far: nobody
     assert choose_source(view, 1, 12, exact=12) == (0, 12)  # its own last round: it serves that
+
+
+def test_a_cluster_back_to_a_finished_galaxy_takes_its_final_state():
+    """Cut off across the run's end (chaos soak `lan` seed 3): the others finished at outer step 230 while
+    this cluster held round 228. Nobody trains on, so their final state, the heaviest chain, is the one to
+    take (the trainer then jumps to the run's end and ends in sync) instead of a 60 s wait for round 228 that
+    no cluster will serve, two rounds alone and a split ending."""
+    works = {0: 900, 1: 700, 3: 900}
+    done = _ended({0: (230, "final", False), 3: (230, "final", False)}, sources=[0, 3], works=works)
+    assert choose_source(done, 1, 228, exact=228, min_work=700) == (0, 230)
+    # a lighter finished chain is still never taken
+    assert choose_source(done, 1, 228, exact=228, min_work=950) is None
+    # while any other cluster trains on, a finished one serves only its own last round (as before)
+    ended = {0: (230, "final", False), 2: (227, "h", True), 3: (230, "final", False)}
+    training = _ended(ended, sources=[0, 2, 3], works=works)
+    assert choose_source(training, 1, 228, exact=228, min_work=700) is None
 
 
 def test_a_cluster_that_ends_behind_the_galaxys_last_rounds_ends_on_their_theta():

@@ -158,17 +158,19 @@ def test_default_master_addr():
 def test_the_process_group_timeout_covers_the_longest_wait_of_a_round():
     assert process_group_timeout(None) == 600.0  # no galaxy: torch's own default, as before
     # defaults: 3 attempts x (buffer lock 121 s + all-reduce 120 s) + a 60 s re-sync + 2 s gathering = 785 s,
-    # x 1.5
-    assert process_group_timeout(HvConfig()) == pytest.approx(1.5 * 785.0)
+    # + the last round's wait for silent clusters (--hv.final-wait, 120 s), x 1.5
+    assert process_group_timeout(HvConfig()) == pytest.approx(1.5 * (785.0 + 120.0))
     slow_link = HvConfig(
-        averaging_timeout=900.0, max_retries=0, join_timeout=600.0
+        averaging_timeout=900.0, max_retries=0, join_timeout=600.0, final_wait=0.0
     )  # a 7B int8 round at 100 Mbit/s
     assert process_group_timeout(slow_link) == pytest.approx(1.5 * (1801.0 + 600.0 + 2.0))
-    # the last round's wait for silent clusters (--hv.final-wait) adds to it
     assert process_group_timeout(HvConfig(final_wait=600.0)) == pytest.approx(1.5 * (785.0 + 600.0))
     assert (
         process_group_timeout(HvConfig(averaging_timeout=8.0, join_timeout=5.0)) == 600.0
     )  # never below the floor
     assert process_group_timeout(
-        HvConfig(averaging_timeout=2.0, max_retries=0, join_timeout=1.0, matchmaking_time=0.5), floor=1.0
+        HvConfig(
+            averaging_timeout=2.0, max_retries=0, join_timeout=1.0, matchmaking_time=0.5, final_wait=0.0
+        ),
+        floor=1.0,
     ) == pytest.approx(9.75)
