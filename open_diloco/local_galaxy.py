@@ -273,6 +273,19 @@ class Galaxy:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.resume()
 
+    def wait_until_together(self, metrics: list[Path], after: int, seconds: float) -> int | None:
+        """Poll the clusters' metrics for up to ``seconds``: the first round after ``after`` that every one of
+        them averaged with all the others into one hash (:func:`first_round_together`), or ``None``. A file
+        not written yet (a cluster just started) counts as no round."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.track()
+            rounds = [outer_records(m) if m.exists() else {} for m in metrics]
+            if (together := first_round_together(rounds, after)) is not None:
+                return together
+            time.sleep(1.0)
+        return None
+
     def log(self, name: str) -> str:
         """What process ``name`` printed so far."""
         return (self.workdir / f"{name}.log").read_text()
@@ -303,6 +316,20 @@ def outer_records(metrics: Path) -> dict[int, dict]:
         for r in read_metrics(metrics)
         if "outer_step" in r and r.get("round_outcome") != "held"
     }
+
+
+def first_round_together(rounds: list[dict[int, dict]], after: int = 0) -> int | None:
+    """The first outer step after ``after`` in every cluster's records (``outer_records`` of each) at which
+    each averaged with all the others (as many peers as clusters) and all hold one ``param_hash``; ``None``
+    when there is none yet. A resumed cluster's file holds both its runs: ``after`` skips the first."""
+    shared = set.intersection(*(set(side) for side in rounds)) if rounds else set()
+    for r in sorted(step for step in shared if step > after):
+        records = [side[r] for side in rounds]
+        if all(rec["galaxy_peers"] == len(rounds) for rec in records) and (
+            len({rec["param_hash"] for rec in records}) == 1
+        ):
+            return r
+    return None
 
 
 def repaired(record: dict) -> bool:

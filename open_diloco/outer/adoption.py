@@ -76,14 +76,10 @@ def choose_source(
         return None
     best = min(candidates, key=lambda item: (item[1] != exact, -item[2], -item[1], item[0]))
     if failed and failed.get(best[0]):
-        state = _reported_hash(view, best[0])
-        same = [c for c in candidates if c[1:] == best[1:] and state and _reported_hash(view, c[0]) == state]
+        state = view.report_of(best[0])[1]
+        same = [c for c in candidates if c[1:] == best[1:] and state and view.report_of(c[0])[1] == state]
         best = min(same or [best], key=lambda item: (failed.get(item[0], 0), item[0]))
     return best[0], best[1]
-
-
-def _reported_hash(view: Membership, rank: int) -> str | None:
-    return view.reported.get(rank, (-1, None, True))[1]
 
 
 def choose_holders(
@@ -114,7 +110,7 @@ def _still_training(view: Membership, rank: int) -> bool:
     partition trains on alone at full speed and finishes first; taking its final state would hand the galaxy
     to the smaller side (seen in a targeted soak, docs/results/chaos-soak.md). Without a record (the
     in-process galaxy of unit tests) a source counts as training."""
-    return view.reported.get(rank, (-1, None, True))[2]
+    return view.report_of(rank)[2]
 
 
 def _galaxy_finished(view: Membership, own_rank: int) -> bool:

@@ -117,6 +117,11 @@ class Membership:
     """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
     rank: what a cluster at the end of its run compares its final θ_outer with."""
 
+    def report_of(self, rank: int) -> tuple[int, str | None, bool]:
+        """``reported[rank]``; a cluster without a record reads as still training, at no step and with no
+        hash (the in-process galaxy of unit tests publishes none)."""
+        return self.reported.get(rank, (-1, None, True))
+
     def behind(self, round_no: int, galaxy_rank: int) -> frozenset[int]:
         """Other live clusters whose last started round is before ``round_no``: on their way to it (finishing
         their stride, or taking the last round's result), not gone."""

@@ -295,7 +295,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     # again
     del galaxy.procs["cluster1"]
     resumed = member(1, "--ckpt.resume", "latest", name="cluster1")
-    together = _wait_until_together(galaxy, metrics[0], resumed, after=stopped_at, seconds=180)
+    together = galaxy.wait_until_together([metrics[0], resumed], after=stopped_at, seconds=180)
     assert galaxy.procs["cluster0"].poll() is None, (
         "cluster 0 ended before cluster 1 was back: raise --max-steps"
     )
@@ -303,25 +303,3 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     back_rounds = sorted(r for r in outer_records(resumed) if r > stopped_at)
     assert together <= back_rounds[0] + 2, (together, back_rounds)  # within 2 rounds of its return
     assert "resumed from" in galaxy.log("cluster1")
-
-
-def _wait_until_together(galaxy, ours_file, theirs_file, after: int, seconds: float) -> int | None:
-    """Poll two clusters' metrics for up to ``seconds``: the first round after ``after`` they averaged
-    together (2 peers) into equal hashes, or None."""
-    deadline = time.monotonic() + seconds
-    together = None
-    while together is None and time.monotonic() < deadline:
-        time.sleep(1)
-        galaxy.track()
-        ours, theirs = outer_records(ours_file), outer_records(theirs_file)
-        shared = sorted(r for r in set(ours) & set(theirs) if r > after)  # (a resumed file holds both runs)
-        together = next(
-            (
-                r
-                for r in shared
-                if ours[r]["galaxy_peers"] == theirs[r]["galaxy_peers"] == 2
-                and ours[r]["param_hash"] == theirs[r]["param_hash"]
-            ),
-            None,
-        )
-    return together

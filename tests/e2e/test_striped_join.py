@@ -89,24 +89,14 @@ def test_a_late_joiner_takes_the_state_in_parts_from_all_three_clusters_and_aver
     line = _wait_for(galaxy, re.compile(r"striped state download: 3 holder\(s\).*"), 120).group(0)
     assert len(_parts(line)) == 3 and min(_parts(line)) > 0 and "0 holder(s) dropped" in line, line
     # and then it is one of the galaxy: a round it averaged with the three ends on the hash they all hold
-    records = _first_round_of_all(galaxy, metrics, 180)
-    assert all(rec["in_sync"] for rec in records), records
-    assert len({rec["param_hash"] for rec in records}) == 1, records
-
-
-def _first_round_of_all(galaxy, metrics: list[Path], timeout: float) -> list[dict]:
-    """Every cluster's record of the first round in which each averaged with all the others (as many peers as
-    clusters), waited for while they run."""
-    deadline = time.monotonic() + timeout
-    while True:
-        rounds = [outer_records(m) if m.exists() else {} for m in metrics]
-        for r in sorted(set.intersection(*(set(side) for side in rounds))):
-            if all(side[r]["galaxy_peers"] == len(metrics) for side in rounds):
-                return [side[r] for side in rounds]
-        assert time.monotonic() < deadline, [sorted(side)[-3:] for side in rounds]
-        assert all(galaxy.procs[f"cluster{rank}"].poll() is None for rank in range(len(metrics)))
-        galaxy.track()
-        time.sleep(1.0)
+    together = galaxy.wait_until_together(metrics, after=0, seconds=180)
+    rounds = [outer_records(m) for m in metrics]
+    assert together is not None, [sorted(side)[-3:] for side in rounds]
+    all_four = min(
+        r for r in set.intersection(*map(set, rounds)) if all(s[r]["galaxy_peers"] == 4 for s in rounds)
+    )
+    assert all_four == together, [side[all_four] for side in rounds]  # its first such round, on one hash
+    assert all(side[together]["in_sync"] for side in rounds), [side[together] for side in rounds]
 
 
 @pytest.mark.slow  # ~3 min; the averager-level failover (test_striped_download.py) is in the suite

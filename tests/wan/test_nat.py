@@ -20,7 +20,7 @@ from open_diloco.local_galaxy import REPO, Galaxy, kill_tree, outer_records, tra
 from scripts.wan.lab import Lab
 from scripts.wan.namespaces import LabError
 from scripts.wan.nat import ensure_nft
-from tests.wan.test_wan import _wait_until_together, assert_gone, lab_pids
+from tests.wan.test_wan import assert_gone, lab_pids
 
 pytestmark = [pytest.mark.wan, pytest.mark.xdist_group("wan")]
 
@@ -96,7 +96,7 @@ def test_a_cluster_behind_a_nat_trains_in_sync_is_told_it_cannot_be_dialled_and_
             again = galaxy.start_cluster(
                 1, 2, *steps, "--hv.auto-client-mode", nproc=1, name="cluster1-again"
             )
-            together = _wait_until_together(galaxy, [metrics[0], again], after=killed_at, seconds=180)
+            together = galaxy.wait_until_together([metrics[0], again], after=killed_at, seconds=180)
             assert together is not None, galaxy.log("cluster1-again")[-3000:]
             assert together <= min(outer_records(again)) + 2, (together, sorted(outer_records(again)))
             assert "joins as a client of the all-reduce (--hv.auto-client-mode)" in galaxy.log(

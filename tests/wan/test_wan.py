@@ -159,7 +159,7 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
             apart = [max(outer_records(m)) for m in metrics]
             lab.set_link("cluster1", up=True)
             back, back_wall = time.monotonic(), time.time()
-            healed = _wait_until_together(galaxy, metrics, after=max(apart), seconds=60)
+            healed = galaxy.wait_until_together(metrics, after=max(apart), seconds=60)
             healed_after = time.monotonic() - back
         finally:
             galaxy.close()
@@ -221,32 +221,6 @@ def _held_then_forked(metrics) -> list[int]:
     forked = [r["outer_step"] for r in records if (r.get("ledger") or {}).get("fork")]
     assert held and forked, (len(held), forked)
     return forked
-
-
-def _first_round_together(rounds: list[dict], after: int) -> int | None:
-    """The first round after ``after`` that both clusters averaged together (2 peers) into equal hashes."""
-    return next(
-        (
-            r
-            for r in sorted(set(rounds[0]) & set(rounds[1]))
-            if r > after
-            and rounds[0][r]["galaxy_peers"] == rounds[1][r]["galaxy_peers"] == 2
-            and rounds[0][r]["param_hash"] == rounds[1][r]["param_hash"]
-        ),
-        None,
-    )
-
-
-def _wait_until_together(galaxy: Galaxy, metrics: list, after: int, seconds: float) -> int | None:
-    """Poll the clusters' records for up to ``seconds``: the first round after ``after`` they share, or
-    None (a cluster just started may have no metrics file yet)."""
-    start, healed = time.monotonic(), None
-    while healed is None and time.monotonic() - start < seconds:
-        time.sleep(1)
-        galaxy.track()
-        if all(m.exists() for m in metrics):
-            healed = _first_round_together([outer_records(m) for m in metrics], after)
-    return healed
 
 
 def _median_round_seconds(rounds: list[dict], before: list[int]) -> float:
