@@ -332,9 +332,14 @@ def lead_progress(
     return furthest.inner_step, float(furthest.last_seen_seconds)
 
 
-def silent(records: list[MemberRecord], expiry: float) -> set[int]:
-    """Galaxy ranks gone by silence alone: their record still says training but is older than ``expiry``."""
-    return {record.galaxy_rank for record in records if record.training and not record.is_live(expiry)}
+def silent(records: list[MemberRecord], expiry: float) -> dict[int, float]:
+    """Galaxy ranks gone by silence alone (their record still says training but is older than ``expiry``),
+    each with how long it has been silent."""
+    return {
+        record.galaxy_rank: float(record.last_seen_seconds)
+        for record in records
+        if record.training and not record.is_live(expiry)
+    }
 
 
 def never_heard(records: list[MemberRecord], galaxy_size: int, galaxy_rank: int) -> set[int]:

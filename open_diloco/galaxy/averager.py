@@ -205,7 +205,8 @@ class HivemindAverager:
         gone = frozenset(departed(records, self.member_expiry))
         if time.monotonic() - self._started > NOT_HEARD_SECONDS:  # not coming soon: it will join late
             gone |= never_heard(records, self.galaxy_size, self.galaxy_rank)
-        quiet = frozenset(silent(records, self.member_expiry))
+        silence = silent(records, self.member_expiry)
+        quiet = frozenset(silence)
         if cut_off := self.cut_off.line(records, gone, averaged=self.last_group_round_end is not None):
             raise GalaxyMismatch(cut_off)
         if gone - {self.galaxy_rank}:  # this shard's counterparts: the peers its rounds run over
@@ -236,11 +237,7 @@ class HivemindAverager:
             lead_work=lead_work,
             works={record.galaxy_rank: record.committed_work or 0 for record in records},
             silent=quiet,
-            silent_seconds={
-                record.galaxy_rank: float(record.last_seen_seconds)
-                for record in records
-                if record.galaxy_rank in quiet
-            },
+            silent_seconds=silence,
             lead_inner_step=lead_step,
             lead_seen_seconds=lead_seen,
             steps={record.galaxy_rank: record.outer_step for record in serving},

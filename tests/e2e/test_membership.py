@@ -19,6 +19,9 @@ from tests.conftest import REPO, SHALLOW_MODEL, kill_tree, read_metrics, trainer
 pytestmark = pytest.mark.e2e
 
 MATCHMAKING, EXPIRY = 1.0, 4.0
+QUICK_MEMBERSHIP = ("--hv.matchmaking-time", str(MATCHMAKING), "--hv.heartbeat-interval", "1")
+QUICK_MEMBERSHIP += ("--hv.member-expiry", str(EXPIRY))
+"""A cluster counts as gone after 4 s of silence, not 15: the tests' rounds are seconds long."""
 
 
 def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
@@ -30,12 +33,7 @@ def test_a_killed_and_a_finished_cluster_stop_costing_the_others_time(galaxy):
         "3",
         "--hv.averaging-timeout",
         "30",
-        "--hv.matchmaking-time",
-        str(MATCHMAKING),
-        "--hv.heartbeat-interval",
-        "1",
-        "--hv.member-expiry",
-        str(EXPIRY),
+        *QUICK_MEMBERSHIP,
         "--hv.final-wait",  # a crash is never back: the survivors' end need not wait for it (the next test)
         "0",
     ]
@@ -118,12 +116,7 @@ def test_a_cluster_cut_off_across_the_runs_end_ends_on_the_galaxys_final_state(g
         "3",
         "--hv.averaging-timeout",
         "10",
-        "--hv.matchmaking-time",
-        str(MATCHMAKING),
-        "--hv.heartbeat-interval",
-        "1",
-        "--hv.member-expiry",
-        str(EXPIRY),
+        *QUICK_MEMBERSHIP,
     ]
     metrics = [galaxy.start_cluster(rank, 3, *common, nproc=1) for rank in range(3)]
     galaxy.wait_for_step(metrics[2], 17, 240)

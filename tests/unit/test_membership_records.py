@@ -95,9 +95,9 @@ def test_gone_by_silence_is_told_apart_from_said_it_ended():
         MemberRecord(galaxy_rank=2, state="finished", last_seen_seconds=0.5, outer_step=8),
     ]
     assert departed(records, expiry=15) == {1, 2}
-    assert silent(records, expiry=15) == {1}
+    assert silent(records, expiry=15) == {1: 30.0}  # with how long: a cut is back soon, a crash never
     assert lead_of(records, expiry=15) == (7, 0)  # only a live cluster leads
-    assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == set()
+    assert departed(records, expiry=60) == {2} and silent(records, expiry=60) == {}
     assert lead_of(records, expiry=60) == (9, 0)
     # a finished cluster is gone from the rounds but still serves its final state (its averager drains), so a
     # cluster whose last average never came can take that round from it; a silent or stopped one serves
