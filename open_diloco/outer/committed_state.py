@@ -99,7 +99,8 @@ class CommittedState:
         every rank (its shard's ``peers`` name the members' metadata; every rank holds the same ``before`` and
         ``after``), its roster from the members' (``outer/quorum.py``). Called under :meth:`changing`."""
         sent = [peers.get(rank, {}) for rank in members]
-        gone = {int(rank) for meta in sent for rank in meta.get("gone") or ()}
+        # "left" (ended, or silent past --hv.fork-after); an older member sends only "gone"
+        gone = {int(rank) for meta in sent for rank in meta.get("left", meta.get("gone")) or ()}
         roster = next_roster((meta.get("roster") for meta in sent), members, gone)
         entry = round_entry(
             round_no=self.state.outer_step,

@@ -7,9 +7,10 @@ a partition hold the same chain up to the cut, so they agree on its roster witho
 side can hold more than half of it.
 
 - **The roster** is carried by the ledger (``LedgerEntry.roster``): a committed round's roster is the rosters
-  its members held, and its members, less the clusters a member saw leave (a record that says it ended, or
-  silent past ``--hv.member-expiry``). It changes only by a committed entry, so only a side with a quorum
-  changes it; a cluster that comes back joins it again with the first round it is a member of. Before the
+  its members held, and its members, less the clusters a member saw leave for good (a record that says it
+  ended, or silent past ``--hv.fork-after``: not past ``--hv.member-expiry``, which a cut is too; see
+  ``round._membership``). It changes only by a committed entry, so only a side with a quorum changes it; a
+  cluster that comes back joins it again with the first round it is a member of. Before the
   first entry (or from entries older than the roster) it is every rank of ``--hv.galaxy-size``.
 - **A quorum**: the round's members hold more than half of the roster's clusters that have not said they
   ended, or exactly half when they hold its lowest rank (the tie-break: one side of an even split, the same

@@ -277,7 +277,10 @@ class Round:
     ended: frozenset[int] = frozenset()
     """Clusters whose records say they ended their run (any rank saw it): they vote in no quorum."""
     gone: frozenset[int] = frozenset()
-    """Clusters this rank's membership read calls gone (ended, or silent): the roster drops them."""
+    """Clusters this rank's membership read calls gone (ended, or silent): the round's live count."""
+    left: frozenset[int] = frozenset()
+    """Of those, the clusters that left for good as this rank reads them (said they ended, or silent past
+    ``--hv.fork-after``): the roster drops them (``outer/quorum.py``)."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
     history: list[Phase] = field(default_factory=list)
@@ -312,7 +315,7 @@ class Round:
         # one the chain's roster names was a member: unreadable is not ended (a side of a split that read no
         # record of the others committed alone, as if they had all ended: chaos soak, 2026-12-02 evening)
         genesis = (last := ctx.committed.ledger.last) is None or last.roster is None
-        made.ended, made.gone = ended | unheard if genesis else ended, seen.gone
+        made.ended, made.gone, made.left = ended | unheard if genesis else ended, seen.gone, seen.left
         # the galaxy committed more than this cluster's chain holds (a late joiner, a side of a cut, a lighter
         # fork): its Δ comes from a θ_outer the galaxy left behind
         if (lead_work, lead) > (ctx.committed.work, state.outer_step):
@@ -369,6 +372,7 @@ class Round:
             ),
             "roster": sorted(self.roster),
             "gone": sorted(self.gone),
+            "left": sorted(self.left),
             "tokens": self.tokens,
             "work": self.ctx.committed.work,
         }
@@ -836,6 +840,8 @@ class Seen(NamedTuple):
     gone: frozenset[int]
     behind: frozenset[int]
     """Live clusters this rank reads as still in an earlier round (``Membership.behind``): on their way."""
+    left: frozenset[int] = frozenset()
+    """Of ``gone``, the clusters this rank reads as left for good (:attr:`Round.left`)."""
 
 
 def _membership(ctx: RoundContext) -> Seen:
@@ -867,4 +873,11 @@ def _membership(ctx: RoundContext) -> Seen:
     lead = -ctx.cluster.min_int(-(view.lead if view.lead_work == lead_work else -1))
     silent_count = -ctx.cluster.min_int(-len(silent))
     behind = view.behind(ctx.state.outer_step + 1, ctx.galaxy_rank) - gone
-    return Seen(alive, (lead, lead_work), silent_count, attempt, (ended, unheard), frozenset(gone), behind)
+    # left for good: said it ended, or silent longer than a majority may be gone before a side forks. Not
+    # silence alone: a side of a 2 | 2 split dropped the other from its roster, and a cut of its lowest rank
+    # alone then made that one cluster "half of the roster with the lowest rank", a quorum, while the three
+    # others held (chaos soak `intercontinental`, seed 3)
+    long_silent = {rank for rank in silent if view.silent_seconds.get(rank, 0.0) > ctx.hv.fork_after}
+    left = frozenset((gone - silent) & set(view.reported)) | frozenset(long_silent)
+    seen = (ended, unheard)
+    return Seen(alive, (lead, lead_work), silent_count, attempt, seen, frozenset(gone), behind, left)

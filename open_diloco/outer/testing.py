@@ -46,6 +46,8 @@ class InProcessGalaxy:
         self.size = size
         self.departed = departed or set()
         self.silent = silent or set()
+        self.silent_seconds: dict[int, float] = {}
+        """How long each silent cluster has been silent (``Membership.silent_seconds``; unset: just now)."""
         self.lead = -1
         """The lead outer step the membership records show (-1: unknown)."""
         self.lead_work = 0
@@ -179,6 +181,7 @@ class InProcessAverager:
             lead_work=self.galaxy.lead_work,
             works={rank: _work(metadata) for rank, metadata in served.items()},
             silent=frozenset(self.galaxy.silent),
+            silent_seconds=dict(self.galaxy.silent_seconds),
             lead_inner_step=self.galaxy.lead_progress[0],
             lead_seen_seconds=self.galaxy.lead_progress[1],
             steps={rank: int(served[rank]["outer_step"]) for rank in serving},

@@ -44,6 +44,21 @@ def test_the_roster_drops_who_left_and_takes_back_who_came():
     assert roster_of(None, 3) == frozenset({0, 1, 2})
 
 
+@pytest.mark.parametrize("silence, roster", [(30.0, (0, 1, 2, 3)), (600.0, (0, 1, 2))])
+def test_a_cut_is_no_leave_the_roster_drops_a_silent_cluster_only_past_fork_after(silence, roster):
+    """Cluster 3 is silent: cut off for 30 s, or gone for 10 minutes. Only the second leaves the roster
+    (``--hv.fork-after``, 120 s). Why: a side of a 2 | 2 split that dropped the other side as soon as it fell
+    silent was left with a roster of two, and a cut of its lowest rank alone then gave that one cluster a
+    quorum (half of the roster, with the lowest rank) while the three others held: the galaxy then took the
+    cut-off cluster's state (chaos soak `intercontinental`, seed 3)."""
+    galaxy = InProcessGalaxy(4, drop={3}, departed={3}, silent={3})
+    galaxy.silent_seconds = {3: silence}
+    locals_ = {0: [[0.0]], 1: [[0.5]], 2: [[0.25]], 3: [[0.125]]}
+    results = run_clusters(galaxy, [1.0], locals_, **PLAIN)
+    for rank in (0, 1, 2):
+        assert results[rank][2].ledger.last.roster == roster
+
+
 def test_the_roster_and_the_fork_are_in_the_entry_hash_and_absent_from_older_entries():
     plain = dict(round_no=1, attempt=0, fragment=0, before="a", after="b", peers={}, members={0})
     old = round_entry(**plain)
