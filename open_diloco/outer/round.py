@@ -878,6 +878,6 @@ def _membership(ctx: RoundContext) -> Seen:
     # alone then made that one cluster "half of the roster with the lowest rank", a quorum, while the three
     # others held (chaos soak `intercontinental`, seed 3)
     long_silent = {rank for rank in silent if view.silent_seconds.get(rank, 0.0) > ctx.hv.fork_after}
-    left = frozenset((gone - silent) & set(view.reported)) | frozenset(long_silent)
+    left = frozenset(gone - silent) | frozenset(long_silent)  # (no record at all: as before, never started)
     seen = (ended, unheard)
     return Seen(alive, (lead, lead_work), silent_count, attempt, seen, frozenset(gone), behind, left)

@@ -145,3 +145,6 @@ def test_before_any_roster_a_cluster_never_heard_of_votes_in_no_quorum():
     hv = outer_hv(world_rank=1, galaxy_size=2, **PLAIN)
     outer = DiLoCo(linear_model([1.0]), galaxy.averager(1, 1), hv, warn=lambda *_: None)
     assert outer.after_inner_step(1)["round_outcome"] == "applied"
+    # ... and on: the first entry's roster leaves it out, so the next rounds do not hold for it
+    assert outer.ledger.last.roster == (1,)
+    assert outer.after_inner_step(2)["round_outcome"] == "applied"
