@@ -279,8 +279,8 @@ class Round:
     gone: frozenset[int] = frozenset()
     """Clusters this rank's membership read calls gone (ended, or silent): the round's live count."""
     left: frozenset[int] = frozenset()
-    """Of those, the clusters that left for good as this rank reads them (said they ended, or silent past
-    ``--hv.fork-after``): the roster drops them (``outer/quorum.py``)."""
+    """Of those, the clusters that left for good as this rank reads them (said they ended, have no record at
+    all, or silent past ``--hv.fork-after``): the roster drops them (``outer/quorum.py``)."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
     history: list[Phase] = field(default_factory=list)
@@ -878,6 +878,6 @@ def _membership(ctx: RoundContext) -> Seen:
     # alone then made that one cluster "half of the roster with the lowest rank", a quorum, while the three
     # others held (chaos soak `intercontinental`, seed 3)
     long_silent = {rank for rank in silent if view.silent_seconds.get(rank, 0.0) > ctx.hv.fork_after}
-    left = frozenset(gone - silent) | frozenset(long_silent)  # (no record at all: as before, never started)
-    seen = (ended, unheard)
-    return Seen(alive, (lead, lead_work), silent_count, attempt, seen, frozenset(gone), behind, left)
+    left = frozenset((gone - silent) | long_silent)  # (no record at all: as before, never started)
+    ended_unheard = (ended, unheard)
+    return Seen(alive, (lead, lead_work), silent_count, attempt, ended_unheard, frozenset(gone), behind, left)
