@@ -161,12 +161,29 @@ def serve_dial_back(dht: DHT, admitted: frozenset[str] | None) -> None:
 
 
 async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str, list[dict[str, Any]]]:
-    _, reader, writer = await node.p2p.call_binary_stream_handler(peer, DIAL_BACK)
+    try:
+        _, reader, writer = await node.p2p.call_binary_stream_handler(peer, DIAL_BACK)
+    except Exception:
+        cancelled = (task := asyncio.current_task()) is not None and task.cancelling()
+        if (
+            cancelled
+        ):  # p2p's stream call answers a cancel with its own error: end as cancelled, unread is fine
+            raise asyncio.CancelledError from None
+        raise
     try:
         await P2P.send_raw_data(json.dumps({"maddrs": maddrs}).encode(), writer)
         return peer.to_base58(), json.loads(await P2P.receive_raw_data(reader))
     finally:
         writer.close()
+
+
+def _read_outcome(ask: asyncio.Future) -> None:
+    """Read how an ask ended, so that asyncio does not log an unread one as an ERROR with two tracebacks
+    ("Task exception was never retrieved"; 2026-12-03 `home` chaos soak): a cancelled ask whose stream call
+    ended in a p2p error instead (wait_for then raises that error, not the cancel), a second answer, a peer
+    that refused the protocol (the bootstrap DHT)."""
+    if not ask.cancelled():
+        ask.exception()
 
 
 async def _ask(
@@ -181,6 +198,8 @@ async def _ask(
         asks = {
             asyncio.ensure_future(asyncio.wait_for(_ask_one(node, p, maddrs), ASK_SECONDS)): p for p in peers
         }
+        for ask in asks:
+            ask.add_done_callback(_read_outcome)
         pending = set(asks)
         try:
             while pending and time.monotonic() < deadline:
