@@ -164,10 +164,9 @@ async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str,
     try:
         _, reader, writer = await node.p2p.call_binary_stream_handler(peer, DIAL_BACK)
     except Exception:
-        cancelled = (task := asyncio.current_task()) is not None and task.cancelling()
-        if (
-            cancelled
-        ):  # p2p's stream call answers a cancel with its own error: end as cancelled, unread is fine
+        # p2p's stream call may answer a cancel with an error of its own: end as cancelled all the same (an
+        # error would stay unread in wait_for's inner task and be logged as an ERROR with its traceback)
+        if (task := asyncio.current_task()) is not None and task.cancelling():
             raise asyncio.CancelledError from None
         raise
     try:
