@@ -161,14 +161,7 @@ def serve_dial_back(dht: DHT, admitted: frozenset[str] | None) -> None:
 
 
 async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str, list[dict[str, Any]]]:
-    try:
-        _, reader, writer = await node.p2p.call_binary_stream_handler(peer, DIAL_BACK)
-    except Exception:
-        # p2p's stream call may answer a cancel with an error of its own: end as cancelled all the same (an
-        # error would stay unread in wait_for's inner task and be logged as an ERROR with its traceback)
-        if (task := asyncio.current_task()) is not None and task.cancelling():
-            raise asyncio.CancelledError from None
-        raise
+    _, reader, writer = await node.p2p.call_binary_stream_handler(peer, DIAL_BACK)
     try:
         await P2P.send_raw_data(json.dumps({"maddrs": maddrs}).encode(), writer)
         return peer.to_base58(), json.loads(await P2P.receive_raw_data(reader))
@@ -179,10 +172,16 @@ async def _ask_one(node: DHTNode, peer: PeerID, maddrs: list[str]) -> tuple[str,
 def _read_outcome(ask: asyncio.Future) -> None:
     """Read how an ask ended, so that asyncio does not log an unread one as an ERROR with two tracebacks
     ("Task exception was never retrieved"; 2026-12-03 `home` chaos soak): a cancelled ask whose stream call
-    ended in a p2p error instead (wait_for then raises that error, not the cancel), a second answer, a peer
-    that refused the protocol (the bootstrap DHT)."""
+    ended in a p2p error instead, a second answer, a peer that refused the protocol (the bootstrap DHT)."""
     if not ask.cancelled():
         ask.exception()
+
+
+def _read_when_done(awaitable: Any) -> asyncio.Future:
+    """``awaitable`` as a future whose outcome is read when it ends (:func:`_read_outcome`)."""
+    future = asyncio.ensure_future(awaitable)
+    future.add_done_callback(_read_outcome)
+    return future
 
 
 async def _ask(
@@ -194,11 +193,11 @@ async def _ask(
     undialled: set[str] = set()
     while time.monotonic() < deadline:
         peers = await _candidates(node, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+        # the inner ask a task of our own too: wait_for would otherwise wrap it in one nobody reads
         asks = {
-            asyncio.ensure_future(asyncio.wait_for(_ask_one(node, p, maddrs), ASK_SECONDS)): p for p in peers
+            _read_when_done(asyncio.wait_for(_read_when_done(_ask_one(node, p, maddrs)), ASK_SECONDS)): p
+            for p in peers
         }
-        for ask in asks:
-            ask.add_done_callback(_read_outcome)
         pending = set(asks)
         try:
             while pending and time.monotonic() < deadline:
