@@ -154,8 +154,8 @@ class HivemindAverager:
     ) -> HivemindRound:
         """Matchmaking waits ``plan.window`` (``outer/matchmaking.py``: ``--hv.matchmaking-time`` at least)
         for ``plan.group_size`` clusters, forming the group as soon as they all joined, then goes with whoever
-        came (at least two); a peer still alone at ``--hv.averaging-timeout`` gets a group of one (buffer
-        unchanged).
+        came (at least ``plan.min_group``; at least two once ``--hv.member-expiry`` more has passed); a peer
+        still alone at ``--hv.averaging-timeout`` gets a group of one (buffer unchanged).
 
         The round and the attempt are in the matchmaking key (:func:`round_key_bits`): a retry of a round can
         never meet the galaxy's next round, nor a shard late for one attempt the group of the next."""
@@ -167,7 +167,9 @@ class HivemindAverager:
         forget_finished_searches(self.dht)  # the last round's key, among others
         try:
             bits = round_key_bits(round_id, attempt)
-            self.averager.set_round(bits, max(2, plan.group_size), plan.request_timeout, SETTINGS_SECONDS)
+            group, relax = max(2, plan.group_size), self.member_expiry + plan.window  # their records expired
+            floor = max(2, min(plan.min_group, group))
+            self.averager.set_round(bits, group, plan.request_timeout, SETTINGS_SECONDS, floor, relax)
         except TimeoutError:
             raise RoundFailed(f"the averager did not take round {round_id}'s settings in time") from None
         control = self.averager.step(
@@ -286,7 +288,7 @@ class HivemindAverager:
         )
 
     def all_reduce(
-        self, values: torch.Tensor, round_id: int, fingerprint: dict[str, Any], attempt: int = 0
+        self, values: torch.Tensor, round_id: int, fingerprint: dict, plan: MatchmakingPlan | None = None
     ) -> RoundReport:
         """Average ``values`` in place with the other peers in one blocking round (benchmarks and tests of the
         averager alone; the outer loop writes into :meth:`buffer` directly and skips both copies)."""
@@ -301,11 +303,8 @@ class HivemindAverager:
                 codec = codecs.for_key(key)
                 pieces.append(codec.decode(codec.encode(tensor, on_grid=True)))
             on_wire = torch.cat(pieces)
-        fingerprint = {
-            "delta_norm": wire_norm(on_wire),
-            **fingerprint,
-        }  # the claim: what the parts will carry
-        report = self.start_round(round_id, fingerprint, attempt).wait()
+        fingerprint = {"delta_norm": wire_norm(on_wire), **fingerprint}  # the claim: what the parts carry
+        report = self.start_round(round_id, fingerprint, plan=plan).wait()
         with self.buffer() as shared:
             values.view(-1).copy_(shared)
         return report

@@ -17,7 +17,6 @@ import torch
 from hivemind.averaging import DecentralizedAverager, matchmaking
 from hivemind.averaging import averager as hivemind_averager  # its loop: galaxy/task_refs.py
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_tensor_stream, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -29,6 +28,7 @@ from hivemind.utils.streaming import split_for_streaming
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.lifecycle import become_galaxy_child
+from open_diloco.galaxy.paced_matchmaking import PacedGroupKeyManager, lower_floor_later
 from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
 from open_diloco.galaxy.step_tracking import StepTracking
 from open_diloco.galaxy.stripe_plan import PART_BYTES
@@ -46,28 +46,6 @@ log = logging.getLogger(__name__)
 GRACE_SECONDS = 1.0  # past averaging_timeout: for hivemind to report a lonely deadline, a download to come
 LINGER_SECONDS = 5.0  # how long a join request's answer stays open for the caller to read it, at most
 STATE_NUMELS = "state_numels"  # the served state's metadata: the size of each tensor it sends
-GROUP_POLL_SECONDS = 0.2  # a shard looking for a group reads its group key from the DHT at most this often
-
-
-class PacedGroupKeyManager(GroupKeyManager):
-    """hivemind's group key manager, reading who is looking for a group at most every
-    :data:`GROUP_POLL_SECONDS`.
-
-    hivemind's matchmaking asks for a new read as soon as the last one found no leader to join, so a shard
-    that waits for a group (for a slower cluster, or alone until its deadline) reads the DHT back to back:
-    ~40 reads a second on loopback, each a round trip through the DHT's process, its daemon and the DHT
-    peers: up to a core per waiting rank (alone: 6.0 CPU-s in 6 s). Paced, a waiting cluster costs its host
-    next to nothing, and a leader that appears is still seen within a fraction of
-    ``--hv.matchmaking-time``."""
-
-    _last_read = float("-inf")
-
-    async def get_averagers(self, group_key, only_active):
-        wait = self._last_read + GROUP_POLL_SECONDS - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self._last_read = time.monotonic()
-        return await super().get_averagers(group_key, only_active)
 
 
 class CanonicalAverager(StepTracking, DecentralizedAverager):
@@ -165,16 +143,33 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
 
     # -- one round's matchmaking (outer/matchmaking.py) ----------------------------------------------------
 
-    def set_round(self, group_bits: str, group_size: int, request_timeout: float, timeout: float) -> None:
-        """Set the next round's group key bits, the group size that makes it full, and how long a join request
+    def set_round(
+        self,
+        group_bits: str,
+        group_size: int,
+        request_timeout: float,
+        timeout: float,
+        min_group: int = 2,
+        relax_after: float = 0.0,
+    ) -> None:
+        """Set the next round's group key bits, the group size that makes it full, the fewest peers it may
+        close with (``min_group``, lowered to 2 after ``relax_after`` seconds) and how long a join request
         waits, in the averager's process; raises ``TimeoutError`` when it does not answer within ``timeout``
         (hivemind's ``set_group_bits`` waits without limit: a rank stuck there would stall its siblings)."""
         future = MPFuture()
-        settings = dict(group_bits=group_bits, group_size=group_size, request_timeout=request_timeout)
+        settings = dict(
+            group_bits=group_bits,
+            group_size=group_size,
+            request_timeout=request_timeout,
+            min_group=min_group,
+            relax_after=relax_after,
+        )
         self._outer_pipe.send(("_set_round", [], dict(**settings, timeout=timeout, future=future)))
         future.result(timeout=timeout)
 
-    async def _set_round(self, group_bits, group_size, request_timeout, timeout, future: MPFuture) -> None:
+    async def _set_round(
+        self, group_bits, group_size, request_timeout, min_group, relax_after, timeout, future: MPFuture
+    ) -> None:
         try:
             matchmaking, deadline = self._matchmaking, time.monotonic() + timeout / 2
             # a cancelled round's step or search may run on, to be met under the new key (step_tracking.py)
@@ -184,6 +179,10 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
                 await asyncio.sleep(0.05)
             matchmaking.group_key_manager.group_bits = group_bits
             matchmaking.target_group_size, matchmaking.request_timeout = group_size, request_timeout
+            matchmaking.min_group_size = min_group
+            if (relax := getattr(self, "_relax_task", None)) is not None:
+                relax.cancel()
+            self._relax_task = asyncio.create_task(lower_floor_later(matchmaking, group_bits, relax_after))
             future.set_result(None)
         except Exception as err:
             if not future.done():

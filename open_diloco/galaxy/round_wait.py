@@ -114,6 +114,7 @@ class HivemindRound:
             matchmaking_seconds=matchmaking_seconds,
             exchange_seconds=result["done_at"] - result["grouped_at"],
             matchmaking_window_seconds=self.plan.window if self.plan is not None else None,
+            matchmaking_min_group=self.plan.min_group if self.plan is not None else None,
             round_trip_seconds=owner.clock.round_trip(),
             bytes_sent=result["bytes_sent"],
             bytes_received=result["bytes_received"],

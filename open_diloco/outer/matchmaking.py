@@ -68,6 +68,9 @@ class MatchmakingPlan:
     """The window waits for a live cluster still on its way from an earlier round
     (:meth:`MatchmakingClock.plan`): its matchmaking seconds measure that cluster's lateness, not how long a
     group takes to form."""
+    min_group: int = 2
+    """The fewest peers a group may close with when the window ends (hivemind's ``min_group_size``): a
+    majority of the roster while more than half of it is alive (``quorum.smallest_group``), else 2."""
 
     def agreed(self, min_int: Callable[[int], int]) -> MatchmakingPlan:
         """The plan every rank of the cluster runs (``min_int``: the cluster's, ``ClusterComm.min_int``): the
@@ -77,7 +80,8 @@ class MatchmakingPlan:
         request = -min_int(-math.ceil(self.request_timeout * 1000)) / 1000
         group = -min_int(-self.group_size)
         behind = min_int(0 if self.waits_for_behind else 1) == 0  # any rank's: its window is the longest
-        return MatchmakingPlan(window, request, group, behind)
+        smallest = min(group, -min_int(-self.min_group))
+        return MatchmakingPlan(window, request, group, behind, smallest)
 
 
 class MatchmakingClock:

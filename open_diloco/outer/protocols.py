@@ -36,6 +36,9 @@ class RoundReport:
     """From the group's forming until the average was written: the all-reduce on the wire."""
     matchmaking_window_seconds: float | None = None
     """How long the round's first peer would wait for a late live cluster (``outer/matchmaking.py``)."""
+    matchmaking_min_group: int | None = None
+    """The fewest clusters the round's group could close with (``quorum.smallest_group``): a majority of the
+    roster while more than half of it is alive, else 2."""
     round_trip_seconds: float | None = None
     """The 90th percentile round trip this shard measured to the other clusters (``None``: none yet)."""
     bytes_sent: int = 0
@@ -61,6 +64,7 @@ class RoundReport:
             matchmaking_seconds=self.matchmaking_seconds,
             exchange_seconds=self.exchange_seconds,
             matchmaking_window_seconds=self.matchmaking_window_seconds,
+            matchmaking_min_group=self.matchmaking_min_group,
             round_trip_seconds=self.round_trip_seconds,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,

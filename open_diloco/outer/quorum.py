@@ -22,6 +22,9 @@ side can hold more than half of it.
 - **A fork**, where no majority can be had (the majority is gone for good, or an even split's other side):
   after ``--hv.fork-after`` seconds of holding, the cluster commits on an entry marked ``fork``; its
   roster is then its own side.
+- **Groups no smaller than a majority** while more than half of the roster is alive
+  (:func:`smallest_group`): a pair in a galaxy of four alive can only hold, so matchmaking keeps looking
+  rather than close it; a side of a real split closes its pair once the others' records have expired.
 - **The heal**: wherever two clusters hold different states, the galaxy keeps the one whose chain holds more
   committed work (``LedgerEntry.work``: tokens committed, cumulative), never the one further in rounds; the
   other's clusters take it and record the rounds they drop (``ledger_dropped``). Every choice of a state reads
@@ -53,6 +56,22 @@ def has_quorum(members: Iterable[int], roster: Iterable[int], ended: Iterable[in
         return True  # a galaxy of one, or everyone else ended: nobody to split from
     present = set(members) & voters
     return 2 * len(present) > len(voters) or (2 * len(present) == len(voters) and min(voters) in present)
+
+
+def smallest_group(roster: Iterable[int], ended: Iterable[int], alive: int) -> int:
+    """The fewest clusters a round's group may close with: a strict majority of the roster's voters while
+    more than half of them are alive, else 2 (hivemind's own floor).
+
+    Why: after a 30 s partition healed, two pairs of a 4-cluster galaxy met apart and one held the same round
+    four times in 12 s (chaos soak `lan`, 2026-12-03): a group of two of four alive cannot commit (only the
+    pair holding the lowest rank may, by the tie-break) and costs the others their attempt. Closing only a
+    majority, the pairs keep looking and meet as three or four. A real split is not stalled for good: once
+    the other side's records expire it is no longer alive, and the averager lowers the floor to 2 after the
+    records' expiry in any case (``galaxy/averager.py``)."""
+    voters = set(roster) - set(ended)
+    if 2 * alive <= len(voters):
+        return 2
+    return max(2, min(alive, len(voters) // 2 + 1))
 
 
 def next_roster(

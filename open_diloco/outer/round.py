@@ -32,7 +32,7 @@ import contextlib
 import enum
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -43,7 +43,7 @@ from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.guard import valid_claim, valid_weight, wire_norm
 from open_diloco.outer.policy import Decision, RoundOutcome
 from open_diloco.outer.protocols import MEMBERSHIP_READ_SECONDS, AloneRound, PendingRound, RoundReport
-from open_diloco.outer.quorum import has_quorum, roster_of
+from open_diloco.outer.quorum import has_quorum, roster_of, smallest_group
 from open_diloco.outer.round_result import RoundResult
 
 if TYPE_CHECKING:
@@ -354,6 +354,8 @@ class Round:
                 made.pending = AloneRound(ctx.galaxy_rank, meta)
             else:
                 plan = ctx.averager.matchmaking_plan(alive, bool(seen.behind)).agreed(ctx.cluster.min_int)
+                # roster, ended and alive are the same on every rank: so is the floor
+                plan = replace(plan, min_group=smallest_group(made.roster, made.ended, alive))
                 made.pending = ctx.averager.start_round(state.outer_step, fingerprint, attempt, plan=plan)
         except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             made.start_error = str(err)

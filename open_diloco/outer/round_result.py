@@ -38,6 +38,7 @@ class RoundResult:
     matchmaking_seconds: float = 0.0
     exchange_seconds: float = 0.0
     matchmaking_window_seconds: float | None = None
+    matchmaking_min_group: int | None = None
     round_trip_seconds: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -100,6 +101,7 @@ class RoundResult:
             "ledger",
             "ledger_dropped",
             "matchmaking_window_seconds",
+            "matchmaking_min_group",
             "round_trip_seconds",
         ):
             if record[optional] is None:

@@ -383,7 +383,7 @@ def test_bad_network_config_is_a_one_line_config_error(galaxy, case):
 def test_a_shard_waiting_alone_for_a_group_costs_its_host_little_cpu(galaxy):
     # hivemind's matchmaking re-reads the group key from the DHT as soon as a read found nobody to join: ~40
     # reads a second, through the averager, the DHT process and p2pd (up to a core per waiting rank). Ours
-    # reads it every GROUP_POLL_SECONDS (galaxy/canonical_averager.py: PacedGroupKeyManager).
+    # reads it every GROUP_POLL_SECONDS (galaxy/paced_matchmaking.py: PacedGroupKeyManager).
     barrier = CTX.Barrier(2)
     galaxy.start(0, 2, barrier, initial_peers=[], galaxy_size=2, averaging_timeout=6.0)
     galaxy.wait_for("ready", 1)

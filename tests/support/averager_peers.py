@@ -17,7 +17,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import psutil
 import torch
@@ -217,6 +217,7 @@ def _peer(
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
+    min_groups = kwargs.pop("min_groups", None)  # each round's fewest peers to close a group (plan.min_group)
     try:
         # (a client must name its DHT peers; the others are checked by start_shard_averager itself)
         hv = HvConfig(
@@ -250,7 +251,8 @@ def _peer(
                 fingerprint = {"fingerprint": f"rank{rank}"}
                 if weights:
                     fingerprint["weight"] = weights[rank]
-                report = av.all_reduce(mine, round_id, fingerprint)
+                floor = min_groups and replace(av.matchmaking_plan(n), min_group=min_groups[round_id])
+                report = av.all_reduce(mine, round_id, fingerprint, plan=floor or None)
             except Exception as e:
                 queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
                 continue

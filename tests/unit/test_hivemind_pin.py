@@ -42,7 +42,7 @@ SIGNATURES = [
     # the round and the attempt ride in the group bits (galaxy/round_wait.py: round_key_bits)
     (DecentralizedAverager, "set_group_bits", ["self", "group_bits", "wait"]),
     (DecentralizedAverager, "run", ["self"]),
-    # PacedGroupKeyManager (galaxy/canonical_averager.py) paces matchmaking's reads of the group key
+    # PacedGroupKeyManager (galaxy/paced_matchmaking.py) paces matchmaking's reads of the group key
     (GroupKeyManager, "get_averagers", ["self", "group_key", "only_active"]),
     (hivemind.DHT, "run", ["self"]),
     (AllReduceRunner, "_accumulate_parts_streaming", ["self", "stream", "sender_index"]),
@@ -175,6 +175,17 @@ def test_matchmaking_builds_its_key_manager_by_the_module_name_we_replace():
     assert "await key_manager.get_averagers(" in inspect.getsource(
         matchmaking.PotentialLeaders._update_queue_periodically
     ), changed("PotentialLeaders._update_queue_periodically")
+
+
+def test_matchmaking_reads_its_floor_each_time_a_window_ends():
+    # galaxy/paced_matchmaking.py lowers min_group_size mid-round: hivemind must read it when a window ends
+    for where in (
+        matchmaking.Matchmaking._request_join_potential_leaders,
+        matchmaking.Matchmaking.rpc_join_group,
+    ):
+        assert "len(self.current_followers) + 1 >= self.min_group_size" in inspect.getsource(where), changed(
+            f"Matchmaking.{where.__name__}'s floor"
+        )
 
 
 def test_return_deltas_is_a_container_option():

@@ -78,6 +78,7 @@ class TwoRanks:
                 -round(other.request_timeout * 1000),
                 -other.group_size,
                 0 if other.waits_for_behind else 1,
+                -other.min_group,
             ]
         )
 
@@ -89,6 +90,15 @@ def test_the_cluster_runs_the_longest_plan_any_rank_made():
     ours = MatchmakingPlan(window=2.0, request_timeout=1.6, group_size=3)
     theirs = MatchmakingPlan(window=7.5, request_timeout=1.1, group_size=3)
     assert ours.agreed(TwoRanks(theirs).min_int) == MatchmakingPlan(7.5, 1.6, 3)
+
+
+def test_the_cluster_closes_no_group_smaller_than_the_largest_floor_any_rank_planned():
+    ours = MatchmakingPlan(window=2.0, request_timeout=1.0, group_size=4, min_group=2)
+    theirs = MatchmakingPlan(window=2.0, request_timeout=1.0, group_size=4, min_group=3)
+    assert ours.agreed(TwoRanks(theirs).min_int).min_group == 3
+    # never above the group that makes it full
+    two = MatchmakingPlan(window=2.0, request_timeout=1.0, group_size=2, min_group=3)
+    assert two.agreed(TwoRanks(two).min_int).min_group == 2
 
 
 def test_percentile_is_a_sample_not_an_interpolation():

@@ -10,7 +10,7 @@ import torch
 
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
-from open_diloco.outer.quorum import has_quorum, next_roster, roster_of
+from open_diloco.outer.quorum import has_quorum, next_roster, roster_of, smallest_group
 from open_diloco.outer.testing import InProcessGalaxy
 from tests.support.tiny_outer import linear_model, outer_hv, run_clusters
 
@@ -35,6 +35,31 @@ PLAIN = dict(on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0)
 )
 def test_a_round_commits_with_a_majority_of_the_roster(members, roster, ended, expected):
     assert has_quorum(members, roster, ended) is expected
+
+
+@pytest.mark.parametrize(
+    "roster, ended, alive, expected",
+    [
+        ({0, 1, 2, 3}, set(), 4, 3),  # four alive: a pair could only hold (the `lan` soak's heal)
+        ({0, 1, 2, 3}, set(), 3, 3),  # one cut off: the three close as three
+        ({0, 1, 2, 3}, set(), 2, 2),  # a 2 | 2 split once the others' records expired: the pair
+        ({0, 1, 2, 3}, {3}, 3, 2),  # one ended: three voters, a pair is a majority
+        ({0, 1, 2}, set(), 3, 2),
+        ({0, 1}, set(), 2, 2),
+        ({0, 1, 2, 3, 4}, set(), 5, 3),
+        ({0, 1, 2, 3, 4}, set(), 3, 3),
+        ({0, 1, 2, 3, 4}, set(), 2, 2),
+        ({0, 1, 2, 3, 4, 5}, set(), 4, 4),
+    ],
+)
+def test_matchmaking_closes_no_group_below_a_majority_while_a_majority_is_alive(
+    roster, ended, alive, expected
+):
+    assert smallest_group(roster, ended, alive) == expected
+    # the floor never asks for more than the live clusters, and a group of that size has the quorum
+    assert 2 <= expected <= max(2, alive)
+    if expected > 2:
+        assert has_quorum(sorted(roster - ended)[1 : 1 + expected], roster, ended)
 
 
 def test_the_roster_drops_who_left_and_takes_back_who_came():
