@@ -64,6 +64,9 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
     anyone."""
     _process_allowlist: Allowlist | None = None
     """The allowlist of the one averager in this (averager) process, for :meth:`get_stub`, a classmethod."""
+    _relax_task: asyncio.Task | None = None
+    """The round's pending lowering of its floor (``paced_matchmaking.lower_floor_later``), in the averager's
+    process."""
 
     # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
     # the default start method inside processes started with spawn (and wherever a program chose it).
@@ -157,14 +160,9 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
         waits, in the averager's process; raises ``TimeoutError`` when it does not answer within ``timeout``
         (hivemind's ``set_group_bits`` waits without limit: a rank stuck there would stall its siblings)."""
         future = MPFuture()
-        settings = dict(
-            group_bits=group_bits,
-            group_size=group_size,
-            request_timeout=request_timeout,
-            min_group=min_group,
-            relax_after=relax_after,
-        )
-        self._outer_pipe.send(("_set_round", [], dict(**settings, timeout=timeout, future=future)))
+        settings = dict(group_bits=group_bits, group_size=group_size, request_timeout=request_timeout)
+        settings.update(min_group=min_group, relax_after=relax_after, timeout=timeout, future=future)
+        self._outer_pipe.send(("_set_round", [], settings))
         future.result(timeout=timeout)
 
     async def _set_round(
@@ -180,9 +178,12 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
             matchmaking.group_key_manager.group_bits = group_bits
             matchmaking.target_group_size, matchmaking.request_timeout = group_size, request_timeout
             matchmaking.min_group_size = min_group
-            if (relax := getattr(self, "_relax_task", None)) is not None:
-                relax.cancel()
-            self._relax_task = asyncio.create_task(lower_floor_later(matchmaking, group_bits, relax_after))
+            if self._relax_task is not None:
+                self._relax_task.cancel()
+            if min_group > 2:
+                self._relax_task = asyncio.create_task(
+                    lower_floor_later(matchmaking, group_bits, relax_after)
+                )
             future.set_result(None)
         except Exception as err:
             if not future.done():

@@ -26,9 +26,12 @@ def test_a_group_smaller_than_its_floor_keeps_looking_until_the_floor_is_lowered
     it at a majority (3: what ``quorum.smallest_group`` sets while more than half the roster is alive) they
     keep looking through windows, and close the pair only once the averager lowers the floor, after the
     records' expiry (``--hv.member-expiry`` past the window), as a side of a real split must."""
-    n, window, expiry = 2, 2.0, 4.0
+    # the window is BASE's --hv.matchmaking-time (loopback's round trips plan less)
+    n, window, expiry = 2, 2.0, 6.0
     barrier = CTX.Barrier(n + 1)
-    settings = dict(galaxy_size=4, heartbeat_interval=1.0, member_expiry=expiry, min_groups=[2, 3])
+    settings = dict(
+        galaxy_size=4, heartbeat_interval=1.0, member_expiry=expiry, averaging_timeout=25.0, min_groups=[2, 3]
+    )
     galaxy.start(0, 2, barrier, initial_peers=[], **settings)
     ((_, _, maddrs, _),) = galaxy.wait_for("ready", 1)
     galaxy.start(1, 2, barrier, initial_peers=maddrs, **settings)
@@ -36,7 +39,7 @@ def test_a_group_smaller_than_its_floor_keeps_looking_until_the_floor_is_lowered
     formed = []
     for round_id in range(2):
         barrier.wait(60)
-        results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=40) if m[2] == round_id]
+        results = [m for m in galaxy.wait_for("round", n * (round_id + 1), timeout=60) if m[2] == round_id]
         assert not [m for m in galaxy.messages if m[0] == "round_error"]
         assert [r[3]["group_size"] for r in results] == [n] * n, [r[3] for r in results]
         assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
