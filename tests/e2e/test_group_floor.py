@@ -7,18 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.averager_peers import CTX, Galaxy
+from tests.e2e import test_averager
+from tests.support.averager_peers import CTX
+
+galaxy = test_averager.galaxy  # the fixture: every peer's process ended and accounted for, by PID
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
-
-
-@pytest.fixture
-def galaxy():
-    g = Galaxy()
-    try:
-        yield g
-    finally:
-        g.close()
 
 
 def test_a_group_smaller_than_its_floor_keeps_looking_until_the_floor_is_lowered(galaxy):
