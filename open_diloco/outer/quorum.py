@@ -67,7 +67,7 @@ def smallest_group(roster: Iterable[int], ended: Iterable[int], alive: int) -> i
     pair holding the lowest rank may, by the tie-break) and costs the others their attempt. Closing only a
     majority, the pairs keep looking and meet as three or four. A real split is not stalled for good: once
     the other side's records expire it is no longer alive, and the averager lowers the floor to 2 after the
-    records' expiry in any case (``galaxy/averager.py``)."""
+    records' expiry in any case (``galaxy/paced_matchmaking.py``)."""
     voters = set(roster) - set(ended)
     if 2 * alive <= len(voters):
         return 2

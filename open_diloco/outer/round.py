@@ -353,9 +353,9 @@ class Round:
                 meta = {**fingerprint, "galaxy_rank": ctx.galaxy_rank, "round_id": state.outer_step}
                 made.pending = AloneRound(ctx.galaxy_rank, meta)
             else:
-                plan = ctx.averager.matchmaking_plan(alive, bool(seen.behind)).agreed(ctx.cluster.min_int)
-                # roster, ended and alive are the same on every rank: so is the floor
+                plan = ctx.averager.matchmaking_plan(alive, bool(seen.behind))
                 plan = replace(plan, min_group=smallest_group(made.roster, made.ended, alive))
+                plan = plan.agreed(ctx.cluster.min_int)
                 made.pending = ctx.averager.start_round(state.outer_step, fingerprint, attempt, plan=plan)
         except RoundFailed as err:  # fails on this rank: its wait reports it, at the same collectives
             made.start_error = str(err)
