@@ -120,7 +120,7 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 # names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
 # them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
 # own name. ``pace`` (--hv.round-steps by-speed's step counts, one per cluster) is null with equal steps.
-_OUTER_COUNTERS = {"outer_step": 0, "fragments": 1, "pace": None, "param_hash": None, "goodput": None}
+_OUTER_COUNTERS = dict(outer_step=0, fragments=1, pace=None, param_hash=None, goodput=None, in_flight=None)
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
@@ -144,6 +144,7 @@ def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         "pace": outer_state.get("pace"),
         "param_hash": outer_state.get("param_hash"),
         "goodput": outer_state.get("goodput"),  # tokens computed and committed (outer/goodput.py)
+        "in_flight": outer_state.get("in_flight"),  # the weight and inner steps of a round in flight
     }
     entries = {key: outer_state[key] for key in _outer_pieces(fields)}
     per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}

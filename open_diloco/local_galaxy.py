@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -38,6 +39,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STOP_BUDGET = 15.0
 """Seconds from a stop signal to the end of every rank of a cluster and every hivemind process (DHT, averager,
 p2pd) under them: within what a batch system or ``docker stop`` waits before SIGKILL."""
+TRACK_SECONDS = 1.0
+"""How often a polling wait looks for the galaxy's new processes (hivemind's forks, p2pd): they live as long
+as their rank, and each look reads the machine's whole process table."""
 LAUNCHER_EXIT_SECONDS = 30.0
 """Seconds more for torchrun itself to exit once its ranks are gone. That is torch's launcher tearing down
 its own interpreter (a final garbage collection of torch's whole import graph: 0.8 s on an idle 2-core
@@ -126,6 +130,7 @@ class Galaxy:
         self.lab = lab
         self.procs: dict[str, subprocess.Popen] = {}
         self.seen_pids: set[int] = set()
+        self._tracked_at = -math.inf
         self.maddr = self._start_dht()
 
     def _start_dht(self) -> str:
@@ -208,17 +213,22 @@ class Galaxy:
         """The prefix that runs a command where ``endpoint`` lives (nothing on 127.0.0.1)."""
         return self.lab.exec_prefix(endpoint) if self.lab else []
 
-    def track(self) -> None:
-        """Remember every process the galaxy has now, so close() can check that all of them ended."""
-        for proc in self.procs.values():
-            self.seen_pids.update([proc.pid, *descendants(proc.pid)])
+    def track(self, *, every: float = 0.0) -> None:
+        """Remember every process the galaxy has now, so close() can check that all of them ended. Polling
+        loops pass ``every``: one look a second is enough for processes that live as long as a rank."""
+        now = time.monotonic()
+        if now - self._tracked_at < every:
+            return
+        self._tracked_at = now
+        roots = {proc.pid for proc in self.procs.values()}
+        self.seen_pids.update(roots | processes.descendants_of(roots))
 
     def wait(self, name: str, timeout: float) -> int:
         """Wait for process ``name`` (a cluster's name, or ``dht``) to end; its exit code."""
         deadline = time.monotonic() + timeout
         proc = self.procs[name]
         while proc.poll() is None and time.monotonic() < deadline:
-            self.track()
+            self.track(every=TRACK_SECONDS)
             time.sleep(0.2)
         check(proc.poll() is not None, f"{name} did not finish in {timeout} s:\n{self.log(name)[-3000:]}")
         return proc.returncode
@@ -251,7 +261,7 @@ class Galaxy:
         while time.monotonic() < deadline:
             tail = self.log(metrics.stem)[-3000:]
             check(proc.poll() is None, f"{metrics.stem} exited ({proc.returncode}):\n{tail}")
-            self.track()
+            self.track(every=TRACK_SECONDS)
             if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
                 return
             time.sleep(0.2)

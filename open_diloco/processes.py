@@ -23,6 +23,23 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def descendants_of(roots: list[int] | set[int]) -> set[int]:
+    """PIDs of every live descendant of any of ``roots``, from one pass over the process table.
+    (``descendants`` once per root reads the whole table once per root: a test polling three clusters five
+    times a second spent ~10 % of a core on it.)"""
+    children: dict[int, list[int]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        children.setdefault(process.info["ppid"], []).append(process.pid)
+    found: set[int] = set()
+    todo = [child for root in roots for child in children.get(root, [])]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
 def alive(pids: list[int] | set[int]) -> list[int]:
     """The PIDs that still exist and are not zombies."""
     living = []

@@ -68,6 +68,7 @@ class DiLoCo:
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: Round | None = None
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
+        self._resumed_contribution: Contribution | None = None  # set by load_state_dict, read by join_galaxy
         self._window_start: float | None = None
         self._held = 0.0
         """Seconds the trainer spent in the outer loop since the last round's metrics (for compute
@@ -149,17 +150,20 @@ class DiLoCo:
                 f"θ_outer and the outer momentum from cluster {got.source} "
                 f"(param_hash {self.committed.cluster_hash()})"
             )
-        elif (
-            self.state.local_at_start is not None
-        ):  # a checkpoint taken with a round in flight: send it again
-            # every cluster resumed from the same step does the same, so the round meets and lands where it
-            # would have
-            started_at = self.schedule.inner_step_of(self.outer_step + 1)
-            self.warn(
-                f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: sending it "
-                "again"
-            )
-            self._hold(Round.start(self.rounds, Contribution()), started_at + self.schedule.sync_delay)
+        elif self._resumed_contribution is not None:  # resumed from a checkpoint, the galaxy not ahead of it
+            in_flight = self.state.local_at_start is not None
+            resumed_at = self.schedule.inner_step_of(self.outer_step + int(in_flight))
+            self.pace.resume_at(resumed_at)
+            if in_flight:  # a checkpoint taken with a round in flight: send it again (every cluster
+                # resumed from the same step does the same, so the round meets and lands where it would have)
+                self.warn(
+                    f"outer step {self.outer_step + 1}: the checkpoint holds this round in flight: "
+                    "sending it again"
+                )
+                resent = self._resumed_contribution
+                self._sync_pace[self.outer_step + 1] = (resent.inner_steps or 0, resent.weight)
+                self._hold(Round.start(self.rounds, resent), resumed_at + self.schedule.sync_delay)
+        self._resumed_contribution = None
         return self.inner_step_of_galaxy()
 
     def inner_step_of_galaxy(self) -> int:
@@ -180,6 +184,9 @@ class DiLoCo:
         if self.ledger.entries:
             state["ledger"] = self.ledger.state_dict()
         state["goodput"] = self.goodput.state_dict()
+        if self.in_flight is not None and "sync_start" in state:
+            contribution = self.in_flight.contribution
+            state["in_flight"] = {"weight": contribution.weight, "inner_steps": contribution.inner_steps}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -201,6 +208,10 @@ class DiLoCo:
         self.pace.load_state_dict(state_dict.get("pace"))
         self.ledger.load_state_dict(state_dict.get("ledger"))
         self.goodput.load_state_dict(state_dict.get("goodput"))
+        # the contribution of a round the checkpoint holds in flight (its weight and inner steps): sent again
+        # as it was, its average and its ledger entry are the straight run's. A checkpoint of before this
+        # kept none: weight 1, no step count, as such rounds were sent.
+        self._resumed_contribution = Contribution(**(state_dict.get("in_flight") or {}))
 
     # -- the outer step -------------------------------------------------------------------------------------
     def after_inner_step(self, inner_step: int, last: bool = False, trained: bool = True) -> dict[str, Any]:

@@ -109,6 +109,21 @@ class Pace:
     def _steps_for(self, speed: float) -> int:
         return max(1, min(self.stride, round(self.stride * speed)))
 
+    def resume_at(self, galaxy_step: int) -> None:
+        """Equal steps, resumed from a checkpoint at ``galaxy_step``: the inner steps each fragment took since
+        its last sync started, which such a checkpoint does not keep (every step was trained, and sync n
+        started at step n · stride with fragment (n − 1) mod P), so that the next syncs say the steps behind
+        them as the straight run's do."""
+        if self.by_speed:
+            return
+        started = galaxy_step // self.stride
+        for fragment in range(self.fragments):
+            if started < fragment + 1:
+                self.since_sync[fragment] = galaxy_step
+            else:
+                last = started - (started - (fragment + 1)) % self.fragments
+                self.since_sync[fragment] = galaxy_step - last * self.stride
+
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any] | None:
         """What a checkpoint must keep to go on with the same steps (``None`` with equal steps: nothing)."""

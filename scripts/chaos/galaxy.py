@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from open_diloco.processes import descendants, end_tree, kill_tree
+from open_diloco.processes import descendants, descendants_of, end_tree, kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "tests" / "models" / "llama-2m-fresh"
@@ -226,12 +226,12 @@ class Galaxy:
                 launch.returncode, launch.ended = launch.proc.returncode, time.time()
 
     def track(self) -> None:
-        """Remember every process below every root now (a cheap walk of the process tree)."""
-        for proc in self.roots:
-            for pid in [proc.pid, *descendants(proc.pid)]:
-                if pid not in self.seen:
-                    with contextlib.suppress(psutil.Error):
-                        self.seen[pid] = psutil.Process(pid).create_time()
+        """Remember every process below every root now (one pass over the process table)."""
+        roots = {proc.pid for proc in self.roots}
+        for pid in roots | descendants_of(roots):
+            if pid not in self.seen:
+                with contextlib.suppress(psutil.Error):
+                    self.seen[pid] = psutil.Process(pid).create_time()
 
     # -- the end -------------------------------------------------------------------------------------------
     def stop_all(self, grace: float = 10) -> None:

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from open_diloco.checkpoint import read_metadata
+from open_diloco.checkpoint import read_metadata, resolve_resume
+from open_diloco.config.run import CkptConfig
+from open_diloco.errors import ConfigError
+from open_diloco.model import load_model_config
 from tests.conftest import (
     REPO,
     SHALLOW_MODEL,
@@ -216,7 +219,14 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path, step_20):
         assert ours, proc.stderr[-2000:]
         return ours[0]
 
-    # another model
+    def vetted(path: Path, config_json: Path = SHALLOW_MODEL / "config.json") -> str:
+        """What the trainer's check before any rank talks says, in this process: the refusals that need no
+        shard read are checked here, the one-line exit they take through the trainer twice below."""
+        with pytest.raises(ConfigError) as refusal:
+            resolve_resume(CkptConfig(resume=str(path)), load_model_config(config_json.parent).to_dict())
+        return str(refusal.value)
+
+    # another model, through the trainer (one process): its one line and exit
     other_model = tmp_path / "other-model"
     other_model.mkdir()
     (other_model / "config.json").write_text(
@@ -231,30 +241,26 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path, step_20):
         .read_text()
         .replace('"hidden_size": 128', '"hidden_size": 128, "head_dim": 16')
     )
-    assert "made for another model (head_dim 32 vs 16)" in refused(
-        good, "--path-model", str(other_model), nproc=1
-    )
+    assert "made for another model (head_dim 32 vs 16)" in vetted(good, other_model / "config.json")
     # partial: no metadata
     partial = tmp_path / "partial"
     shutil.copytree(good, partial)
     (partial / "metadata.json").unlink()
-    assert "is incomplete" in refused(partial, nproc=1)
-    # corrupt shard file, detected at load time on every rank
+    assert "is incomplete" in vetted(partial)
+    assert "does not exist" in vetted(tmp_path / "nowhere")
+    # corrupt shard file, detected at load time on every rank (through the trainer, two ranks)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(good, corrupt)
     shard = next(corrupt.glob("__0_*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     assert "could not be loaded" in refused(corrupt)
-    assert "does not exist" in refused(tmp_path / "nowhere", nproc=1)
 
 
-def test_export_round_trip(tmp_path):
+def test_export_round_trip(tmp_path, step_20):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt = tmp_path / "ckpt"
-    run(2, tmp_path / "m.jsonl", "--ckpt.interval", "6", "--ckpt.path", str(ckpt), "--max-steps", "6")
-    source = ckpt / "step_00000006"
+    source = step_20  # two ranks' shards, 20 steps trained
     out = tmp_path / "exported"
     proc = subprocess.run(
         [str(Path(TORCHRUN[0]).parent / "open-diloco"), "export", str(source), str(out)],

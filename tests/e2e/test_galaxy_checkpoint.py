@@ -33,17 +33,13 @@ def run_galaxy(galaxy: Galaxy, phase: str, *extra: str) -> list[dict]:
     return [read_metrics(m) for m in metrics]
 
 
-# int2 (in the suite): the error feedback through a real stop and resume; none and sparse are slow (the
-# fragment-in-flight resume of test_streaming is an fp32 galaxy resume, and the sparse state's round trip is
-# tests/unit/test_outer_stateful.py's)
-@pytest.mark.parametrize(
-    "compression",
-    [
-        pytest.param("none", marks=pytest.mark.slow),
-        "int2",
-        pytest.param("sparse", marks=pytest.mark.slow),
-    ],
-)
+# Slow, every codec (cut from the suite for time): the suite's galaxy resume is test_streaming's (fp32, a
+# fragment in flight, the ledger chained to the checkpoints and verified over them); a 2 x 2 galaxy with fp16
+# and steps by speed resumes in test_unequal_clusters; int2's error feedback through a resume is
+# tests/unit/test_streaming.py's (a round in flight) and the sparse state's round trip
+# tests/unit/test_outer_stateful.py's
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["none", "int2", "sparse"])
 def test_galaxy_stopped_and_resumed_continues_bit_exact(tmp_path, compression):
     # the straight run checkpoints every 10 steps: the galaxy is then started again from its step-10
     # checkpoints (new processes, a new DHT peer each) and must retrace the straight run's steps 11-20

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from open_diloco.local_galaxy import outer_records, repaired
+from open_diloco.local_galaxy import TRACK_SECONDS, outer_records, repaired
 from open_diloco.model import build_model, model_fingerprint
 from tests.conftest import REPO, SHALLOW_MODEL, kill_tree, read_metrics, trainer_env
 
@@ -191,7 +191,7 @@ def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
     stranger_at = max(outer_records(metrics[0]))
     deadline = time.monotonic() + 120
     while stranger.poll() is None and time.monotonic() < deadline:
-        galaxy.track()
+        galaxy.track(every=TRACK_SECONDS)
         time.sleep(0.2)
     assert stranger.returncode == 0, stranger_log.read_text()[-3000:]
     stranger_left = max(outer_records(metrics[0]))

@@ -35,7 +35,7 @@ def run_status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         seen.update(descendants(proc.pid))
-        time.sleep(0.1)
+        time.sleep(0.25)  # its DHT client and p2pd live as long as the command (seconds)
     if proc.poll() is None:
         kill_tree(proc.pid)
         pytest.fail(f"status did not finish in {timeout} s")

@@ -10,6 +10,7 @@ import pytest
 
 from open_diloco.local_galaxy import Galaxy, outer_records, repaired
 from tests.conftest import kill_tree, read_metrics
+from tests.support.ledger_checks import ledger_command
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +100,9 @@ def test_a_cluster_killed_with_a_fragment_in_flight_does_not_stop_the_other(gala
 
 def test_resume_from_a_checkpoint_with_a_fragment_in_flight_is_bit_exact(tmp_path):
     """The straight run saves at steps 10 and 20 while sync 2 / 4 is in flight (H = 10, P = 2, τ = 3); both
-    clusters resumed from step 10 send sync 2 again and retrace the straight run bit for bit."""
+    clusters resumed from step 10 send sync 2 again and retrace the straight run bit for bit, ledger
+    included: the resumed rounds' entries are the straight run's, chained to the checkpoints' (the suite's
+    galaxy resume; tests/e2e/test_galaxy_checkpoint.py resumes whole rounds with each codec, slow)."""
     flags = [
         "--total-steps",
         "30",
@@ -154,3 +157,9 @@ def test_resume_from_a_checkpoint_with_a_fragment_in_flight_is_bit_exact(tmp_pat
         assert syncs == [13, 18, 23, 28, 30] and after[13]["outer_step"] == 2 and after[13]["fragment"] == 1
         for s in syncs:
             assert after[s]["param_hash"] == before[s]["param_hash"] and after[s]["galaxy_peers"] == 2
+            assert after[s]["ledger"] == before[s]["ledger"], (s, after[s]["ledger"], before[s]["ledger"])
+    checkpoints = [tmp_path / f"ckpt{rank}" / "step_00000010" for rank in (0, 1)]
+    verified = ledger_command(
+        *checkpoints, tmp_path / "resumed0.jsonl", tmp_path / "resumed1.jsonl", "--verify"
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -193,3 +193,19 @@ def test_a_cluster_plans_its_steps_from_the_speeds_the_galaxy_publishes():
     in_threads(cluster, [(0,), (1,)])
     assert trained[0] == list(range(1, 13))
     assert trained[1] == [1, 2, 3, 4, 6, 8, 10, 12]
+
+
+@pytest.mark.parametrize(("local_steps", "fragments"), [(8, 1), (8, 4), (10, 2), (6, 3)])
+def test_equal_steps_resumed_anywhere_count_as_the_straight_run_does(local_steps, fragments):
+    """A checkpoint with equal steps keeps no pace: resumed at a galaxy step, each fragment's steps since its
+    last sync started come from the schedule, as the straight run counted them (the next sync's ledger entry
+    names them)."""
+    straight = Pace(local_steps, fragments, by_speed=False, fixed_speed=None)
+    stride = local_steps // fragments
+    for step in range(1, 4 * local_steps + 1):
+        straight.count(trained=True)
+        if step % stride == 0:
+            straight.synced((step // stride - 1) % fragments)
+        resumed = Pace(local_steps, fragments, by_speed=False, fixed_speed=None)
+        resumed.resume_at(step)
+        assert resumed.since_sync == straight.since_sync, step

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from open_diloco.processes import (
+    descendants,
+    descendants_of,
     end_tree,
     hivemind_socket_files,
     kill_tree,
@@ -80,3 +82,17 @@ def test_only_hivemind_files_count_as_a_trees_own(tmp_path):
         inherited.listen()
         own.listen()
         assert hivemind_socket_files([os.getpid()]) == {str(tmp_path / "hivemind-p2pd-x.sock")}
+
+
+def test_the_descendants_of_several_roots_come_from_one_pass(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    trees = [start_tree(tmp_path / "a"), start_tree(tmp_path / "b")]
+    try:
+        roots = {root.pid for root, _ in trees}
+        assert descendants_of(roots) == {pid for _, pids in trees for pid in pids[1:]}
+        assert descendants_of({trees[0][0].pid}) == set(descendants(trees[0][0].pid)) == {trees[0][1][1]}
+        assert descendants_of({trees[0][1][1]}) == set()  # a leaf
+    finally:
+        for root, _ in trees:
+            kill_tree(root.pid)
+            root.wait(timeout=10)

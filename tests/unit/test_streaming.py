@@ -271,3 +271,7 @@ def test_resume_with_a_round_in_flight_is_bit_exact(compression, delay):
         assert [r["step"] for r in resumed[rank]] == [r["step"] for r in expected]
         assert [r["param_hash"] for r in resumed[rank]] == [r["param_hash"] for r in expected]
         assert resumed[rank][0]["outer_step"] == 5 and resumed[rank][0]["fragment"] == 0
+        # the round sent again is the one the straight run sent: its ledger entry (members with their inner
+        # steps) too
+        assert [r.get("ledger") for r in resumed[rank]] == [r.get("ledger") for r in expected]
+        assert resumed[rank][0]["ledger"]["members"][0]["inner_steps"] == 8
