@@ -4,6 +4,7 @@ hivemind)."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -209,3 +210,58 @@ def test_equal_steps_resumed_anywhere_count_as_the_straight_run_does(local_steps
         resumed = Pace(local_steps, fragments, by_speed=False, fixed_speed=None)
         resumed.resume_at(step)
         assert resumed.since_sync == straight.since_sync, step
+
+
+def test_a_resume_with_a_round_in_flight_sends_it_again_with_its_weight():
+    """Steps by speed, P = 2, τ = 1: the checkpoint after step 8 holds fragment 1's sync in flight, which the
+    half-speed cluster sent with weight 0.5. Resumed there, both clusters send that round again as it was
+    (before, it went out with weight 1 and the resumed galaxy left the straight run's θ) and go on bitwise
+    as the straight run, ledger entries included."""
+    numel, steps, saved_at, speeds = 64, 16, 8, (1.0, 0.5)
+    saved: dict[int, tuple] = {}
+
+    def run(resume: bool) -> dict[int, list[dict]]:
+        galaxy, results = InProcessGalaxy(2), {}
+
+        def cluster(rank: int):
+            model = linear_model(torch.zeros(numel).tolist())
+            hv = by_speed_hv(rank, fragments=2, sync_delay=1, cluster_speed=speeds[rank])
+            outer = DiLoCo(model, galaxy.averager(rank, numel // 2), hv, warn=lambda *_: None)
+            generator, first = torch.Generator().manual_seed(rank), 1
+            if resume:
+                weights, state, generator_state = saved[rank]
+                with torch.no_grad():
+                    model.weight.copy_(weights)
+                outer.load_state_dict(copy.deepcopy(state))
+                generator.set_state(generator_state)
+                assert outer.join_galaxy() == saved_at - 2 and outer.in_flight is not None
+                first = saved_at + 1
+            records = []
+            for step in range(first, steps + 1):
+                if trains := outer.trains_at(step):
+                    with torch.no_grad():
+                        model.weight.add_(0.01 * torch.randn(1, numel, generator=generator))
+                records += [
+                    {**r.metrics(), "step": step}
+                    for r in outer.syncs_after_inner_step(step, step == steps, trains)
+                ]
+                if step == saved_at and not resume:
+                    assert outer.in_flight is not None
+                    saved[rank] = (
+                        model.weight.detach().clone(),
+                        copy.deepcopy(outer.state_dict()),
+                        generator.get_state(),
+                    )
+            results[rank] = records
+
+        in_threads(cluster, [(0,), (1,)])
+        return results
+
+    straight, resumed = run(resume=False), run(resume=True)
+    for rank in (0, 1):
+        expected = [r for r in straight[rank] if r["step"] > saved_at]
+        assert [r["step"] for r in resumed[rank]] == [r["step"] for r in expected]
+        assert [r["param_hash"] for r in resumed[rank]] == [r["param_hash"] for r in expected]
+        assert [r["round_weight"] for r in resumed[rank]] == [r["round_weight"] for r in expected]
+        assert [r.get("ledger") for r in resumed[rank]] == [r.get("ledger") for r in expected]
+    assert resumed[1][0]["round_weight"] == 0.5  # the round sent again: the half-speed cluster's weight
