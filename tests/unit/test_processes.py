@@ -85,7 +85,8 @@ def test_only_hivemind_files_count_as_a_trees_own(tmp_path):
 
 
 def test_the_descendants_of_several_roots_come_from_one_pass(tmp_path):
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
     trees = [start_tree(tmp_path / "a"), start_tree(tmp_path / "b")]
     try:
         roots = {root.pid for root, _ in trees}
