@@ -30,6 +30,11 @@ their messages never interleave."""
 SHUTDOWN_SECONDS = 2.0
 """What hivemind's DHT gets to shut down in order before it is ended by PID (with its p2pd)."""
 
+NEW_DHT_START_SECONDS = 60.0
+"""The bound on starting a new DHT (no initial peers): nothing is joined, the wait is this machine's own
+(a fork and a p2pd daemon: 0.2 s idle, ~1 s beside eight CPU burners, once over 10 s in a loaded CI run),
+so ``--hv.join-timeout`` is too tight a bound when a user or a test sets it short; it catches a hang."""
+
 REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"
 """Read by p2pd (go-libp2p's TCP transport); we set it to ``false`` unless the user set it.
 
@@ -197,10 +202,16 @@ def start_dht(
         shutdown_timeout=SHUTDOWN_SECONDS,
         **({"identity_path": identity_path} if identity_path else {}),
     )
+    start_timeout = join_timeout if initial_peers else max(join_timeout, NEW_DHT_START_SECONDS)
     try:
-        dht.wait_until_ready(timeout=join_timeout)
+        dht.wait_until_ready(timeout=start_timeout)
     except TimeoutError:
         shutdown_dht(dht)
+        if not initial_peers:
+            raise ConfigError(
+                f"the new DHT node (no --hv.initial-peers) did not start within {start_timeout:.0f}s: its "
+                "p2pd daemon hangs or the machine is overloaded; check `ps` for it and try again"
+            ) from None
         raise ConfigError(
             f"could not join the DHT via --hv.initial-peers {list(initial_peers)} within "
             f"--hv.join-timeout={join_timeout}s; check that a peer runs there"

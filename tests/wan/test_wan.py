@@ -168,12 +168,16 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
     rounds = [outer_records(m) for m in metrics]
     # apart, cluster 0 trained on alone and neither hung: it finished rounds after the cut within the 30 s
     # (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and rounds are
-    # 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), none of
-    # which claims the galaxy agrees with it (the other side fell silent, it did not say it ended)
+    # 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no lone
+    # round claims the galaxy agrees with it (the other side fell silent, it did not say it ended). The round
+    # in flight at the cut may still have been averaged by both sides just before it (its record lands after
+    # the cut was read: seen in CI), and then it is in sync, rightly: judged by its group, not by its time
     while_apart = [rounds[0][r] for r in sorted(rounds[0]) if cut_at[0] < r <= apart[0]]
     assert while_apart, (cut_at, apart)
-    assert not any(rec["in_sync"] for rec in while_apart), while_apart
-    assert any(rec["galaxy_alive"] == 1 for rec in while_apart), while_apart  # a lone round
+    seen = [(rec["outer_step"], rec["galaxy_peers"], rec["in_sync"]) for rec in while_apart]
+    assert not any(in_sync for _, peers, in_sync in seen if peers < 2), seen
+    assert all(peers < 2 for _, peers, _ in seen[1:]), seen  # only the round in flight at the cut was whole
+    assert any(rec["galaxy_alive"] == 1 for rec in while_apart), seen  # a lone round
     forked = _held_then_forked(metrics[1])
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
