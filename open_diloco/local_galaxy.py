@@ -190,8 +190,9 @@ class Galaxy:
             "--hv.world-rank",
             str(rank),
         ]
-        if self.lab:
-            identity += ["--hv.host-maddrs", f"/ip4/{self.lab.listen_address(f'cluster{rank}')}/tcp/0"]
+        if "--hv.host-maddrs" not in extra:  # loopback, or the lab address: never this machine's others
+            host = self.lab.listen_address(f"cluster{rank}") if self.lab else "127.0.0.1"
+            identity += ["--hv.host-maddrs", f"/ip4/{host}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
         cmd = [
             *self._place(f"cluster{rank}"),

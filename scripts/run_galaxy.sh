@@ -107,8 +107,10 @@ if [ -n "$per_device" ] && [[ "$user" != *" --total-batch-size "* ]]; then
 fi
 
 for rank in $(seq 0 $((clusters - 1))); do
-  listen=()  # in the lab, peers listen on their lab address (the default, 0.0.0.0, would announce 127.0.0.1 too)
-  [ -n "$wan" ] && listen=(--hv.host-maddrs "/ip4/$(address "cluster$rank")/tcp/0")
+  # a local galaxy listens on 127.0.0.1 and a lab one on its lab address, unless the caller says where: the
+  # default, 0.0.0.0, would announce (and have other clusters dial) every address of this machine
+  listen=(--hv.host-maddrs "/ip4/$(address "cluster$rank")/tcp/0")
+  [[ "$user" == *" --hv.host-maddrs "* || "$user" == *" --hv.host-maddrs="* ]] && listen=()
   # shellcheck disable=SC2046
   $(place "cluster$rank") "$python" -m torch.distributed.run --standalone --nproc_per_node="$ranks" open_diloco/train_fsdp.py \
     "${demo_defaults[@]}" \

@@ -120,8 +120,7 @@ def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None
         "--hv.world-rank",
         str(cluster),
     ]
-    if address:
-        identity += ["--hv.host-maddrs", f"/ip4/{address}/tcp/0"]
+    identity += ["--hv.host-maddrs", f"/ip4/{address or '127.0.0.1'}/tcp/0"]  # never the machine's others
     return [*switches, *with_overrides(defaults, cfg.extra), *identity]
 
 
