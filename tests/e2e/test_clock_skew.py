@@ -4,26 +4,18 @@ line."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from open_diloco.local_galaxy import outer_records
+from tests.support.faults import fault_env
 
 pytestmark = pytest.mark.e2e
-
-FAULTS = Path(__file__).parent / "faults"
 
 
 def _skewed_clock(seconds: float) -> dict[str, str]:
     """The environment of a cluster whose status clock runs ``seconds`` off
     (``faults/skewed_status_clock``)."""
-    search_path = [
-        str(FAULTS / "skewed_status_clock"),
-        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
-    ]
-    return {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_STATUS_SKEW": str(seconds)}
+    return fault_env("skewed_status_clock", OPEN_DILOCO_TEST_STATUS_SKEW=seconds)
 
 
 def test_a_cluster_whose_clock_is_100_s_behind_stays_in_the_galaxy(galaxy):

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
 from open_diloco.local_galaxy import outer_records
 from tests.conftest import kill_tree, read_metrics
+from tests.support.faults import fault_env
 from tests.support.ledger_checks import assert_one_chain, assert_verifies_and_refuses_an_altered_hash
 
 pytestmark = pytest.mark.e2e
-
-FAULTS = Path(__file__).parent / "faults"
 
 
 # bf16/int8/int4 share int2's path (and test_averager covers each on the wire): int2 runs through a trainer's
@@ -183,11 +181,7 @@ def test_a_shard_that_loses_an_average_heals_its_cluster_within_two_rounds(galax
 def _losing_last_average(of_round: int, local_rank: int | None = None) -> dict[str, str]:
     """The environment of a cluster whose reducers never send the last average of all-reduce ``of_round``
     (``faults/lose_last_average``), in every averager or only in ``local_rank``'s."""
-    search_path = [
-        str(FAULTS / "lose_last_average"),
-        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
-    ]
-    env = {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF": str(of_round)}
+    env = fault_env("lose_last_average", OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF=of_round)
     if local_rank is not None:
         env["OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK"] = str(local_rank)
     return env

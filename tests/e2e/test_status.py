@@ -14,6 +14,7 @@ import pytest
 from open_diloco.local_galaxy import outer_records
 from open_diloco.processes import alive, descendants
 from tests.conftest import REPO, free_port, kill_tree, read_metrics, trainer_env
+from tests.support.faults import paced
 from tests.support.ledger_checks import entries_by_round, ledger_command
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +77,9 @@ def test_status_shows_each_cluster_and_flags_the_stopped_and_the_silent(galaxy):
         "--hv.member-expiry",
         "3",
     ]
-    metrics = [galaxy.start_cluster(rank, 3, *common, nproc=1) for rank in range(3)]
+    # at a device's pace (0.5 s a step, a round every ~1.5 s): three clusters training flat out for the whole
+    # test starved the status commands beside them (~10 s each under load)
+    metrics = [galaxy.start_cluster(rank, 3, *common, nproc=1, env=paced(0.5)) for rank in range(3)]
     for m in metrics:
         galaxy.wait_for_step(m, 7, 240)  # two rounds of three clusters
 

@@ -5,7 +5,6 @@ The download between averagers alone is tests/e2e/test_striped_download.py."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -14,10 +13,10 @@ import pytest
 
 from open_diloco.local_galaxy import outer_records
 from tests.conftest import REPO
+from tests.support.faults import fault_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-FAULTS = Path(__file__).parent / "faults"
 MODEL = REPO / "tests" / "models" / "llama-1m-fresh"
 COMMON = [
     "--path-model",
@@ -38,11 +37,7 @@ JOIN = re.compile(r"the galaxy is at outer step (\d+) .*downloaded θ_outer.* \(
 
 def _dropping_parts() -> dict[str, str]:
     """The environment of a cluster that pins its state but answers no part (``faults/drop_state_parts``)."""
-    search_path = [
-        str(FAULTS / "drop_state_parts"),
-        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
-    ]
-    return {"PYTHONPATH": os.pathsep.join(search_path), "OPEN_DILOCO_TEST_DROP_STATE_PARTS": "1"}
+    return fault_env("drop_state_parts", OPEN_DILOCO_TEST_DROP_STATE_PARTS=1)
 
 
 def _join_three(galaxy, faulty: int | None = None) -> list[Path]:

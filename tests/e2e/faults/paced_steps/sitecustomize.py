@@ -1,0 +1,43 @@
+"""A test cluster's pace, on the PYTHONPATH of the clusters a test starts with it: each inner step
+(``open_diloco.steps.inner_step``) first sleeps ``OPEN_DILOCO_TEST_STEP_SECONDS``, as on a device whose step
+takes that long. A test that only needs clusters alive and rounds going (the status command's) then does not
+have them train flat out on the 2-core machine, starving the commands it runs beside them and the other xdist
+worker's test. Nothing else changes: the same steps, rounds and records, at a device's pace."""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+
+_TARGET = "open_diloco.steps"
+
+
+def _pace(module) -> None:
+    seconds, real = float(os.environ["OPEN_DILOCO_TEST_STEP_SECONDS"]), module.inner_step
+
+    def paced(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    module.inner_step = paced
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _pace(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("OPEN_DILOCO_TEST_STEP_SECONDS"):
+    sys.meta_path.insert(0, _PatchOnImport())
