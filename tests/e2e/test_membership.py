@@ -15,6 +15,7 @@ import pytest
 from open_diloco.local_galaxy import TRACK_SECONDS, outer_records, repaired
 from open_diloco.model import build_model, model_fingerprint
 from tests.conftest import REPO, SHALLOW_MODEL, kill_tree, read_metrics, trainer_env
+from tests.support.faults import paced
 
 pytestmark = pytest.mark.e2e
 
@@ -144,18 +145,26 @@ def test_a_cluster_cut_off_across_the_runs_end_ends_on_the_galaxys_final_state(g
         assert "unlike that of" not in galaxy.log(f"cluster{rank}")
 
 
-def _identity(directory) -> str:
-    """A cluster's key files and allowlist lines, made with `open-diloco identity`."""
-    made = subprocess.run(
-        [sys.executable, "-m", "open_diloco", "identity", str(directory)],
-        cwd=REPO,
-        env=trainer_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert made.returncode == 0 and made.stdout.startswith("Qm"), made.stderr
-    return made.stdout
+def _identities(*directories) -> list[str]:
+    """Clusters' key files and allowlist lines, made with `open-diloco identity` (one command per cluster, as
+    its operator runs it; side by side)."""
+    commands = [
+        subprocess.Popen(
+            [sys.executable, "-m", "open_diloco", "identity", str(directory)],
+            cwd=REPO,
+            env=trainer_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for directory in directories
+    ]
+    lines = []
+    for command in commands:
+        out, err = command.communicate(timeout=60)
+        assert command.returncode == 0 and out.startswith("Qm"), err
+        lines.append(out)
+    return lines
 
 
 def _a_stranger_is_refused_and_costs_nothing(galaxy, metrics, tmp_path) -> None:
@@ -230,12 +239,12 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
     # run id and the DHT starts beside them: it is refused both ways (no state, no group) and named once, and
     # the galaxy's rounds go on as before. Then cluster 1 is stopped with Ctrl+C, which costs cluster 0
     # nothing, and started again from its checkpoint with the same identity directory: it is let back in.
-    lines = {name: _identity(tmp_path / name) for name in ("id0", "id1")}
     allowlist = tmp_path / "allowlist.txt"
-    allowlist.write_text("# the galaxy\n" + lines["id0"] + lines["id1"])
-    # a run long enough that cluster 0 is still training when cluster 1 is back: alone it trains ~15 steps
-    # a second, and a loaded CI machine took 60 s from the stop to the resumed cluster's first step (cluster 0
-    # had finished its 400 steps, and cluster 1 came back to a galaxy that was over); the test ends both
+    allowlist.write_text("# the galaxy\n" + "".join(_identities(tmp_path / "id0", tmp_path / "id1")))
+    # a run long enough that cluster 0 is still training when cluster 1 is back: alone it trained ~15 steps
+    # a second (now at most 10: paced), and a loaded CI machine took 60 s from the stop to the resumed
+    # cluster's first step (cluster 0 had finished its 400 steps, and cluster 1 came back to a galaxy that was
+    # over); the test ends both
     common = [
         "--max-steps",
         "5000",
@@ -262,6 +271,7 @@ def test_a_cluster_stopped_with_ctrl_c_costs_nothing_and_resumes_into_the_galaxy
             *extra,
             nproc=1,
             name=name,
+            env=paced(0.1),  # a device's pace: flat out, cluster 0 starved cluster 1's restart
         )
 
     metrics = [member(rank) for rank in (0, 1)]
