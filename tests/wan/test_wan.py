@@ -19,6 +19,7 @@ from open_diloco.processes import alive
 from scripts.wan import lab as wanlab
 from scripts.wan.lab import Lab, lab_namespaces
 from tests.conftest import REPO, read_metrics
+from tests.support.faults import paced
 
 # one lab at a time: the links' delays and rates are what these tests measure
 pytestmark = [pytest.mark.wan, pytest.mark.xdist_group("wan")]
@@ -131,7 +132,7 @@ def test_two_clusters_over_intercontinental(tmp_path):
 
 
 PARTITION_RUN = (
-    "--max-steps 5000 --hv.local-steps 80 --hv.averaging-timeout {averaging_timeout} "
+    "--max-steps 5000 --hv.local-steps 50 --hv.averaging-timeout {averaging_timeout} "
     "--hv.heartbeat-interval 1 --hv.member-expiry 4 --hv.on-partial-round proceed --hv.fork-after 2"
 )
 
@@ -142,8 +143,9 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
     # lowest rank: it is the quorum of the split (outer/quorum.py) and trains on alone; cluster 1's rounds
     # hold, and after --hv.fork-after (2 s here) it commits on a fork of its own. Once the link is back the
     # galaxy keeps the chain with more committed work (below): the lighter side takes the other's state and
-    # records the rounds it dropped. The two average together again with equal hashes
-    # within 2 rounds. H = 80 makes a round 7-15 s: the heal costs seconds whatever the round length (5-7 s:
+    # records the rounds it dropped. The two average together again with equal hashes within 2 rounds.
+    # H = 50 at a device's pace (0.1 s a step, faults/paced_steps; flat out, the two clusters kept both cores
+    # busy for the whole test) makes a round 7-10 s: the heal costs seconds whatever the round length (5-7 s:
     # HEAL_SECONDS), so "2 rounds" needs rounds of several seconds, still far shorter than a real galaxy's.
     averaging_timeout = 10
     steps = PARTITION_RUN.format(averaging_timeout=averaging_timeout).split()
@@ -151,8 +153,8 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
         pids = lab_pids(lab)
         galaxy = Galaxy(tmp_path, lab=lab)
         try:
-            metrics = [galaxy.start_cluster(rank, 2, *steps, nproc=1) for rank in (0, 1)]
-            galaxy.wait_for_step(metrics[1], 160, 240)
+            metrics = [galaxy.start_cluster(rank, 2, *steps, nproc=1, env=paced(0.1)) for rank in (0, 1)]
+            galaxy.wait_for_step(metrics[1], 100, 240)
             lab.set_link("cluster1", up=False)
             cut_at = [max(outer_records(m)) for m in metrics]
             time.sleep(30)
@@ -168,7 +170,7 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
     rounds = [outer_records(m) for m in metrics]
     # apart, cluster 0 trained on alone and neither hung: it finished rounds after the cut within the 30 s
     # (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and rounds are
-    # 7-15 s of compute here, so how many more fit in 30 s is the machine's, not the galaxy's), and no lone
+    # 7-10 s here, so how many more fit in 30 s is the machine's, not the galaxy's), and no lone
     # round claims the galaxy agrees with it (the other side fell silent, it did not say it ended). The round
     # in flight at the cut may still have been averaged by both sides just before it (its record lands after
     # the cut was read: seen in CI), and then it is in sync, rightly: judged by its group, not by its time
