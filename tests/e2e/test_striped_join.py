@@ -13,7 +13,7 @@ import pytest
 
 from open_diloco.local_galaxy import outer_records
 from tests.conftest import REPO
-from tests.support.faults import fault_env
+from tests.support.faults import fault_env, paced
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -32,6 +32,9 @@ COMMON = [
     "--hv.matchmaking-time",
     "3",  # under load the three reach a sync seconds apart: a shorter window splits them into forks
 ]
+PACE = paced(0.2)
+"""A device's pace, 0.2 s a step (``faults/paced_steps``): flat out, three clusters kept both cores busy while
+the joiner started. (One ``sitecustomize`` a process: the faulty holder of the slow case trains flat out.)"""
 JOIN = re.compile(r"the galaxy is at outer step (\d+) .*downloaded θ_outer.* \(param_hash (\w+)\)")
 
 
@@ -45,11 +48,11 @@ def _join_three(galaxy, faulty: int | None = None) -> list[Path]:
     first round. Checks that the joiner took the θ_outer its holders hold at the outer step it joined at (its
     ``param_hash`` is theirs in their metrics); returns the four clusters' metrics files."""
     metrics = [
-        galaxy.start_cluster(rank, 4, *COMMON, nproc=1, env=_dropping_parts() if rank == faulty else None)
+        galaxy.start_cluster(rank, 4, *COMMON, nproc=1, env=_dropping_parts() if rank == faulty else PACE)
         for rank in range(3)
     ]
     galaxy.wait_for_step(metrics[0], 10, 240)
-    metrics.append(galaxy.start_cluster(3, 4, *COMMON, nproc=1))
+    metrics.append(galaxy.start_cluster(3, 4, *COMMON, nproc=1, env=PACE))
     joined = _wait_for(galaxy, JOIN, 300)
     step, param_hash = int(joined.group(1)), joined.group(2)
     line = re.search(r"striped state download: .*", galaxy.log("cluster3")).group(0)  # the join's: the first
