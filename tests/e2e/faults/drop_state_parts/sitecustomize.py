@@ -4,29 +4,18 @@ does, then answers every part empty (a holder that fails while it serves). Appli
 ``open_diloco.galaxy.state_pins`` is first imported (the averager process is forked after that and inherits
 it); nothing else changes."""
 
-import importlib.abc
-import importlib.util
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/e2e/faults
+from fault_patch import patch_on_import  # noqa: E402
 
 _TARGET = "open_diloco.galaxy.state_pins"
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            module.Pin.part = lambda self, index, start, end: None
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _drop_parts(module) -> None:
+    module.Pin.part = lambda self, index, start, end: None
 
 
 if os.environ.get("OPEN_DILOCO_TEST_DROP_STATE_PARTS"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_TARGET, _drop_parts)

@@ -10,11 +10,12 @@ early).
 Applied when ``open_diloco.galaxy.allreduce`` is first imported (the averager process is forked after that and
 inherits it); nothing else changes."""
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/e2e/faults
+from fault_patch import patch_on_import  # noqa: E402
 
 _TARGET = "open_diloco.galaxy.allreduce"
 
@@ -50,22 +51,6 @@ def _lose_last_average(module) -> None:
     runner._accumulate_parts_streaming = _accumulate_parts_streaming
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            _lose_last_average(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 _RANK = os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_RANK")
 if os.environ.get("OPEN_DILOCO_TEST_LOSE_LAST_AVERAGE_OF") and _RANK in (None, os.environ.get("LOCAL_RANK")):
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_TARGET, _lose_last_average)

@@ -4,11 +4,12 @@ takes that long. A test that only needs clusters alive and rounds going (the sta
 have them train flat out on the 2-core machine, starving the commands it runs beside them and the other xdist
 worker's test. Nothing else changes: the same steps, rounds and records, at a device's pace."""
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/e2e/faults
+from fault_patch import patch_on_import  # noqa: E402
 
 _TARGET = "open_diloco.steps"
 
@@ -23,21 +24,5 @@ def _pace(module) -> None:
     module.inner_step = paced
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            _pace(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if os.environ.get("OPEN_DILOCO_TEST_STEP_SECONDS"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_TARGET, _pace)

@@ -4,10 +4,11 @@ board and membership reads use (``open_diloco.galaxy.status.get_dht_time``) runs
 left alone: its matchmaking and DHT expiry compare clocks too, at the scale of the matchmaking time, which is
 not what this fault looks at."""
 
-import importlib.abc
-import importlib.util
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/e2e/faults
+from fault_patch import patch_on_import  # noqa: E402
 
 _TARGET = "open_diloco.galaxy.status"
 
@@ -17,21 +18,5 @@ def _skew(module) -> None:
     module.get_dht_time = lambda: real() + skew
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            _skew(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if os.environ.get("OPEN_DILOCO_TEST_STATUS_SKEW"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_TARGET, _skew)
