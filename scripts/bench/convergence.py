@@ -182,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated seeds (init and data order), each a run of every arm; default: the setting's "
         "(SEEDS). Ratios are taken per seed, then averaged: one seed moves val_loss by several %% here",
     )
-    parser.add_argument("--jobs", type=int, default=None, help="seeds run at once (default: one per core)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="seeds run at once, each in a child process (default: one per core; 1: all in this process)",
+    )
     parser.add_argument(
         "--eval-samples", type=int, default=128, help="held-out samples per validation (the trainer's flag)"
     )
@@ -231,8 +236,8 @@ def main() -> None:
         args.dataset_path = None  # the trainer's --fake-data: each cluster its own stream
     seeds = [int(seed) for seed in (args.seeds or SEEDS[(args.model, size)]).split(",")]
     arms = [parse_arm(text, args) for text in args.arms.split()]  # bad arms fail before any run starts
-    if len(seeds) == 1:
-        results = run_seed(args, arms, seeds[0], args.out)
+    if len(seeds) == 1 or args.jobs == 1:  # in this process, one seed after another
+        results = [record for seed in seeds for record in run_seed(args, arms, seed, args.out)]
     else:
         results = run_seeds_in_processes(seeds, args.jobs or min(len(seeds), os.cpu_count() or 1))
         if args.out:
