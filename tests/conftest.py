@@ -39,29 +39,6 @@ worker runs end to end) first, the unit tests' seconds last, where they fill wha
 the other finishes its last long test. Within a level, collection order."""
 
 
-WAITING = (
-    "tests/wan/",  # the lab's forwarders and paced clusters
-    "tests/e2e/test_averager.py",  # peers that wait for their groups
-    "tests/e2e/test_striped_download.py",
-    "tests/e2e/test_group_floor.py",
-    "tests/e2e/test_reachability.py",
-    "tests/e2e/test_striped_join.py",  # paced clusters
-    "tests/e2e/test_status.py",  # paced clusters
-    "tests/e2e/test_membership.py::test_a_cluster_stopped_with_ctrl_c",  # paced clusters
-    "tests/e2e/test_shutdown.py::test_sigterm_then_sigkill_of_torchrun_alone",
-)
-"""Tests that mostly wait (under half a core, measured): the scheduler (tests/support/pairing.py) runs each
-beside a busy one rather than beside another waiting one."""
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from tests.support.pairing import PairingScheduling
-
-    return PairingScheduling(config, log, waiting=WAITING)
-
-
 LONG_UNIT = ("test_quality_guard.py",)
 """Unit tests of a minute (one core): handed out with the e2e level, not last, where one would be the suite's
 tail while the other worker sits idle."""

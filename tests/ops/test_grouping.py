@@ -16,8 +16,6 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO
-
 GROUPED = textwrap.dedent(
     """
     import os
@@ -48,26 +46,8 @@ GROUPED = textwrap.dedent(
 )
 
 
-# the suite's own scheduler (tests/support/pairing.py, installed by tests/conftest.py) keeps the groups
-PAIRING = textwrap.dedent(
-    f"""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, {str(REPO)!r})
-    from tests.support.pairing import PairingScheduling
-
-
-    def pytest_xdist_make_scheduler(config, log):
-        Path(__file__).with_name("scheduler.txt").write_text("pairing")
-        return PairingScheduling(config, log, waiting=("test_grouped.py::test_free",))
-    """
-)
-
-
 def test_a_groups_tests_run_on_one_worker_and_its_module_fixture_once(tmp_path):
     (tmp_path / "test_grouped.py").write_text(GROUPED)
-    (tmp_path / "conftest.py").write_text(PAIRING)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not this repo's config (its conftest, its markers)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup"],
@@ -77,7 +57,6 @@ def test_a_groups_tests_run_on_one_worker_and_its_module_fixture_once(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert (tmp_path / "scheduler.txt").read_text() == "pairing"
     lines = (tmp_path / "log.txt").read_text().splitlines()
     workers = {line for line in lines if line.startswith("worker")}
     assert lines.count("fixture") == 1 and len(workers) == 1, (
