@@ -28,6 +28,7 @@ from open_diloco.outer.state import local_shards
 from open_diloco.outer.streaming import fragment_length
 from open_diloco.output_paths import ensure_run_outputs_writable
 from open_diloco.parallelize import parallelize, resolve_precision
+from open_diloco.sample_log import open_sample_log
 from open_diloco.shutdown import StopGuard
 from open_diloco.steps import evaluate, pass_step, train_step
 from open_diloco.world import (
@@ -63,6 +64,7 @@ def train(config: Config) -> None:
     data = plan_data(config, model_config["vocab_size"], world.world_size, galaxy_rank, galaxy_size)
     run_name = config.run_name or f"cluster{galaxy_rank}-{time.strftime('%Y%m%d-%H%M%S')}"
     ensure_run_outputs_writable(config, world.is_main)
+    sample_log = open_sample_log(config.sample_log, run_name, galaxy_rank, world.rank)
 
     guard = StopGuard().install()
     gc_schedule = GcSchedule(config.gc_interval)  # collections between steps, not inside them
@@ -77,6 +79,7 @@ def train(config: Config) -> None:
         model, outer = build_model_and_outer_loop(config, world, precision, model_config)
         optimizer, scheduler = build_optimizer_and_schedule(model, config)
         loader, eval_loader = build_loaders(config, data, world)
+        loader = sample_log.watch(loader)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
         batches = position_at(start_step, outer.data_position(start_step), loader, scheduler, grad_accum)
@@ -92,6 +95,7 @@ def train(config: Config) -> None:
                 record = latest = train_step(
                     step, model, optimizer, batches, scheduler, grad_accum, config, world
                 )
+                sample_log.record(step, outer.data_position(step))
             else:
                 record = pass_step(step, latest, scheduler)
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps, trained=trains)
@@ -123,13 +127,23 @@ def train(config: Config) -> None:
         ending = f"failed ({log_failure(err)[:200]})"
         raise
     finally:
-        guard.begin_shutdown()
-        saver.close(timeout=checkpoint.SAVE_GRACE_SECONDS)  # a stopped run: bounded wait, then abandon
-        outer.report({"state": ending})
-        outer.close()
-        metrics.close()
-        gc_schedule.close()
-        leave_process_group(synchronize=ending == "finished")
+        end_run(ending, guard, saver, outer, metrics, sample_log, gc_schedule)
+
+
+def end_run(
+    ending: str, guard: StopGuard, saver: checkpoint.CheckpointSaver, outer: OuterLoop, *parts
+) -> None:
+    """What every run does on its way out, however it ended (``ending``): no more signals taken as a stop, the
+    checkpoint being written finished or abandoned (bounded), the galaxy told how the cluster ended and left,
+    the run's other ``parts`` closed, and the process group left (in step with the other ranks only after a
+    finished run: after a failure a sibling may never come)."""
+    guard.begin_shutdown()
+    saver.close(timeout=checkpoint.SAVE_GRACE_SECONDS)  # a stopped run: bounded wait, then abandon
+    outer.report({"state": ending})
+    outer.close()
+    for part in parts:
+        part.close()
+    leave_process_group(synchronize=ending == "finished")
 
 
 def build_sharded_model(config: Config, world: World, precision: str) -> torch.nn.Module:

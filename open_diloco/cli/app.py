@@ -60,7 +60,7 @@ FLAG_PANELS: dict[str, tuple[str, ...]] = {
         "backend",
         "dry_run",
     ),
-    "Logging": ("metric_logger_type", "metrics_path", "project", "run_name", "log_interval"),
+    "Logging": ("metric_logger_type", "metrics_path", "project", "run_name", "log_interval", "sample_log"),
     "Galaxy (--hv.*; any of them turns DiLoCo on)": ("hv",),
     "Checkpoints (--ckpt.*)": ("ckpt",),
 }

@@ -157,6 +157,10 @@ class Config(BaseModel):
     log_interval: Annotated[int, Field(ge=1)] = 1
     """Print a step line every N inner steps."""
 
+    sample_log: Path | None = None
+    """Debug: each rank appends the ids of the samples it trained, per inner step, to
+    `DIR/<run name>.rank<rank>.jsonl` (what the loaders read, to check the galaxy's data against the plan)."""
+
     hv: HvConfig | None = None
     """Galaxy settings; any `--hv.*` flag turns DiLoCo on."""
 

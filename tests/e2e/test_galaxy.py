@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from open_diloco.local_galaxy import outer_records
+from open_diloco.sample_log import read_sample_logs
 from tests.conftest import kill_tree, read_metrics
 from tests.support.faults import fault_env
 from tests.support.ledger_checks import assert_one_chain, assert_verifies_and_refuses_an_altered_hash
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.e2e
     ["none", pytest.param("int2", marks=pytest.mark.slow), pytest.param("sparse", marks=pytest.mark.slow)],
 )
 def test_two_clusters_stay_bitwise_identical(galaxy, compression):
+    samples = galaxy.workdir / "samples"
     steps = ["--max-steps", "30", "--hv.local-steps", "10", "--hv.compression", compression]
-    metrics = [galaxy.start_cluster(rank, 2, *steps) for rank in (0, 1)]
+    metrics = [galaxy.start_cluster(rank, 2, *steps, "--sample-log", str(samples)) for rank in (0, 1)]
     for m in metrics:  # a rank starts its hivemind processes before its first step
         galaxy.wait_for_step(m, 1, 120)
     sockets = galaxy.socket_files("cluster0") | galaxy.socket_files("cluster1")
@@ -62,6 +64,20 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
     # the ledger: one entry per round, made by each cluster alone, the same in both; a chain; verified
     assert_one_chain(metrics, [1, 2, 3], members=[0, 1])
     assert_verifies_and_refuses_an_altered_hash(metrics, galaxy.workdir / "ledger")
+    # what the loaders handed the models (--sample-log): each cluster's two ranks took its stream's positions
+    # 0..239 once each, rank r the r-th 4 of every block of 8, one step after another
+    for c in (0, 1):
+        lines = [line for line in read_sample_logs(samples) if line["galaxy_rank"] == c]
+        for r in (0, 1):
+            mine = [line for line in lines if line["rank"] == r]
+            assert (
+                [line["step"] for line in mine]
+                == [line["inner_steps"] for line in mine]
+                == list(range(1, 31))
+            )
+            assert all(
+                line["sample_ids"] == [8 * (line["step"] - 1) + 4 * r + i for i in range(4)] for line in mine
+            )
     # goodput: every step trained went into a committed round
     for c in (0, 1):
         first, last = rounds[c][1], rounds[c][3]
