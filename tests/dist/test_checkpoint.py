@@ -17,6 +17,7 @@ from open_diloco.checkpoint import read_metadata, resolve_resume
 from open_diloco.config.run import CkptConfig
 from open_diloco.errors import ConfigError
 from open_diloco.model import load_model_config
+from open_diloco.sample_log import read_sample_logs
 from tests.conftest import (
     REPO,
     SHALLOW_MODEL,
@@ -101,13 +102,24 @@ def last_step(metrics: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory) -> tuple[dict[int, float], Path]:
+def straight_run(tmp_path_factory) -> tuple[dict[int, float], Path, dict[int, list[int]]]:
     """One uninterrupted 2-rank run of 40 steps, checkpointed every 20: its losses, the reference of every
-    resume, and its step-20 checkpoint, which tests resume from (into their own directories) or spoil copies
-    of."""
+    resume, its step-20 checkpoint, which tests resume from (into their own directories) or spoil copies
+    of, and the samples the cluster trained each step (``--sample-log``)."""
     root = tmp_path_factory.mktemp("straight")
-    run(2, root / "m.jsonl", "--ckpt.interval", "20", "--ckpt.path", str(root / "ckpt"))
-    return losses(root / "m.jsonl"), root / "ckpt" / "step_00000020"
+    samples = ["--sample-log", str(root / "samples")]
+    run(2, root / "m.jsonl", "--ckpt.interval", "20", "--ckpt.path", str(root / "ckpt"), *samples)
+    return losses(root / "m.jsonl"), root / "ckpt" / "step_00000020", trained_samples(root / "samples")
+
+
+def trained_samples(directory: Path) -> dict[int, list[int]]:
+    """The ids a cluster's ranks trained at each step (rank 0's, then rank 1's), from their sample logs; of a
+    step trained twice (a resume replays the steps after its checkpoint), the last time."""
+    last = {(line["step"], line["rank"]): line["sample_ids"] for line in read_sample_logs(directory)}
+    steps: dict[int, list[int]] = {}
+    for step, rank in sorted(last):
+        steps.setdefault(step, []).extend(last[step, rank])
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -120,25 +132,44 @@ def step_20(straight_run) -> Path:
     return straight_run[1]
 
 
-def test_kill_and_resume_is_bit_exact(tmp_path, straight):
+@pytest.fixture(scope="module")
+def straight_samples(straight_run) -> dict[int, list[int]]:
+    return straight_run[2]
+
+
+def test_kill_and_resume_is_bit_exact(tmp_path, straight, straight_samples):
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    samples = ["--sample-log", str(tmp_path / "samples")]
     # saves are written in the background: kill once step 20's checkpoint is published and training went on
     published = lambda: last_step(first) >= 23 and (ckpt / "step_00000020").is_dir()  # noqa: E731
-    start_and_kill_when(2, first, published, "--ckpt.interval", "20", "--ckpt.path", str(ckpt))
+    start_and_kill_when(2, first, published, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), *samples)
     assert [p.name for p in ckpt.iterdir()] == ["step_00000020"]
-    proc = run(2, second, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--ckpt.resume", "latest")
+    proc = run(
+        2, second, "--ckpt.interval", "20", "--ckpt.path", str(ckpt), "--ckpt.resume", "latest", *samples
+    )
     assert "resumed from" in proc.stdout
     resumed = losses(second)
     assert sorted(resumed) == list(range(21, 41)), proc.stdout[-3000:]
     # bit-exact: fp32 on CPU, same reduction order, state restored exactly
     assert [resumed[s] for s in range(21, 41)] == [straight[s] for s in range(21, 41)]
+    # and from what the loaders handed the models: the killed run and its resume trained, step by step, the
+    # samples of the straight run (the steps after the checkpoint twice: once before the kill, once after)
+    assert trained_samples(tmp_path / "samples") == straight_samples
+    lines = read_sample_logs(tmp_path / "samples")
+    assert len(lines) >= 2 * (40 + 3)  # steps 21..23 at least were trained before the kill too
+    assert all(line["sample_ids"] == straight_samples[line["step"]][4 * line["rank"] :][:4] for line in lines)
+    assert len({i for ids in straight_samples.values() for i in ids}) == 40 * 8
 
 
-def test_resume_with_fewer_ranks_reshards(tmp_path, straight, step_20):
+def test_resume_with_fewer_ranks_reshards(tmp_path, straight, step_20, straight_samples):
     second = tmp_path / "second.jsonl"
-    run(1, second, "--ckpt.resume", str(step_20))  # saved by 2 ranks
+    run(
+        1, second, "--ckpt.resume", str(step_20), "--sample-log", str(tmp_path / "samples")
+    )  # saved by 2 ranks
     resumed = losses(second)
     assert sorted(resumed) == list(range(21, 41))
+    # one rank takes each step what the two took together (accumulation 2), in the same order
+    assert trained_samples(tmp_path / "samples") == {s: straight_samples[s] for s in range(21, 41)}
     # one rank sees the same global batches; only the reduction order differs
     for step in range(21, 41):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-3)
