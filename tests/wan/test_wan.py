@@ -179,7 +179,11 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
     seen = [(rec["outer_step"], rec["galaxy_peers"], rec["in_sync"]) for rec in while_apart]
     assert not any(in_sync for _, peers, in_sync in seen if peers < 2), seen
     assert all(peers < 2 for _, peers, _ in seen[1:]), seen  # only the round in flight at the cut was whole
-    assert any(rec["galaxy_alive"] == 1 for rec in while_apart), seen  # a lone round
+    # a lone round, applied. Whether cluster 0 already counted cluster 1 gone (galaxy_alive 1) depends on
+    # whether its DHT node still reaches cluster 1's record across the cut; an unreadable record counts as
+    # alive (a round waits rather than skips a cluster that is there), and the round then proceeds as a
+    # partial one (seen in a clean-clone run: "proceeding with 1 of 2 live clusters", twice)
+    assert any(rec["galaxy_peers"] == 1 and rec["round_outcome"] == "applied" for rec in while_apart), seen
     forked = _held_then_forked(metrics[1])
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
