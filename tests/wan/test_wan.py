@@ -168,22 +168,7 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
         pids += sorted(galaxy.seen_pids)
     assert_gone(lab, pids)
     rounds = [outer_records(m) for m in metrics]
-    # apart, cluster 0 trained on alone and neither hung: it finished rounds after the cut within the 30 s
-    # (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and rounds are
-    # 7-10 s here, so how many more fit in 30 s is the machine's, not the galaxy's), and no lone
-    # round claims the galaxy agrees with it (the other side fell silent, it did not say it ended). The round
-    # in flight at the cut may still have been averaged by both sides just before it (its record lands after
-    # the cut was read: seen in CI), and then it is in sync, rightly: judged by its group, not by its time
-    while_apart = [rounds[0][r] for r in sorted(rounds[0]) if cut_at[0] < r <= apart[0]]
-    assert while_apart, (cut_at, apart)
-    seen = [(rec["outer_step"], rec["galaxy_peers"], rec["in_sync"]) for rec in while_apart]
-    assert not any(in_sync for _, peers, in_sync in seen if peers < 2), seen
-    assert all(peers < 2 for _, peers, _ in seen[1:]), seen  # only the round in flight at the cut was whole
-    # a lone round, applied. Whether cluster 0 already counted cluster 1 gone (galaxy_alive 1) depends on
-    # whether its DHT node still reaches cluster 1's record across the cut; an unreadable record counts as
-    # alive (a round waits rather than skips a cluster that is there), and the round then proceeds as a
-    # partial one (seen in a clean-clone run: "proceeding with 1 of 2 live clusters", twice)
-    assert any(rec["galaxy_peers"] == 1 and rec["round_outcome"] == "applied" for rec in while_apart), seen
+    _assert_cluster0_trained_alone(rounds, cut_at, apart)
     forked = _held_then_forked(metrics[1])
     assert healed is not None, [
         (r, rounds[0].get(r), rounds[1].get(r)) for r in range(max(apart), max(apart) + 5)
@@ -222,6 +207,26 @@ def test_a_partition_of_two_heals_onto_the_heavier_chain_and_records_what_was_dr
         assert first <= min(forked) and max(forked) <= last, (dropped, forked)
     else:
         assert dropped[0]["work"] < dropped[0]["kept_work"], dropped  # a tie would keep cluster 0's
+
+
+def _assert_cluster0_trained_alone(rounds: list[dict], cut_at: list[int], apart: list[int]) -> None:
+    """While the link was down, cluster 0 (the split's quorum) applied lone rounds and claimed no sync."""
+    # apart, cluster 0 trained on alone and neither hung: it finished rounds after the cut within the 30 s
+    # (the round in flight at the cut may wait --hv.averaging-timeout for the other side, and rounds are
+    # 7-10 s here, so how many more fit in 30 s is the machine's, not the galaxy's), and no lone
+    # round claims the galaxy agrees with it (the other side fell silent, it did not say it ended). The round
+    # in flight at the cut may still have been averaged by both sides just before it (its record lands after
+    # the cut was read: seen in CI), and then it is in sync, rightly: judged by its group, not by its time
+    while_apart = [rounds[0][r] for r in sorted(rounds[0]) if cut_at[0] < r <= apart[0]]
+    assert while_apart, (cut_at, apart)
+    seen = [(rec["outer_step"], rec["galaxy_peers"], rec["in_sync"]) for rec in while_apart]
+    assert not any(in_sync for _, peers, in_sync in seen if peers < 2), seen
+    assert all(peers < 2 for _, peers, _ in seen[1:]), seen  # only the round in flight at the cut was whole
+    # a lone round, applied. Whether cluster 0 already counted cluster 1 gone (galaxy_alive 1) depends on
+    # whether its DHT node still reaches cluster 1's record across the cut; an unreadable record counts as
+    # alive (a round waits rather than skips a cluster that is there), and the round then proceeds as a
+    # partial one (seen in a clean-clone run: "proceeding with 1 of 2 live clusters", twice)
+    assert any(rec["galaxy_peers"] == 1 and rec["round_outcome"] == "applied" for rec in while_apart), seen
 
 
 def _held_then_forked(metrics) -> list[int]:
