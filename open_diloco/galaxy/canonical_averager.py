@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager, matchmaking
-from hivemind.averaging import averager as hivemind_averager  # its loop: galaxy/task_refs.py
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_tensor_stream, serialize_torch_tensor
@@ -33,7 +32,7 @@ from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
 from open_diloco.galaxy.step_tracking import StepTracking
 from open_diloco.galaxy.stripe_plan import PART_BYTES
 from open_diloco.galaxy.striped_download import StripedDownload
-from open_diloco.galaxy.task_refs import hold_tasks_in_loops_of
+from open_diloco.galaxy.task_refs import tend_averager_loop
 from open_diloco.outer.guard import ClaimCheck, valid_claim, valid_weight
 from open_diloco.outer.policy import out_of_cohort
 
@@ -194,7 +193,7 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
         CanonicalAverager._process_allowlist = self.allowlist
         logging.getLogger("hivemind.averaging.averager").addFilter(one_line_download_failures)
         matchmaking.GroupKeyManager = PacedGroupKeyManager  # this process serves this averager alone
-        hold_tasks_in_loops_of(hivemind_averager)  # a cancelled round's matchmaking is not garbage
+        tend_averager_loop()  # a cancelled round's tasks are not garbage, nor its broken streams an ERROR
         super().run()
 
     # -- the allowlist, on every averager RPC (galaxy/allowlist.py) ---------------------------------------
