@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -52,14 +53,7 @@ def hold_tasks_in_loops_of(module: ModuleType) -> None:
     """Make the event loops ``module`` makes (hivemind's ``switch_to_uvloop``, as imported there) hold every
     task they create until it ends. For the process that serves one hivemind averager or DHT alone: call it in
     that process, before its loop starts."""
-    make_loop = module.switch_to_uvloop
-
-    def switch_to_uvloop() -> asyncio.AbstractEventLoop:
-        loop = make_loop()
-        loop.set_task_factory(_held_task)
-        return loop
-
-    module.switch_to_uvloop = switch_to_uvloop
+    _set_up_loops_of(module, lambda loop: loop.set_task_factory(_held_task))
 
 
 def _quiet_unread_connection_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -75,11 +69,17 @@ def quiet_unread_connection_errors_in_loops_of(module: ModuleType) -> None:
     """Make the event loops ``module`` makes (``switch_to_uvloop``, as imported there) log a future's
     connection error that nobody read at DEBUG instead of as an ERROR (see the module's docstring). Call it in
     the process that serves one hivemind averager, before its loop starts."""
+    _set_up_loops_of(module, lambda loop: loop.set_exception_handler(_quiet_unread_connection_errors))
+
+
+def _set_up_loops_of(module: ModuleType, set_up: Callable[[asyncio.AbstractEventLoop], None]) -> None:
+    """Make ``module``'s ``switch_to_uvloop`` (hivemind's, as imported there) pass every loop it makes to
+    ``set_up`` before handing it out."""
     make_loop = module.switch_to_uvloop
 
     def switch_to_uvloop() -> asyncio.AbstractEventLoop:
         loop = make_loop()
-        loop.set_exception_handler(_quiet_unread_connection_errors)
+        set_up(loop)
         return loop
 
     module.switch_to_uvloop = switch_to_uvloop
