@@ -27,7 +27,7 @@ from hivemind.utils.streaming import split_for_streaming
 from open_diloco.galaxy.allowlist import Allowlist, RefusedStub
 from open_diloco.galaxy.allreduce import CanonicalAllReduce
 from open_diloco.galaxy.lifecycle import become_galaxy_child
-from open_diloco.galaxy.paced_matchmaking import PacedGroupKeyManager, lower_floor_later
+from open_diloco.galaxy.paced_matchmaking import PacedGroupKeyManager, lower_floor_later, refresh_leaders
 from open_diloco.galaxy.state_pins import PIN_IDLE_SECONDS, Pin, StatePins
 from open_diloco.galaxy.step_tracking import StepTracking
 from open_diloco.galaxy.stripe_plan import PART_BYTES
@@ -63,9 +63,9 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
     anyone."""
     _process_allowlist: Allowlist | None = None
     """The allowlist of the one averager in this (averager) process, for :meth:`get_stub`, a classmethod."""
-    _relax_task: asyncio.Task | None = None
-    """The round's pending lowering of its floor (``paced_matchmaking.lower_floor_later``), in the averager's
-    process."""
+    _round_tasks: tuple[asyncio.Task, ...] = ()
+    """The round's matchmaking helpers in the averager's process (``paced_matchmaking``): its leader refresh
+    and the pending lowering of its floor; cancelled when the next round is set."""
 
     # Always fork, like hivemind.DHT (a ForkProcess): the averager cannot be pickled for "spawn", which is
     # the default start method inside processes started with spawn (and wherever a program chose it).
@@ -177,12 +177,12 @@ class CanonicalAverager(StepTracking, DecentralizedAverager):
             matchmaking.group_key_manager.group_bits = group_bits
             matchmaking.target_group_size, matchmaking.request_timeout = group_size, request_timeout
             matchmaking.min_group_size = min_group
-            if self._relax_task is not None:
-                self._relax_task.cancel()
+            for task in self._round_tasks:
+                task.cancel()
+            helpers = [refresh_leaders(matchmaking, group_bits)]
             if min_group > 2:
-                self._relax_task = asyncio.create_task(
-                    lower_floor_later(matchmaking, group_bits, relax_after)
-                )
+                helpers.append(lower_floor_later(matchmaking, group_bits, relax_after))
+            self._round_tasks = tuple(asyncio.create_task(helper) for helper in helpers)
             future.set_result(None)
         except Exception as err:
             if not future.done():

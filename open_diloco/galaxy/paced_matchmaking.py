@@ -11,6 +11,7 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 
 GROUP_POLL_SECONDS = 0.2  # a shard looking for a group reads its group key from the DHT at most this often
+LEADER_REFRESH_SECONDS = 1.0  # ... and at least this often, while it looks (see ``refresh_leaders``)
 
 
 class PacedGroupKeyManager(GroupKeyManager):
@@ -43,3 +44,23 @@ async def lower_floor_later(matchmaking: Matchmaking, group_bits: str, after: fl
     await asyncio.sleep(after)
     if matchmaking.group_key_manager.group_bits == group_bits:
         matchmaking.min_group_size = 2
+
+
+async def refresh_leaders(matchmaking: Matchmaking, group_bits: str) -> None:
+    """While this shard looks for a group in the round of ``group_bits``, have hivemind re-read who else is
+    looking at least every :data:`LEADER_REFRESH_SECONDS`.
+
+    Why: hivemind re-reads the key only while the best leader it knows of might still be beaten by one it
+    has not seen; it assumes every peer declares the same window, so that a peer arriving later declares a
+    later expiry and can never be a better leader. Ours do not: a cluster that sees another one behind waits
+    the ceiling (``MatchmakingPlan``, ``coming``), one that does not declares the usual window. A peer that
+    came first with the long window then never heard of the later ones with shorter windows, whose
+    expiries made them the better leaders: on loopback, two such peers ended every round alone after 30 s
+    while the two others closed a pair after the floor came down (a galaxy of four, floor 3), and the `home`
+    soak of 2026-12-04 (seed 5) held rounds for a minute that way, all four clusters connected. Re-read,
+    the early peer finds the better leader and joins it with its followers: the four form one group as the
+    last one arrives."""
+    while matchmaking.group_key_manager.group_bits == group_bits:
+        await asyncio.sleep(LEADER_REFRESH_SECONDS)
+        if matchmaking.is_looking_for_group:
+            matchmaking.potential_leaders.update_triggered.set()

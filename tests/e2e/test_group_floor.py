@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import test_averager
-from tests.support.averager_peers import CTX
+from tests.support.averager_peers import CTX, start_galaxy
 
 galaxy = test_averager.galaxy  # the fixture: every peer's process ended and accounted for, by PID
 
@@ -40,3 +40,29 @@ def test_a_group_smaller_than_its_floor_keeps_looking_until_the_floor_is_lowered
         formed.append(max(r[3]["matchmaking_seconds"] for r in results))
     assert formed[0] < expiry, formed  # the floor at 2: the pair closed at the window's end
     assert formed[1] >= expiry + window - 0.5, formed  # at 3: not before the floor came down
+
+
+def test_peers_that_came_first_with_a_longer_window_join_the_later_ones(galaxy):
+    """Four peers of a galaxy of four, floor 3: the first two plan the ceiling's window (they saw a cluster
+    behind: ``MatchmakingPlan``'s ``coming``), the two that come 3-4 s later the usual short one, so the later
+    ones declare the earlier expiries, the better leaders. hivemind re-read the key only while its best known
+    leader could still be beaten, so the early pair never heard of the later one: it ended alone at the
+    averaging timeout while the later pair closed after the floor came down (each round, every time; the
+    `home` soak of 2026-12-04 held rounds a minute that way). With the refresh
+    (``paced_matchmaking.refresh_leaders``) the four form one group as the last one arrives."""
+    n, arrive_after = 4, [0.0, 0.5, 3.0, 4.0]
+    barrier = CTX.Barrier(n + 1)
+    settings = dict(
+        heartbeat_interval=1.0, averaging_timeout=25.0, min_groups=[3], windows=[25.0, 25.0, 2.4, 2.4]
+    )
+    start_galaxy(galaxy, n, 1, barrier, arrive_after=arrive_after, **settings)
+    barrier.wait(60)
+    results = galaxy.wait_for("round", n, timeout=60)
+    assert not [m for m in galaxy.messages if m[0] == "round_error"]
+    assert [r[3]["group_size"] for r in sorted(results, key=lambda r: r[1])] == [n] * n, [
+        r[3] for r in results
+    ]
+    assert len({r[4]["sha256"] for r in results}) == 1, "peers disagree on the averaged bytes"
+    # the group closed when the last one came, not at a window's or the floor's end
+    waited = {r[1]: r[3]["matchmaking_seconds"] for r in results}
+    assert all(waited[rank] < 4.0 - arrive_after[rank] + 3.0 for rank in range(n)), waited

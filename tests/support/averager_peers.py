@@ -10,9 +10,7 @@ import asyncio
 import contextlib
 import faulthandler
 import gc
-import hashlib
 import logging
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -23,6 +21,7 @@ import psutil
 import torch
 
 from open_diloco import processes
+from tests.support.peer_rounds import peer_input, round_result
 
 CTX = mp.get_context("forkserver")
 # Each peer is forked from one server process that imported torch and hivemind once (a clean,
@@ -39,19 +38,6 @@ BASE = dict(
     member_expiry=15.0,
 )
 """The ``--hv.*`` settings of every peer here; a test adds its own (``galaxy_size``, ``world_rank``, ...)."""
-
-
-def peer_input(round_id: int, rank: int, numel: int, scores: int = 0) -> torch.Tensor:
-    """A peer's input: ``numel`` values, then ``scores`` block scores (powers of two, as the outer loop sends
-    them)."""
-    generator = torch.Generator().manual_seed(1000 * round_id + rank)
-    values = torch.randn(numel, generator=generator)
-    return torch.cat([values, 2.0 ** -torch.randint(0, 40, (scores,), generator=generator).float()])
-
-
-def _power_of_two(values: torch.Tensor) -> torch.Tensor:
-    """Each non-negative value truncated to the power of two at or below it (0 stays 0), written out."""
-    return torch.tensor([2.0 ** math.floor(math.log2(v)) if v > 0 else 0.0 for v in values.tolist()])
 
 
 def _crash_when_reducing() -> None:
@@ -187,6 +173,16 @@ def _inject(fault: str | None, crash: bool) -> None:
         _collect_garbage_on_request()
 
 
+def _round_plan(av, n: int, round_id: int, rank: int, min_groups=None, windows=None, arrive_after=None):
+    """The round's matchmaking plan as a test sets it (a floor per round, a window per peer); ``None``: the
+    averager's own."""
+    if not (min_groups or windows):
+        return None
+    plan = av.matchmaking_plan(n)
+    plan = replace(plan, min_group=min_groups[round_id]) if min_groups else plan
+    return replace(plan, window=windows[rank]) if windows else plan
+
+
 def _peer(
     rank: int,
     kwargs: dict,
@@ -217,7 +213,8 @@ def _peer(
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
-    min_groups = kwargs.pop("min_groups", None)  # each round's fewest peers to close a group (plan.min_group)
+    # each round's floor (plan.min_group), each peer's window (plan.window) and delay after the barrier
+    plan_with = {k: kwargs.pop(k) for k in ("min_groups", "windows", "arrive_after") if k in kwargs}
     try:
         # (a client must name its DHT peers; the others are checked by start_shard_averager itself)
         hv = HvConfig(
@@ -246,17 +243,18 @@ def _peer(
             barrier.wait(60)
             inputs = [peer_input(round_id, r, numel, scores) for r in range(n)]
             mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
+            time.sleep(plan_with.get("arrive_after", {rank: 0.0})[rank])
             start = time.monotonic()
             try:
                 fingerprint = {"fingerprint": f"rank{rank}"}
                 if weights:
                     fingerprint["weight"] = weights[rank]
-                floor = min_groups and replace(av.matchmaking_plan(n), min_group=min_groups[round_id])
-                report = av.all_reduce(mine, round_id, fingerprint, plan=floor or None)
+                plan = _round_plan(av, n, round_id, rank, **plan_with)
+                report = av.all_reduce(mine, round_id, fingerprint, plan=plan)
             except Exception as e:
                 queue.put(("round_error", rank, round_id, type(e).__name__, str(e), time.monotonic() - start))
                 continue
-            result = _round_result(mine, inputs, rank, report, numel, started=start, weights=weights)
+            result = round_result(mine, inputs, rank, report, numel, started=start, weights=weights)
             queue.put(("round", rank, round_id, asdict(report), result))
         if not rounds and not serve and not download:
             time.sleep(300)  # idle: waits to be killed
@@ -279,41 +277,6 @@ def _as_tensors(message: tuple) -> tuple:
         return message
     kind, rank, (metadata, arrays), seconds = message
     return kind, rank, (metadata, [torch.from_numpy(array) for array in arrays]), seconds
-
-
-def _round_result(
-    mine: torch.Tensor, inputs: list, rank: int, report, numel: int, started: float, weights=None
-) -> dict:
-    """What the test checks of one peer's round: its result ``mine`` against the mean of the inputs of the
-    peers the round ``report`` names (and of those it did not reject), weighted by ``weights`` if given."""
-
-    def mean_of(ranks: list[int]) -> torch.Tensor:
-        stacked = torch.stack([inputs[r] for r in ranks]).double()
-        if not weights:
-            return stacked.mean(0)
-        w = torch.tensor([weights[r] for r in ranks], dtype=torch.float64).unsqueeze(1)
-        return (stacked * w).sum(0) / w.sum()
-
-    present = torch.stack([inputs[r] for r in sorted(report.peers)]).double()
-    mean = mean_of(sorted(report.peers))
-    honest_mean = mean_of([r for r in sorted(report.peers) if r not in report.rejected])
-    error = (mine.double() - mean).abs()
-    # fp16: every input is rounded on the wire (2^-11 of |x_i|), then the average once more
-    fp16_tolerance = 2**-10 * (present.abs().max(0).values + mean.abs()) + 1e-7
-    return dict(
-        sha256=hashlib.sha256(mine.numpy().tobytes()).hexdigest(),
-        rel_err=float(error.max() / mean.abs().max()),
-        fp16_ok=bool((error <= fp16_tolerance).all()),
-        unchanged=bool(torch.equal(mine, inputs[rank])),
-        each_mean_or_own=bool(((error <= 1e-6 * mean.abs().max()) | (mine == inputs[rank])).all()),
-        finite=bool(torch.isfinite(mine).all()),
-        honest_share=float(
-            ((mine.double() - honest_mean).abs() <= 1e-6 * honest_mean.abs().max()).double().mean()
-        ),
-        wall=time.monotonic() - started,
-        # the scores' average, kept to its power of two (what every peer decodes of the reducer's byte)
-        scores_are_the_mean=bool(torch.equal(mine[numel:], _power_of_two(present[:, numel:].mean(0)))),
-    )
 
 
 def descendants_named(root: int) -> dict[int, str]:

@@ -177,6 +177,21 @@ def test_matchmaking_builds_its_key_manager_by_the_module_name_we_replace():
     ), changed("PotentialLeaders._update_queue_periodically")
 
 
+def test_a_triggered_update_makes_the_search_read_its_key_again():
+    # galaxy/paced_matchmaking.refresh_leaders sets update_triggered while a shard looks: the queue's updater
+    # must wait on it, and pop_next_leader must take the update's result
+    leaders = matchmaking.PotentialLeaders
+    assert "self.update_triggered" in inspect.getsource(leaders.__init__), changed("update_triggered")
+    updater = inspect.getsource(leaders._update_queue_periodically)
+    assert "self.update_triggered.wait()" in updater and "self.update_finished.set()" in updater, changed(
+        "PotentialLeaders._update_queue_periodically"
+    )
+    assert "self.update_finished.wait()" in inspect.getsource(leaders.pop_next_leader), changed(
+        "PotentialLeaders.pop_next_leader"
+    )
+    assert "self.potential_leaders = PotentialLeaders(" in inspect.getsource(matchmaking.Matchmaking.__init__)
+
+
 def test_matchmaking_reads_its_floor_each_time_a_window_ends():
     # galaxy/paced_matchmaking.py lowers min_group_size mid-round: hivemind must read it when a window ends
     for where in (
