@@ -30,6 +30,14 @@ TAKES_OUT = CUTS | {"kill_restart", "late_join"}
 BACK_LIMIT = REPAIR_LIMIT + 1
 """Syncs a cluster out of the galaxy (killed, late, cut off) may take to be back after the fault's end: a
 take, a second take when the galaxy committed during the first one's download, then its own Δ in a round."""
+RECONNECT_SECONDS = 30.0
+"""After a fault's end: how long a cluster's tries before it hears the others again (its record sees no
+cluster alive beyond its own side, ``galaxy_alive``, and it took nothing) do not count towards its
+``BACK_LIMIT``. Why: the soak's stride is about half a second, so a cut-off minority ran three to five such
+tries in the 1-4 s after its link came back, while its connections were dialled anew, and used up its syncs
+before it took the majority's state 10-15 s after the heal, which the judge then counted as a sit-out with no
+fault to blame (`home`, seed 5, 2026-12-04). Such a try later than this counts: not hearing the others for
+that long is a trouble of its own."""
 
 
 @dataclass
@@ -76,21 +84,31 @@ def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:
         if f.kind in ("kill_restart", "late_join"):
             settled = max(f.end, next((s["time"] for s in syncs[f.cluster] if s["time"] > f.end), f.end))
         if f.kind in TAKES_OUT:
-            back = max([settled, *(back_at(syncs[c], f.end) for c in minority_of(f, len(syncs)))])
+            out = minority_of(f, len(syncs))
+            back = max([settled, *(back_at(syncs[c], f.end, len(out)) for c in out)])
         spans.append(Window(f.index, f.start, f.end, settled, back))
     return spans
 
 
-def back_at(records: list[dict], after: float) -> float:
+def back_at(records: list[dict], after: float, side: int = 1) -> float:
     """When a cluster out of the galaxy since ``after`` is back: the time of its first sync after it that
     commits with other clusters (``committed``, peers ≥ 2), at most its ``BACK_LIMIT``-th sync after it (a
-    cluster not back by then has a trouble of its own, which counts); ``after`` if it never syncs again."""
-    later = [r for r in records if r["time"] > after][:BACK_LIMIT]
-    for record in later:
-        committed = record.get("committed", not record.get("resynced"))
-        if committed and (record.get("galaxy_peers") or 0) >= 2:
-            return record["time"]
-    return later[-1]["time"] if later else after
+    cluster not back by then has a trouble of its own, which counts), not counting the tries in which it saw
+    no more than its own side alive (``side`` clusters) within ``RECONNECT_SECONDS``; ``after`` if it never
+    syncs again."""
+    counted, seen = 0, after
+    for record in (r for r in records if r["time"] > after):
+        seen = record["time"]
+        peers = record.get("galaxy_peers") or 0
+        if record.get("committed", not record.get("resynced")) and peers >= 2:
+            break
+        alive = record.get("galaxy_alive", peers) or 0
+        if alive <= side and not record.get("resynced") and record["time"] - after <= RECONNECT_SECONDS:
+            continue  # it has not heard the others again yet
+        counted += 1
+        if counted == BACK_LIMIT:
+            break
+    return seen
 
 
 def repair(after: float, records: list[dict], cluster: int, table: dict) -> tuple[int, float] | None:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from scripts.chaos.analysis import cluster_figures, fault_figures, hashes_by_step, repairable_from, windows
+from scripts.chaos.analysis import (
+    RECONNECT_SECONDS,
+    cluster_figures,
+    fault_figures,
+    hashes_by_step,
+    repairable_from,
+    windows,
+)
 from scripts.chaos.judge import lighter_taken, minority_taken, normalize, targets
 from scripts.chaos.plan import KINDS, Fault, minority_of, schedule, split_sides
 from scripts.chaos.run import with_overrides
@@ -232,6 +239,21 @@ def test_a_cut_lasts_until_the_cut_off_cluster_is_back_in_a_round():
     stuck = c1[:4] + [sync(s, 20.0 + s, resynced=True, peers=0) for s in range(10, 16)]
     (w,) = windows([cut], [c0, stuck])
     assert w.back == 32.0  # its third sync after the cut (t=30, 31, 32, ...)
+    # tries right after the heal in which it saw nobody alive but itself (the others not heard again yet) do
+    # not use up its syncs: it takes the state at t=38 and is back in a round at t=41, however many came first
+    alone = {"committed": False, "galaxy_alive": 1}
+    lone = c1[:4] + [{**sync(9, 20.0 + i / 2, peers=1), **alone} for i in range(1, 6)]
+    lone += [sync(10, 38.0, resynced=True, peers=0), {**sync(13, 41.0), "committed": True}]
+    (w,) = windows([cut], [c0, lone])
+    assert w.back == 41.0
+    # ... but only within RECONNECT_SECONDS of the heal: a cluster still alone after that is in trouble
+    late = c1[:4] + [{**sync(9, 20.0 + RECONNECT_SECONDS + i, peers=1), **alone} for i in range(1, 6)]
+    (w,) = windows([cut], [c0, late])
+    assert w.back == 20.0 + RECONNECT_SECONDS + 3  # its third try after the allowance
+    # ... and a round of one in which it saw the others alive is a try of its own: it counts
+    heard = c1[:4] + [{**sync(9, 20.0 + i / 2, peers=1), **alone, "galaxy_alive": 2} for i in range(1, 6)]
+    (w,) = windows([cut], [c0, heard])
+    assert w.back == 21.5
     # a split: the side without rank 0 is the one out of the galaxy; its latest return ends the window
     split = Fault(1, "split", 1, trigger=5, seconds=10, start=10.0, end=20.0)
     c2 = [sync(s, float(s * 2)) for s in range(1, 20)]
