@@ -99,6 +99,12 @@ MOVES = {
 above."""
 
 
+HOLD_REMINDER_SECONDS = 30.0
+"""While a cluster holds round after round with nothing new to say, it says so again this often. Why: a
+cut-off cluster holds at every stride (the soak's half-second strides wrote one line per rank each, half of
+its log), and a line per stride says no more than one per half-minute and a last one when the hold ends."""
+
+
 class Next(enum.Enum):
     COMMIT = "commit"
     TAKE = "take"
@@ -151,6 +157,10 @@ class RoundContext:
     """The least seconds per inner step a live cluster published, as the last round's start read it."""
     holding_since: float | None = None
     """When this cluster began to hold (no quorum), on this rank's clock; ``None`` while it commits."""
+    held_rounds: int = 0
+    """Rounds held since ``holding_since``."""
+    hold_said: tuple[float, tuple] | None = None
+    """When this cluster last said it holds, and what it said (:data:`HOLD_REMINDER_SECONDS`)."""
     tokens_per_step: int = 1
     """Tokens of one inner step of this cluster (``--total-batch-size`` × ``--seq-length``): what a round's
     ledger entry counts as committed work (1 in in-process tests: work counts steps)."""
@@ -623,18 +633,23 @@ class Round:
         fragment of it (:meth:`OuterState.drop_progress`): its progress is dropped, as it would be at the heal
         anyway; kept, the next Δ would grow with every held round until the guard called it out of bound and
         the cluster diverged. The trainer then trains the stride again (``CatchUp.clock_after``)."""
-        ctx, roster = self.ctx, self.roster
+        ctx, roster, now = self.ctx, self.roster, time.monotonic()
         self._enter(Phase.HELD)
         if ctx.holding_since is None:
-            ctx.holding_since = time.monotonic()
+            ctx.holding_since, ctx.held_rounds, ctx.hold_said = now, 0, None
+        ctx.held_rounds += 1
         present = sorted(voting & (roster - self.ended))
-        ctx.warn(
-            f"outer step {self.id.number}: clusters {present} are no majority of the roster {sorted(roster)}"
-            f"{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster commits nothing, "
-            "trains the stride again, and takes the majority's state when it is back (a fork after "
-            f"--hv.fork-after={ctx.hv.fork_after:g}s, held "
-            f"{time.monotonic() - ctx.holding_since:.0f}s)"
-        )
+        said = (tuple(present), tuple(sorted(roster)), tuple(sorted(self.ended)))
+        last = ctx.hold_said
+        if last is None or last[1] != said or now - last[0] >= HOLD_REMINDER_SECONDS:
+            ctx.hold_said = (now, said)
+            ctx.warn(
+                f"outer step {self.id.number}: clusters {present} are no majority of the roster "
+                f"{sorted(roster)}{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster "
+                "commits nothing, trains the stride again, and takes the majority's state when it is back (a "
+                f"fork after --hv.fork-after={ctx.hv.fork_after:g}s; held {ctx.held_rounds} round(s) in "
+                f"{now - ctx.holding_since:.0f}s)"
+            )
         ctx.state.drop_progress()
         return self._result("held", report, network_wait, galaxy_complete=view.whole)
 
@@ -790,7 +805,11 @@ class Round:
         """The round's :class:`RoundResult`, hashes and norms the cluster's (every shard's, combined); a
         ``param_hash`` given is θ_outer's, already gathered (a commit's entry)."""
         ctx, state = self.ctx, self.ctx.state
-        if outcome != "held":
+        if outcome != "held" and ctx.holding_since is not None:
+            ctx.warn(
+                f"outer step {self.id.number}: {outcome} after holding {ctx.held_rounds} round(s) in "
+                f"{time.monotonic() - ctx.holding_since:.0f}s"
+            )
             ctx.holding_since = None
         fragment = state.fragment if fragment is None else fragment
         param_hash = fields.pop("param_hash", None) or ctx.committed.cluster_hash()

@@ -4,10 +4,12 @@ a cluster that holds (commits nothing, drops its stride) or, after ``--hv.fork-a
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
+from open_diloco.outer import round as round_module
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
 from open_diloco.outer.quorum import has_quorum, next_roster, roster_of, smallest_group
@@ -160,6 +162,38 @@ def test_a_member_whose_record_cannot_be_read_still_votes():
     galaxy.departed.add(0)  # ... so the membership calls it gone, without a record saying it ended
     galaxy.barrier = threading.Barrier(1)
     assert outer.after_inner_step(2)["round_outcome"] == "held"
+
+
+def _holding_alone(**hv):
+    """The scene above: cluster 1 of two, alone after a round together, holds every round; its warnings."""
+    galaxy = InProcessGalaxy(2)
+    _, _, outer = run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, **PLAIN, **hv)[1]
+    said = []
+    outer.rounds.warn = said.append
+    with galaxy._joining:
+        del galaxy.averagers[0]
+    galaxy.departed.add(0)
+    galaxy.barrier = threading.Barrier(1)
+    return outer, said
+
+
+def test_a_cluster_that_holds_round_after_round_says_so_once_and_again_when_the_hold_ends():
+    # one warning for the hold, not one a round (a cut-off cluster holds at every stride: in the soak, half
+    # its log), and one line when the hold ends (here on a fork, after --hv.fork-after)
+    outer, said = _holding_alone(fork_after=1.0)
+    assert [outer.after_inner_step(step)["round_outcome"] for step in (2, 3, 4, 5)] == ["held"] * 4
+    holds = [line for line in said if "no majority of the roster" in line]
+    assert len(holds) == 1 and "held 1 round(s)" in holds[0], said
+    time.sleep(1.1)  # past --hv.fork-after
+    assert outer.after_inner_step(6)["round_outcome"] == "applied" and outer.ledger.last.fork
+    assert any("applied after holding 4 round(s)" in line for line in said), said
+
+
+def test_a_long_hold_says_so_again_after_the_reminder_interval(monkeypatch):
+    monkeypatch.setattr(round_module, "HOLD_REMINDER_SECONDS", 0.0)
+    outer, said = _holding_alone()
+    assert [outer.after_inner_step(step)["round_outcome"] for step in (2, 3)] == ["held"] * 2
+    assert len(said) == 2 and "held 1 round(s)" in said[0] and "held 2 round(s)" in said[1], said
 
 
 def test_before_any_roster_a_cluster_never_heard_of_votes_in_no_quorum():
