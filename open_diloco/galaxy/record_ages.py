@@ -19,6 +19,12 @@ log = logging.getLogger(__name__)
 SKEW_WARNING_SECONDS = 2.0
 """A publisher's clock proven this far off this machine's is named in a warning: membership ages do not depend
 on it, but hivemind's matchmaking and DHT expiry compare clocks at the scale of ``--hv.matchmaking-time``."""
+SKEW_PROOFS = 3
+"""New versions in a row that must each prove a skew before it is named. Why: a version can be readable later
+than :data:`PUBLISH_DELAY_SECONDS` after its publication after all (published on the far side of a partition,
+or kept by a DHT node that another read did not reach), and then one read "proves" a skew that is not there:
+after the heals of the chaos soak, on one machine and one clock, clusters were said to be 2.4-6.4 s behind.
+A real skew shows in every version."""
 PUBLISH_DELAY_SECONDS = 3.0
 """How long a publication may take to become readable (the publisher gives one up after this long,
 ``status.STORE_TIMEOUT``): a version first read now may date from this long before the previous read."""
@@ -50,8 +56,8 @@ class RecordAges:
 
     Skew: a new version was not readable at the previous read, so it is at most (time since then +
     :data:`PUBLISH_DELAY_SECONDS`) old, and at least as old as the estimate above; a publisher-clock age
-    outside that range proves a skew. One beyond :data:`SKEW_WARNING_SECONDS` is named in one warning line per
-    cluster."""
+    outside that range proves a skew. One beyond :data:`SKEW_WARNING_SECONDS`, proven by :data:`SKEW_PROOFS`
+    new versions in a row, is named in one warning line per cluster."""
 
     def __init__(self, expiry: float | None = None, clock: Callable[[], float] = time.monotonic):
         self._expiry, self._clock = expiry, clock
@@ -61,6 +67,7 @@ class RecordAges:
         ] = {}  # rank: (version, published, last read)
         self._incarnations: dict[int, set[Any]] = {}  # rank: every started_at read (a restart is news once)
         self._warned: set[int] = set()
+        self._proofs: dict[int, int] = {}  # rank: new versions in a row that proved a skew
 
     def stamp(self, records: list[MemberRecord], wall_now: float) -> list[MemberRecord]:
         """``records`` with each one's ``last_seen_seconds`` set (new records: they are frozen);
@@ -109,13 +116,15 @@ class RecordAges:
     def _check_skew(self, rank: int, clock_age: float, youngest: float, oldest: float) -> None:
         """Warn once per cluster when a version that just appeared, whose true age lies between ``youngest``
         and ``oldest`` (+ :data:`PUBLISH_DELAY_SECONDS`), proves its publisher's clock off by more than
-        :data:`SKEW_WARNING_SECONDS`."""
+        :data:`SKEW_WARNING_SECONDS`, as the :data:`SKEW_PROOFS` - 1 new versions before it did."""
         oldest += PUBLISH_DELAY_SECONDS
         behind, ahead = (
             clock_age - oldest,
             youngest - clock_age,
         )  # the least skew each way that the read proves
-        if rank in self._warned or max(behind, ahead) <= SKEW_WARNING_SECONDS:
+        proven = max(behind, ahead) > SKEW_WARNING_SECONDS
+        self._proofs[rank] = self._proofs.get(rank, 0) + 1 if proven else 0
+        if rank in self._warned or self._proofs[rank] < SKEW_PROOFS:
             return
         self._warned.add(rank)
         dated = f"{clock_age:.1f} s ago" if clock_age >= 0 else f"{-clock_age:.1f} s in the future"
