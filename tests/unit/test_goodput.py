@@ -53,6 +53,20 @@ def test_a_chain_taken_instead_takes_out_the_dropped_rounds_and_counts_the_taken
     assert goodput.committed == 40 + 40  # round 1 of its own, and its part of the kept round 3
 
 
+def test_a_restart_that_takes_rounds_its_killed_launch_computed_counts_them_computed_too():
+    # resumed from a checkpoint of round 1 (its counts: 40 computed, 40 committed), the cluster takes the
+    # galaxy's chain, which holds its Δ of rounds 2 and 3 (computed by the killed launch after that
+    # checkpoint): committed 120, and computed no less (the soak's twice-killed cluster read 100.2 %)
+    goodput = Goodput(galaxy_rank=0, tokens_per_step=10, local_steps=4)
+    goodput.load_state_dict({"computed": 40, "committed": 40})
+    ledger = Ledger()
+    ledger.take([entry(1, (0, 1)).to_wire()])
+    before = list(ledger.entries)
+    ledger.take([entry(rnd, (0, 1)).to_wire() for rnd in (1, 2, 3)])
+    goodput.chain_changed(before, ledger.entries)
+    assert (goodput.computed, goodput.committed, goodput.ratio) == (120, 120, 1.0)
+
+
 def test_entries_that_only_fall_off_the_front_stay_counted():
     goodput = Goodput(galaxy_rank=0, tokens_per_step=1, local_steps=1)
     ledger = Ledger()
