@@ -173,7 +173,7 @@ def _inject(fault: str | None, crash: bool) -> None:
         _collect_garbage_on_request()
 
 
-def _round_plan(av, n: int, round_id: int, rank: int, min_groups=None, windows=None, arrive_after=None):
+def _round_plan(av, n: int, round_id: int, rank: int, min_groups=None, windows=None):
     """The round's matchmaking plan as a test sets it (a floor per round, a window per peer); ``None``: the
     averager's own."""
     if not (min_groups or windows):
@@ -213,8 +213,8 @@ def _peer(
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     initial_peers, numel = kwargs.pop("initial_peers"), kwargs.pop("numel")
     weights = kwargs.pop("peer_weights", None)  # each peer's averaging weight (--hv.round-steps by-speed)
-    # each round's floor (plan.min_group), each peer's window (plan.window) and delay after the barrier
-    plan_with = {k: kwargs.pop(k) for k in ("min_groups", "windows", "arrive_after") if k in kwargs}
+    plan_with = {k: kwargs.pop(k) for k in ("min_groups", "windows") if k in kwargs}  # floors, windows
+    arrive_after = kwargs.pop("arrive_after", None)  # each peer's delay after the round's barrier
     try:
         # (a client must name its DHT peers; the others are checked by start_shard_averager itself)
         hv = HvConfig(
@@ -243,7 +243,7 @@ def _peer(
             barrier.wait(60)
             inputs = [peer_input(round_id, r, numel, scores) for r in range(n)]
             mine = inputs[rank] * 1000 if fault == "huge" else inputs[rank].clone()  # a finite, blown-up Δ
-            time.sleep(plan_with.get("arrive_after", {rank: 0.0})[rank])
+            time.sleep(arrive_after[rank] if arrive_after else 0.0)
             start = time.monotonic()
             try:
                 fingerprint = {"fingerprint": f"rank{rank}"}

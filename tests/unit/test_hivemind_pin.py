@@ -189,7 +189,9 @@ def test_a_triggered_update_makes_the_search_read_its_key_again():
     assert "self.update_finished.wait()" in inspect.getsource(leaders.pop_next_leader), changed(
         "PotentialLeaders.pop_next_leader"
     )
-    assert "self.potential_leaders = PotentialLeaders(" in inspect.getsource(matchmaking.Matchmaking.__init__)
+    assert "self.potential_leaders = PotentialLeaders(" in inspect.getsource(
+        matchmaking.Matchmaking.__init__
+    ), changed("Matchmaking.__init__")
 
 
 def test_matchmaking_reads_its_floor_each_time_a_window_ends():
