@@ -4,14 +4,16 @@ The data plan says which samples a cluster should train; this log says which one
 model, so a check of the galaxy's data (no sample in two clusters, none lost or read twice across a resume,
 a take or a hold) can be made from what happened rather than from the plan. Each rank appends one line per
 inner step it trains to ``DIR/<run name>.rank<rank>.jsonl``:
-``{"step": 7, "inner_steps": 7, "galaxy_rank": 0, "rank": 1, "sample_ids": [...]}``, the ids of every
-micro-batch of the step in the order read. A line is flushed as it is written: a killed rank's log ends at its
-last step. Off (the default), nothing is wrapped and nothing is written.
+``{"time": 1796141925.8, "step": 7, "inner_steps": 7, "galaxy_rank": 0, "rank": 1, "sample_ids": [...]}``,
+the ids of every micro-batch of the step in the order read (``time``: when the step ended, on the clock of the
+metrics records, so the two read in one order: ``open_diloco/data_audit.py``). A line is flushed as it is
+written: a killed rank's log ends at its last step. Off (the default), nothing is wrapped or written.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,7 +49,8 @@ class SampleLog(NullSampleLog):
 
     def record(self, step: int, inner_steps: int) -> None:
         """The ids read since the last record, as inner step ``step`` (the loader at ``inner_steps``)."""
-        line = {"step": step, "inner_steps": inner_steps, **self._where, "sample_ids": list(self._ids)}
+        line = {"time": time.time(), "step": step, "inner_steps": inner_steps, **self._where}
+        line["sample_ids"] = list(self._ids)
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
         self._ids.clear()

@@ -8,6 +8,7 @@ Commands import what they run inside their body: ``open-diloco --help`` loads ne
 from __future__ import annotations
 
 from open_diloco.cli import (
+    audit_data,
     check_config,
     export,
     identity,
@@ -29,5 +30,6 @@ app.command(identity.identity, name="identity")
 app.command(status.status, name="status")
 app.command(report.report, name="report")
 app.command(ledger.ledger, name="ledger")
+app.command(audit_data.audit_data, name="audit-data")
 
 __all__ = ["FLAG_PANELS", "app", "main", "parse", "run"]

@@ -68,11 +68,11 @@ class DiLoCo:
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: Round | None = None
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
+        self._flight_step = 0  # the inner step the sync in flight started after (its records' sync_step)
         self._resumed_contribution: Contribution | None = None  # set by load_state_dict, read by join_galaxy
         self._window_start: float | None = None
         self._held = 0.0
-        """Seconds the trainer spent in the outer loop since the last round's metrics (for compute
-        utilization)."""
+        """Seconds the trainer spent in the outer loop since the last round's metrics (for utilization)."""
         self.state = OuterState(
             model,
             lr=hv.outer_lr,
@@ -163,6 +163,7 @@ class DiLoCo:
                 resent = self._resumed_contribution
                 self._sync_pace[self.outer_step + 1] = (resent.inner_steps or 0, resent.weight)
                 self._hold(Round.start(self.rounds, resent), resumed_at + self.schedule.sync_delay)
+                self._flight_step = resumed_at
         self._resumed_contribution = None
         return self.inner_step_of_galaxy()
 
@@ -246,6 +247,7 @@ class DiLoCo:
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
             results.append(flight.finish())
+            results[-1].sync_step = self._flight_step
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
         # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
@@ -260,6 +262,7 @@ class DiLoCo:
         back_to = self.catch_up.clock_after(inner_step, self.in_flight is not None, last, held)
         if back_to is not None and self.in_flight is not None:
             self.in_flight.lands_at -= inner_step - back_to  # it lands as far into the galaxy's clock
+            self._flight_step -= inner_step - back_to
         self._held += time.perf_counter() - began
         if results:
             window = time.perf_counter() - self._window_start
@@ -302,9 +305,13 @@ class DiLoCo:
         if self.pace.by_speed:  # the next stride's steps, from the speeds this round's start read
             planned = self.pace.plan(self.step_time.seconds, self.rounds.fastest_seconds)
             self.pace.agree(self.cluster.min_int(planned))
-        if delay == 0 and not flight.sits_out:
-            return flight.finish()
-        return self._hold(flight, inner_step + delay)
+        self._flight_step = inner_step
+        result = (
+            flight.finish() if delay == 0 and not flight.sits_out else self._hold(flight, inner_step + delay)
+        )
+        if result is not None:
+            result.sync_step = inner_step
+        return result
 
     def _hold(self, flight: Round, lands_at: int) -> RoundResult | None:
         """Keep a started round in flight until inner step ``lands_at``, or sit it out at once."""

@@ -56,6 +56,10 @@ class RoundResult:
     round_weight: float | None = None
     """``--hv.round-steps by-speed``: the weight its Δ entered the average with (``round_inner_steps``
     ÷ H)."""
+    sync_step: int | None = None
+    """The inner step (the galaxy's, with steps by speed) the sync started after: its Δ holds this cluster's
+    training up to that step, and what it trained after it goes into the fragment's next sync (a delayed
+    sync lands later, at the record's ``step``). Read by ``open-diloco audit-data``."""
     committed_work: int = 0
     """The committed work (tokens) of the ledger chain that ends at this cluster's θ_outer now
     (``LedgerEntry.work``): how the galaxy tells which of two forks to keep."""
@@ -98,6 +102,7 @@ class RoundResult:
             "compute_utilization",
             "round_inner_steps",
             "round_weight",
+            "sync_step",
             "ledger",
             "ledger_dropped",
             "matchmaking_window_seconds",

@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 
+from open_diloco.data_audit import audit
 from open_diloco.local_galaxy import outer_records
 from open_diloco.sample_log import read_sample_logs
 from tests.conftest import kill_tree, read_metrics
@@ -78,6 +79,10 @@ def test_two_clusters_stay_bitwise_identical(galaxy, compression):
             assert all(
                 line["sample_ids"] == [8 * (line["step"] - 1) + 4 * r + i for i in range(4)] for line in mine
             )
+    # and what became of them (open-diloco audit-data): every page (step) of each cluster committed once
+    audited = audit(samples, metrics)
+    assert [(c.cursor, c.once) for c in audited.clusters] == [(30, list(range(1, 31)))] * 2, audited
+    assert not audited.problems
     # goodput: every step trained went into a committed round
     for c in (0, 1):
         first, last = rounds[c][1], rounds[c][3]
@@ -226,6 +231,7 @@ def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
     # its start (torchrun, imports, DHT, download) took 34 s, 4 of cluster 0's lone rounds, so it gets 5
     # rounds of room.
     policy = ["--hv.local-steps", "5", "--hv.on-partial-round", "proceed", "--hv.averaging-timeout", "8"]
+    policy += ["--sample-log", str(galaxy.workdir / "samples")]
     early = galaxy.start_cluster(0, 2, "--max-steps", "55", *policy)
     galaxy.wait_for_step(early, 12, 240)
     late = galaxy.start_cluster(1, 2, "--max-steps", "45", *policy)
@@ -250,6 +256,12 @@ def test_late_joiner_downloads_state_and_joins_in_sync(galaxy):
         if step not in incidents:
             assert early_rounds[step]["param_hash"] == late_rounds[step]["param_hash"], shown
     assert len(together) > len(incidents), shown
+    # what the fixed roster's data split costs a late joiner (issue 50): the part of the data it would have
+    # trained before it came is dealt to nobody (open-diloco audit-data: pages skipped, never read)
+    early_pages, late_pages = audit(galaxy.workdir / "samples", [early, late]).clusters
+    joined_at = (first_round_of_late - 1) * 5
+    assert late_pages.skipped[: joined_at - 1] == list(range(1, joined_at)), late_pages
+    assert set(late_pages.skipped) <= set(late_pages.lost) and not early_pages.skipped, early_pages
 
 
 def _round_line(record: dict) -> dict:

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from open_diloco.data_audit import audit
 from open_diloco.local_galaxy import Galaxy, outer_records, repaired
 from tests.conftest import kill_tree, read_metrics
 from tests.support.ledger_checks import ledger_command
@@ -25,7 +26,8 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
     round has come out partial on one side only (the reducer's averages never reached the other peer: "sent 0
     parts"), which the round reports (``galaxy_complete`` false) and the galaxy heals by re-syncing within two
     syncs; with every sync after it whole and identical again."""
-    metrics = [galaxy.start_cluster(rank, 2, "--max-steps", "16", *STREAMING) for rank in (0, 1)]
+    samples = ["--sample-log", str(galaxy.workdir / "samples")]
+    metrics = [galaxy.start_cluster(rank, 2, "--max-steps", "16", *STREAMING, *samples) for rank in (0, 1)]
     for rank in (0, 1):
         assert galaxy.wait(f"cluster{rank}", 300) == 0, galaxy.log(f"cluster{rank}")[-3000:]
     rounds = [outer_records(m) for m in metrics]
@@ -46,6 +48,14 @@ def test_fragments_in_flight_stay_bitwise_identical(galaxy):
         assert 0.0 <= a["compute_utilization"] <= 1.0 and a["network_wait_seconds"] >= 0.0
         # the round started at step 2·sync and landed two inner steps later (the last one at once, at the end)
         assert a["step"] == min(2 * sync + 2, 16)
+    # the data (open-diloco audit-data): each step's samples went into every fragment of θ_outer once, each
+    # with the fragment's first sync that started after it (the τ = 2 steps in flight: the next one's); the
+    # last ones wait for syncs the run did not reach. An incident's re-sync loses its round's
+    for pages in audit(galaxy.workdir / "samples", metrics).clusters:
+        assert pages.cursor == 16 and not pages.twice, pages
+        assert set(pages.once) | set(pages.in_flight) | set(pages.lost) == set(range(1, 17)), pages
+        assert len(pages.lost) <= (4 * len(split) if split else 0), (split, pages)
+        assert pages.in_flight and max(pages.in_flight) == 16 and len(pages.once) >= 8, pages
     # each sync carries a quarter of the shard: the whole model's bytes go over the wire once per cycle
     per_sync = [rounds[0][s]["bytes_sent"] for s in range(1, SYNCS + 1)]
     assert max(per_sync) < 1.1 * min(per_sync)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from open_diloco.data_audit import audit
 from open_diloco.local_galaxy import outer_records
+from open_diloco.sample_log import read_sample_logs
 from tests.conftest import REPO
 from tests.support.faults import fault_env, paced
 
@@ -47,12 +49,13 @@ def _join_three(galaxy, faulty: int | None = None) -> list[Path]:
     """Clusters 0-2 train (``faulty`` drops every state part it is asked for); cluster 3 joins after their
     first round. Checks that the joiner took the θ_outer its holders hold at the outer step it joined at (its
     ``param_hash`` is theirs in their metrics); returns the four clusters' metrics files."""
+    common = [*COMMON, "--sample-log", str(galaxy.workdir / "samples")]
     metrics = [
-        galaxy.start_cluster(rank, 4, *COMMON, nproc=1, env=_dropping_parts() if rank == faulty else PACE)
+        galaxy.start_cluster(rank, 4, *common, nproc=1, env=_dropping_parts() if rank == faulty else PACE)
         for rank in range(3)
     ]
     galaxy.wait_for_step(metrics[0], 10, 240)
-    metrics.append(galaxy.start_cluster(3, 4, *COMMON, nproc=1, env=PACE))
+    metrics.append(galaxy.start_cluster(3, 4, *common, nproc=1, env=PACE))
     joined = _wait_for(galaxy, JOIN, 300)
     step, param_hash = int(joined.group(1)), joined.group(2)
     line = re.search(r"striped state download: .*", galaxy.log("cluster3")).group(0)  # the join's: the first
@@ -95,6 +98,14 @@ def test_a_late_joiner_takes_the_state_in_parts_from_all_three_clusters_and_aver
     )
     assert all_four == together, [side[all_four] for side in rounds]  # its first such round, on one hash
     assert all(side[together]["in_sync"] for side in rounds), [side[together] for side in rounds]
+    # what the fixed roster's split costs a joiner (issue 50): the pages of its part it came too late for are
+    # dealt to nobody (open-diloco audit-data: never read, lost); the three read theirs from the first on
+    *first_three, joiner = audit(galaxy.workdir / "samples", metrics).clusters
+    went_on_from = min(
+        line["step"] for line in read_sample_logs(galaxy.workdir / "samples") if line["galaxy_rank"] == 3
+    )
+    assert went_on_from > 10 and joiner.skipped[: went_on_from - 1] == list(range(1, went_on_from)), joiner
+    assert set(joiner.skipped) <= set(joiner.lost) and not any(c.skipped for c in first_three), first_three
 
 
 @pytest.mark.slow  # ~3 min; the averager-level failover (test_striped_download.py) is in the suite

@@ -156,6 +156,8 @@ def test_fragments_with_delay_match_a_per_fragment_reference(delay):
     assert [r["step"] for r in records[0]] == [min(k * 2 + delay, steps) for k in range(1, steps // 2)] + [
         steps
     ]
+    # each record names the step its sync started after (what ``open-diloco audit-data`` reads)
+    assert [r["sync_step"] for r in records[0]] == [k * 2 for k in range(1, steps // 2 + 1)]
     for a, b in zip(*records, strict=True):
         assert a["param_hash"] == b["param_hash"] and a["fragment_hash"] == b["fragment_hash"]
         assert a["in_sync"] and b["in_sync"]

@@ -1,0 +1,230 @@
+"""What became of the data each cluster read: every page committed into θ_outer once, lost, or taken twice.
+
+Why: the data plan says which samples a cluster should train, and ``tokens_committed`` counts tokens; neither
+says whether a given sample reached θ_outer, or reached it twice (a stride trained again after a held round, a
+resumed cluster training again what its killed launch had already put in). This audit reads what happened:
+the samples the loaders handed to the model (``--sample-log``, ``open_diloco/sample_log.py``) and the
+clusters' sync records (``--metric-logger-type jsonl``), lined up by their ``time``.
+
+- **Page**: one inner step's samples of one cluster (every rank's micro-batches of that step), named by the
+  loader's position ``inner_steps`` (1, 2, …). The fixed roster deals the data by position
+  (``data.split_samples``), so a cluster's pages below its highest one are all its data so far.
+- **A reading** of a page is one training of it. A cluster's training moves every fragment of θ_local, and
+  fragment f carries a reading into θ_outer with f's first sync that *starts* after it (a record's
+  ``sync_step``: at ``--hv.sync-delay`` τ > 0, the τ steps trained while a sync is in flight belong to the
+  fragment's next one).
+- **That sync commits the reading for f** when its outcome is ``applied`` or ``adopted`` with this cluster a
+  member of its ledger entry. It is lost for f when the sync ``held`` (the stride's fragment lands on the
+  unchanged θ_outer) or was ``sat_out``, lost for every fragment when the cluster took another's state
+  (``resynced``, or ``sat_out`` with a state taken), and un-committed when a later re-sync drops the round
+  (``ledger_dropped``: a fork not kept). A launch that ends (killed, stopped) loses its readings not yet
+  committed, except, when the next launch resumed from a checkpoint, those before the step it goes on from.
+- **A page is committed once** when each fragment's θ_outer took exactly one of its readings. *Lost*: some
+  fragment took none, and none is still in flight at the end. *Twice*: some fragment took two.
+- Across clusters (real data, where a sample id is global): a sample in pages of two clusters that both
+  committed is counted twice by the galaxy.
+
+Known limit: a resumed launch that takes the galaxy's state while joining (no sync record says so) is read as
+going on from its checkpoint; its first trained step then lies past the checkpoint's, which the audit reports
+as skipped pages of the cluster's own, not as readings lost.
+
+Pure Python: no torch, no hivemind.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TAKES = ("resynced",)
+"""Outcomes after which this cluster's θ_local is another cluster's: every reading in progress is lost."""
+
+
+@dataclass
+class Reading:
+    """One training of a page by a cluster."""
+
+    step: int
+    page: int
+    ids: list[int]
+    commits: dict[int, list[int]] = field(default_factory=dict)
+    """Fragment → the rounds that carried this reading into θ_outer (a dropped round taken out again)."""
+
+
+@dataclass(frozen=True)
+class ClusterPages:
+    """One cluster's pages, by what became of them."""
+
+    galaxy_rank: int
+    cursor: int
+    """The highest page it read."""
+    read: int
+    once: list[int]
+    lost: list[int]
+    """Pages at or below the cursor (read or skipped) that some fragment never took, none in flight."""
+    twice: list[int]
+    in_flight: list[int]
+    """Pages with a reading still uncommitted when the cluster's last launch ended (the run's last sync)."""
+    skipped: list[int]
+    """Pages below the cursor never read (a take moved the loader past them); counted in :attr:`lost` too."""
+
+
+@dataclass(frozen=True)
+class GalaxyPages:
+    clusters: list[ClusterPages]
+    shared_ids: list[int]
+    """Real data: sample ids committed in pages of two clusters (empty for fake data: its streams are the
+    clusters' own)."""
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per cluster with pages lost or twice, and one for shared samples."""
+        lines = [
+            f"cluster {c.galaxy_rank}: {len(c.lost)} page(s) lost (first {c.lost[:5]}), {len(c.twice)} taken "
+            f"twice (first {c.twice[:5]}), of {c.cursor}"
+            for c in self.clusters
+            if c.lost or c.twice
+        ]
+        if self.shared_ids:
+            first = self.shared_ids[:5]
+            lines.append(f"{len(self.shared_ids)} sample(s) committed by two clusters (first {first})")
+        return lines
+
+
+def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
+    """Audit the clusters whose jsonl metrics files are ``metrics`` against the ``--sample-log`` directory."""
+    lines_by_cluster: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(Path(sample_log).glob("*.rank*.jsonl")):
+        for line in _whole_lines(path):
+            lines_by_cluster[line["galaxy_rank"]][line["rank"]].append(line)
+    clusters, fake, committed_ids = [], True, defaultdict(set)
+    for path in metrics:
+        records = _whole_lines(path)
+        starts = [r for r in records if r.get("event") == "start"]
+        if not starts:
+            continue
+        config = starts[0]["config"]
+        fake = bool(config.get("fake_data", True))
+        rank = config["hv"]["world_rank"] if config.get("hv") else 0
+        readings = _readings(lines_by_cluster.get(rank, {}))
+        pages = _replay(readings, records, config)
+        clusters.append(pages[0])
+        for reading in pages[1]:
+            if _taken_by_every_fragment(reading, _fragments(config)):
+                for sample in reading.ids:
+                    committed_ids[sample].add(rank)
+    shared = [] if fake else sorted(i for i, ranks in committed_ids.items() if len(ranks) > 1)
+    return GalaxyPages(clusters, shared)
+
+
+def _whole_lines(path: Path) -> list[dict[str, Any]]:
+    text = Path(path).read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+def _fragments(config: dict[str, Any]) -> int:
+    return int(config["hv"]["fragments"]) if config.get("hv") else 1
+
+
+def _readings(by_rank: dict[int, list[dict[str, Any]]]) -> list[tuple[float, Reading]]:
+    """A cluster's readings in the order trained: its lowest rank's lines, with every rank's ids of each."""
+    if not by_rank:
+        return []
+    ranks = sorted(by_rank)
+    first = by_rank[ranks[0]]
+    readings = []
+    for index, line in enumerate(first):
+        ids = [i for rank in ranks if index < len(by_rank[rank]) for i in by_rank[rank][index]["sample_ids"]]
+        readings.append((line["time"], Reading(line["step"], line["inner_steps"], ids)))
+    return readings
+
+
+def _replay(
+    readings: list[tuple[float, Reading]], records: list[dict[str, Any]], config: dict[str, Any]
+) -> tuple[ClusterPages, list[Reading]]:
+    """Walk a cluster's readings and records in time order, settling each reading fragment by fragment."""
+    hv = config.get("hv") or {}
+    fragments, delay = _fragments(config), int(hv.get("sync_delay", 0))
+    rank = hv.get("world_rank", 0)
+    events = [(t, 0, "read", r) for t, r in readings]
+    marks = [r for r in records if "round_outcome" in r or r.get("event") == "start"]
+    events += [(r["time"], 1, "record", r) for r in marks]
+    events.sort(key=lambda e: (e[0], e[1]))
+    pending: dict[int, list[Reading]] = {f: [] for f in range(fragments)}
+    every: list[Reading] = []
+    by_round: dict[int, list[tuple[Reading, int]]] = defaultdict(list)
+    resuming = False
+    for _, _, kind, item in events:
+        if kind == "read":
+            if resuming:  # a new launch: what it goes on from is in its checkpoint; what came after, lost
+                pending = {f: [r for r in rs if r.step < item.step] for f, rs in pending.items()}
+                resuming = False
+            every.append(item)
+            for f in range(fragments):
+                pending[f].append(item)
+        elif item.get("event") == "start":
+            if every:  # the previous launch ended here
+                resuming = item.get("resumed_from") is not None
+                if not resuming:
+                    pending = {f: [] for f in range(fragments)}
+        else:
+            pending = _settle(item, pending, delay, rank, by_round)
+    flight = sorted({r.page for rs in pending.values() for r in rs})
+    return _pages(rank, every, fragments, flight), every
+
+
+def _settle(
+    record: dict[str, Any],
+    pending: dict[int, list[Reading]],
+    delay: int,
+    rank: int,
+    by_round: dict[int, list[tuple[Reading, int]]],
+) -> dict[int, list[Reading]]:
+    """One sync record's effect on the readings in progress; returns those still in progress."""
+    if (dropped := record.get("ledger_dropped")) is not None:
+        first, last = dropped["rounds"]
+        for number in range(first, last + 1):
+            for reading, fragment in by_round.pop(number, []):
+                reading.commits[fragment].remove(number)
+    fragment, outcome = record.get("fragment", 0), record["round_outcome"]
+    if outcome in TAKES or (outcome == "sat_out" and record.get("state_source") is not None):
+        return {f: [] for f in pending}
+    started_at = record.get("sync_step", record["step"] - delay)  # (records before ``sync_step``: by τ)
+    waiting = pending[fragment]
+    ends = [i for i, r in enumerate(waiting) if r.step == started_at]
+    cut = ends[-1] + 1 if ends else sum(1 for r in waiting if r.step <= started_at)
+    covered, pending[fragment] = waiting[:cut], waiting[cut:]
+    entry = record.get("ledger") or {}
+    member = rank in [m["rank"] for m in entry.get("members", [])]
+    if outcome in ("applied", "adopted") and member:
+        for reading in covered:
+            reading.commits.setdefault(fragment, []).append(entry["round"])
+            by_round[entry["round"]].append((reading, fragment))
+    return pending
+
+
+def _taken_by_every_fragment(reading: Reading, fragments: int) -> bool:
+    return all(reading.commits.get(f) for f in range(fragments))
+
+
+def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]) -> ClusterPages:
+    taken: dict[int, list[int]] = defaultdict(lambda: [0] * fragments)
+    for reading in every:
+        for f in range(fragments):
+            taken[reading.page][f] += len(reading.commits.get(f, []))
+    cursor = max((r.page for r in every), default=0)
+    flying = set(in_flight)
+    once, lost, twice = [], [], []
+    for page in range(1, cursor + 1):
+        counts = taken.get(page, [0] * fragments)
+        if any(c > 1 for c in counts):
+            twice.append(page)
+        elif all(c == 1 for c in counts):
+            once.append(page)
+        elif page not in flying:
+            lost.append(page)
+    skipped = [p for p in range(1, cursor + 1) if p not in taken]
+    return ClusterPages(rank, cursor, len(taken), once, lost, twice, sorted(flying), skipped)

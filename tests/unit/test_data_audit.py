@@ -1,0 +1,160 @@
+"""The data audit (``open_diloco/data_audit.py``) on hand-made logs: what each kind of round does to pages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from open_diloco.data_audit import audit
+from tests.conftest import REPO
+
+
+class Cluster:
+    """Writes one cluster's sample log (one rank) and metrics, one event a second."""
+
+    def __init__(self, root: Path, rank: int = 0, fragments: int = 1, delay: int = 0, fake: bool = True):
+        self.root, self.rank, self.clock = root, rank, 0.0
+        (root / "samples").mkdir(exist_ok=True)
+        self.samples = root / "samples" / f"cluster{rank}.rank0.jsonl"
+        self.metrics = root / f"cluster{rank}.jsonl"
+        self.config = {
+            "fake_data": fake,
+            "hv": {"world_rank": rank, "fragments": fragments, "sync_delay": delay},
+        }
+        self.start()
+
+    def _write(self, path: Path, line: dict) -> None:
+        self.clock += 1.0
+        with open(path, "a") as file:
+            file.write(json.dumps({"time": self.clock, **line}) + "\n")
+
+    def start(self, resumed_from: str | None = None) -> None:
+        self._write(self.metrics, {"event": "start", "config": self.config, "resumed_from": resumed_from})
+
+    def read(self, step: int, page: int | None = None, ids: list[int] | None = None) -> None:
+        page = step if page is None else page
+        ids = [10 * page, 10 * page + 1] if ids is None else ids
+        line = {"step": step, "inner_steps": page, "galaxy_rank": self.rank, "rank": 0, "sample_ids": ids}
+        self._write(self.samples, line)
+
+    def sync(self, step: int, outcome: str, number: int, fragment: int = 0, members=None, **extra) -> None:
+        members = [self.rank] if members is None else members
+        entry = {"round": number, "members": [{"rank": r} for r in members]}
+        record = {"step": step, "outer_step": number, "fragment": fragment, "round_outcome": outcome}
+        self._write(self.metrics, {**record, "ledger": entry, **extra})
+
+
+def _one(cluster: Cluster):
+    (pages,) = audit(cluster.root / "samples", [cluster.metrics]).clusters
+    return pages
+
+
+def test_blocking_rounds_commit_every_page_once(tmp_path):
+    c = Cluster(tmp_path)
+    for step in range(1, 7):
+        c.read(step)
+        if step % 2 == 0:
+            c.sync(step, "applied", step // 2)
+    pages = _one(c)
+    assert (pages.cursor, pages.once, pages.lost, pages.twice, pages.in_flight) == (
+        6,
+        [1, 2, 3, 4, 5, 6],
+        [],
+        [],
+        [],
+    )
+
+
+def test_a_take_loses_the_round_and_the_pages_it_jumped_over(tmp_path):
+    c = Cluster(tmp_path)
+    for step in (1, 2, 3, 4):
+        c.read(step)
+    c.sync(2, "applied", 1)  # (logged after step 4 was read: the sync covers what was read up to its step)
+    c.sync(4, "resynced", 3, state_source=1)  # took outer step 3, round 1 in its chain: goes on from step 6
+    for step in (7, 8):
+        c.read(step)
+    c.sync(8, "applied", 4)
+    pages = _one(c)
+    assert pages.once == [1, 2, 7, 8] and pages.lost == [3, 4, 5, 6] and pages.skipped == [5, 6]
+
+
+def test_a_round_this_cluster_is_not_a_member_of_commits_nothing_of_its_own(tmp_path):
+    c = Cluster(tmp_path)
+    for step in (1, 2):
+        c.read(step)
+    c.sync(2, "applied", 1, members=[1, 2])
+    assert _one(c).lost == [1, 2]
+
+
+def test_a_held_stride_trained_again_is_lost_for_its_fragment_and_doubled_for_the_other(tmp_path):
+    c = Cluster(tmp_path, fragments=2)
+    c.read(1), c.read(2)
+    c.sync(2, "applied", 1, fragment=0)
+    c.read(3), c.read(4)
+    c.sync(4, "held", 2, fragment=1)  # fragment 1 lands on the unchanged θ_outer: pages 1-4 lost for it
+    c.read(3), c.read(4)  # the stride again: fragment 0 still holds its first training
+    c.sync(4, "applied", 2, fragment=1)
+    c.read(5), c.read(6)
+    c.sync(6, "applied", 3, fragment=0)
+    pages = _one(c)
+    assert pages.lost == [1, 2] and pages.twice == [3, 4] and pages.in_flight == [5, 6] and not pages.once
+
+
+def test_a_delayed_sync_leaves_the_steps_trained_in_flight_to_the_next(tmp_path):
+    c = Cluster(tmp_path, delay=1)
+    c.read(1), c.read(2), c.read(3)
+    c.sync(3, "applied", 1, sync_step=2)  # started after step 2, landed after step 3: page 3 is the next's
+    c.read(4)
+    c.sync(4, "applied", 2, sync_step=4)  # the run's last: started and landed at once
+    pages = _one(c)
+    assert pages.once == [1, 2, 3, 4] and pages.in_flight == []
+
+
+def test_a_dropped_fork_takes_its_rounds_back(tmp_path):
+    c = Cluster(tmp_path)
+    for step in (1, 2, 3, 4):
+        c.read(step)
+        if step % 2 == 0:
+            c.sync(step, "applied", step // 2)
+    c.read(5), c.read(6)
+    c.sync(6, "resynced", 3, state_source=1, ledger_dropped={"rounds": [2, 2]})
+    assert _one(c).lost == [3, 4, 5, 6]
+
+
+def test_a_killed_launch_loses_what_came_after_its_checkpoint_and_a_commit_it_made_counts(tmp_path):
+    c = Cluster(tmp_path)
+    for step in (1, 2, 3):
+        c.read(step)
+    c.sync(2, "applied", 1)
+    c.start(resumed_from="ckpt/step_2")  # killed after step 3; resumed from step 2
+    c.read(3), c.read(4)
+    c.sync(4, "applied", 2)
+    assert _one(c).once == [1, 2, 3, 4]
+    (tmp_path / "again").mkdir()
+    again = Cluster(tmp_path / "again")
+    for step in (1, 2, 3, 4):
+        again.read(step)
+        if step % 2 == 0:
+            again.sync(step, "applied", step // 2)
+    again.start(resumed_from="ckpt/step_2")  # the galaxy kept round 2: the resume trains pages 3, 4 again
+    again.read(3), again.read(4)
+    again.sync(4, "applied", 2)
+    assert _one(again).twice == [3, 4]
+
+
+def test_real_data_committed_by_two_clusters_is_named_and_verify_exits_1(tmp_path):
+    clusters = [Cluster(tmp_path, rank, fake=False) for rank in (0, 1)]
+    for c, ids in zip(clusters, ([1, 2], [2, 3]), strict=True):
+        c.read(1, ids=ids)
+        c.sync(1, "applied", 1, members=[0, 1])
+    galaxy = audit(tmp_path / "samples", [c.metrics for c in clusters])
+    assert galaxy.shared_ids == [2] and galaxy.problems == [
+        "1 sample(s) committed by two clusters (first [2])"
+    ]
+    args = [str(tmp_path / "samples"), *(str(c.metrics) for c in clusters)]
+    command = [sys.executable, "-m", "open_diloco", "audit-data", *args, "--verify"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "committed by two clusters" in done.stderr, done
+    assert "cluster 1: 1 pages, 1 committed once" in done.stdout
