@@ -34,13 +34,18 @@ Pure Python: no torch, no hivemind.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 TAKES = ("resynced",)
 """Outcomes after which this cluster's θ_local is another cluster's: every reading in progress is lost."""
+CAUSES = ("held", "sat out", "left out", "taken", "dropped fork", "launch ended", "never read")
+"""Why a page was lost, as :attr:`ClusterPages.causes` counts them: its fragment's sync held or was sat out,
+committed without this cluster, the cluster took another's state, a later heal dropped the round, the launch
+died before the sync, or no loader ever read it (a take moved the loader past it)."""
 
 
 @dataclass
@@ -52,6 +57,11 @@ class Reading:
     ids: list[int]
     commits: dict[int, list[int]] = field(default_factory=dict)
     """Fragment → the rounds that carried this reading into θ_outer (a dropped round taken out again)."""
+    lost: dict[int, str] = field(default_factory=dict)
+    """Fragment → why this reading did not reach it (:data:`CAUSES`)."""
+
+    def lose(self, fragment: int, cause: str) -> None:
+        self.lost[fragment] = cause
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,8 @@ class ClusterPages:
     """Pages with a reading still uncommitted when the cluster's last launch ended (the run's last sync)."""
     skipped: list[int]
     """Pages below the cursor never read (a take moved the loader past them); counted in :attr:`lost` too."""
+    causes: dict[str, int] = field(default_factory=dict)
+    """Lost pages by why (:data:`CAUSES`; a page trained twice and lost both times, by its last training)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,7 @@ def _replay(
     for _, _, kind, item in events:
         if kind == "read":
             if resuming:  # a new launch: what it goes on from is in its checkpoint; what came after, lost
-                pending = {f: [r for r in rs if r.step < item.step] for f, rs in pending.items()}
+                pending = _lose(pending, "launch ended", keep=lambda r, step=item.step: r.step < step)
                 resuming = False
             every.append(item)
             for f in range(fragments):
@@ -169,7 +181,7 @@ def _replay(
             if every:  # the previous launch ended here
                 resuming = item.get("resumed_from") is not None
                 if not resuming:
-                    pending = {f: [] for f in range(fragments)}
+                    pending = _lose(pending, "launch ended")
         else:
             pending = _settle(item, pending, delay, rank, by_round)
     flight = sorted({r.page for rs in pending.values() for r in rs})
@@ -189,9 +201,10 @@ def _settle(
         for number in range(first, last + 1):
             for reading, fragment in by_round.pop(number, []):
                 reading.commits[fragment].remove(number)
+                reading.lose(fragment, "dropped fork")
     fragment, outcome = record.get("fragment", 0), record["round_outcome"]
     if outcome in TAKES or (outcome == "sat_out" and record.get("state_source") is not None):
-        return {f: [] for f in pending}
+        return _lose(pending, "taken")
     started_at = record.get("sync_step", record["step"] - delay)  # (records before ``sync_step``: by τ)
     waiting = pending[fragment]
     ends = [i for i, r in enumerate(waiting) if r.step == started_at]
@@ -203,7 +216,22 @@ def _settle(
         for reading in covered:
             reading.commits.setdefault(fragment, []).append(entry["round"])
             by_round[entry["round"]].append((reading, fragment))
+    else:
+        cause = {"held": "held", "sat_out": "sat out"}.get(outcome, "left out")
+        for reading in covered:
+            reading.lose(fragment, cause)
     return pending
+
+
+def _lose(
+    pending: dict[int, list[Reading]], cause: str, keep: Callable[[Reading], bool] = lambda r: False
+) -> dict[int, list[Reading]]:
+    """Readings in progress lost for ``cause`` (all but those ``keep`` keeps); returns those kept."""
+    for fragment, readings in pending.items():
+        for reading in readings:
+            if not keep(reading):
+                reading.lose(fragment, cause)
+    return {fragment: [r for r in readings if keep(r)] for fragment, readings in pending.items()}
 
 
 def _taken_by_every_fragment(reading: Reading, fragments: int) -> bool:
@@ -217,7 +245,8 @@ def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]
             taken[reading.page][f] += len(reading.commits.get(f, []))
     cursor = max((r.page for r in every), default=0)
     flying = set(in_flight)
-    once, lost, twice = [], [], []
+    last_loss = {r.page: r.lost for r in every if r.lost}  # (readings in order: the last one wins)
+    once, lost, twice, causes = [], [], [], Counter()
     for page in range(1, cursor + 1):
         counts = taken.get(page, [0] * fragments)
         if any(c > 1 for c in counts):
@@ -226,5 +255,7 @@ def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]
             once.append(page)
         elif page not in flying:
             lost.append(page)
+            missing = [last_loss.get(page, {}).get(f) for f, c in enumerate(counts) if c == 0]
+            causes[next((why for why in missing if why), "never read")] += 1
     skipped = [p for p in range(1, cursor + 1) if p not in taken]
-    return ClusterPages(rank, cursor, len(taken), once, lost, twice, sorted(flying), skipped)
+    return ClusterPages(rank, cursor, len(taken), once, lost, twice, sorted(flying), skipped, dict(causes))

@@ -54,12 +54,17 @@ def audit_data(
                 f"cluster {cluster.galaxy_rank}: {cluster.cursor} pages, {len(cluster.once)} committed once, "
                 f"{len(cluster.lost)} lost ({len(cluster.skipped)} never read), {len(cluster.twice)} twice, "
                 f"{len(cluster.in_flight)} in flight at the end"
+                + (f"; lost: {why}" if (why := _causes(cluster.causes)) else "")
             )
     problems = galaxy.problems
     if problems and verify:
         raise DataCheckFailed(problems[0])
     for problem in problems:
         print(f"problem: {problem}")
+
+
+def _causes(causes: dict[str, int]) -> str:
+    return ", ".join(f"{count} {why}" for why, count in sorted(causes.items(), key=lambda kv: -kv[1]))
 
 
 class DataCheckFailed(OpenDilocoError):

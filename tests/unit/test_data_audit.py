@@ -78,6 +78,7 @@ def test_a_take_loses_the_round_and_the_pages_it_jumped_over(tmp_path):
     c.sync(8, "applied", 4)
     pages = _one(c)
     assert pages.once == [1, 2, 7, 8] and pages.lost == [3, 4, 5, 6] and pages.skipped == [5, 6]
+    assert pages.causes == {"taken": 2, "never read": 2}
 
 
 def test_a_round_this_cluster_is_not_a_member_of_commits_nothing_of_its_own(tmp_path):
@@ -85,7 +86,7 @@ def test_a_round_this_cluster_is_not_a_member_of_commits_nothing_of_its_own(tmp_
     for step in (1, 2):
         c.read(step)
     c.sync(2, "applied", 1, members=[1, 2])
-    assert _one(c).lost == [1, 2]
+    assert _one(c).lost == [1, 2] and _one(c).causes == {"left out": 2}
 
 
 def test_a_held_stride_trained_again_is_lost_for_its_fragment_and_doubled_for_the_other(tmp_path):
@@ -100,6 +101,7 @@ def test_a_held_stride_trained_again_is_lost_for_its_fragment_and_doubled_for_th
     c.sync(6, "applied", 3, fragment=0)
     pages = _one(c)
     assert pages.lost == [1, 2] and pages.twice == [3, 4] and pages.in_flight == [5, 6] and not pages.once
+    assert pages.causes == {"held": 2}
 
 
 def test_a_delayed_sync_leaves_the_steps_trained_in_flight_to_the_next(tmp_path):
@@ -120,7 +122,7 @@ def test_a_dropped_fork_takes_its_rounds_back(tmp_path):
             c.sync(step, "applied", step // 2)
     c.read(5), c.read(6)
     c.sync(6, "resynced", 3, state_source=1, ledger_dropped={"rounds": [2, 2]})
-    assert _one(c).lost == [3, 4, 5, 6]
+    assert _one(c).lost == [3, 4, 5, 6] and _one(c).causes == {"dropped fork": 2, "taken": 2}
 
 
 def test_a_killed_launch_loses_what_came_after_its_checkpoint_and_a_commit_it_made_counts(tmp_path):
