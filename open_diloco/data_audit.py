@@ -24,9 +24,8 @@ clusters' sync records (``--metric-logger-type jsonl``), lined up by their ``tim
 - Across clusters (real data, where a sample id is global): a sample in pages of two clusters that both
   committed is counted twice by the galaxy.
 
-Known limit: a resumed launch that takes the galaxy's state while joining (no sync record says so) is read as
-going on from its checkpoint; its first trained step then lies past the checkpoint's, which the audit reports
-as skipped pages of the cluster's own, not as readings lost.
+A resumed launch that goes on past its checkpoint's step took the galaxy's state as it joined (no sync record
+says so): what its checkpoint held is lost too.
 
 Pure Python: no torch, no hivemind.
 """
@@ -34,6 +33,7 @@ Pure Python: no torch, no hivemind.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,24 +168,32 @@ def _replay(
     pending: dict[int, list[Reading]] = {f: [] for f in range(fragments)}
     every: list[Reading] = []
     by_round: dict[int, list[tuple[Reading, int]]] = defaultdict(list)
-    resuming = False
+    resumed_at: int | None = None
     for _, _, kind, item in events:
         if kind == "read":
-            if resuming:  # a new launch: what it goes on from is in its checkpoint; what came after, lost
-                pending = _lose(pending, "launch ended", keep=lambda r, step=item.step: r.step < step)
-                resuming = False
+            if resumed_at is not None:  # a new launch: its checkpoint's readings go on, later ones are lost
+                pending = _lose(pending, "launch ended", keep=lambda r, step=resumed_at: r.step <= step)
+                if item.step > resumed_at + 1:  # it went on past its checkpoint: it took the galaxy's state
+                    pending = _lose(pending, "taken")
+                resumed_at = None
             every.append(item)
             for f in range(fragments):
                 pending[f].append(item)
         elif item.get("event") == "start":
             if every:  # the previous launch ended here
-                resuming = item.get("resumed_from") is not None
-                if not resuming:
+                resumed_at = _checkpoint_step(item.get("resumed_from"))
+                if resumed_at is None:
                     pending = _lose(pending, "launch ended")
         else:
             pending = _settle(item, pending, delay, rank, by_round)
     flight = sorted({r.page for rs in pending.values() for r in rs})
     return _pages(rank, every, fragments, flight), every
+
+
+def _checkpoint_step(path: str | None) -> int | None:
+    """The inner step of a checkpoint directory (``checkpoint.step_dir``: ``step_<N>``), ``None`` for none."""
+    found = re.search(r"step_(\d+)$", str(path).rstrip("/")) if path else None
+    return int(found.group(1)) if found else None
 
 
 def _settle(

@@ -160,3 +160,18 @@ def test_real_data_committed_by_two_clusters_is_named_and_verify_exits_1(tmp_pat
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "committed by two clusters" in done.stderr, done
     assert "cluster 1: 1 pages, 1 committed once" in done.stdout
+
+
+def test_a_resumed_launch_that_went_on_past_its_checkpoint_took_the_galaxys_state(tmp_path):
+    c = Cluster(tmp_path, fragments=2)
+    for step in (1, 2, 3, 4, 5):
+        c.read(step)
+        if step in (2, 4):
+            c.sync(step, "applied", step // 2, fragment=step // 2 - 1)
+    c.start(resumed_from="ckpt/step_00000004")  # killed after step 5; the galaxy was at step 8 by then
+    c.read(9), c.read(10)
+    c.sync(10, "applied", 5, fragment=0)
+    pages = _one(c)
+    # pages 3, 4: fragment 1 took them at step 4, fragment 0's sync (step 6) never came: the take lost them
+    assert pages.lost == [3, 4, 5, 6, 7, 8] and pages.once == [1, 2] and pages.in_flight == [9, 10]
+    assert pages.causes == {"taken": 2, "launch ended": 1, "never read": 3}
