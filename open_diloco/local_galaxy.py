@@ -163,7 +163,7 @@ class Galaxy:
 
     def start_cluster(
         self,
-        rank: int,
+        rank: int | None,
         size: int,
         *extra: str,
         nproc: int = 2,
@@ -173,7 +173,8 @@ class Galaxy:
     ) -> Path:
         """Launch cluster ``rank`` of a galaxy of ``size``; returns its metrics path. ``env``: added to the
         trainers' environment (a fault injected into one cluster, say); ``launcher``: torchrun's own flags
-        (``--max-restarts=2``)."""
+        (``--max-restarts=2``). ``rank`` None: a cluster of an elastic galaxy, known by ``name`` (its id is
+        kept in its own ``--ckpt.path``, ``<workdir>/<name>-ckpt`` unless given)."""
         name = name or f"cluster{rank}"
         metrics = self.workdir / f"{name}.jsonl"
         identity = [
@@ -187,15 +188,17 @@ class Galaxy:
             self.maddr,
             "--hv.galaxy-size",
             str(size),
-            "--hv.world-rank",
-            str(rank),
         ]
+        identity += ["--hv.world-rank", str(rank)] if rank is not None else []
+        if rank is None and "--ckpt.path" not in extra:
+            identity += ["--ckpt.path", str(self.workdir / f"{name}-ckpt")]
+        endpoint = f"cluster{rank}" if rank is not None else name  # (the lab's name for where it runs)
         if "--hv.host-maddrs" not in extra:  # loopback, or the lab address: never this machine's others
-            host = self.lab.listen_address(f"cluster{rank}") if self.lab else "127.0.0.1"
+            host = self.lab.listen_address(endpoint) if self.lab else "127.0.0.1"
             identity += ["--hv.host-maddrs", f"/ip4/{host}/tcp/0"]
         flags = with_overrides(CLUSTER_ARGS, extra)
         cmd = [
-            *self._place(f"cluster{rank}"),
+            *self._place(endpoint),
             *TORCHRUN,
             "--standalone",
             f"--nproc_per_node={nproc}",

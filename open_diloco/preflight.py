@@ -130,7 +130,11 @@ def build_checks(
                 "run from the directory the config's relative paths start at, or make path_model absolute",
             )
         state["config"] = config
-        galaxy = f"galaxy rank {config.hv.world_rank}/{config.hv.galaxy_size}" if config.hv else "galaxy off"
+        galaxy = "galaxy off"
+        if config.hv is not None:
+            hv = config.hv
+            fixed = f"galaxy rank {hv.world_rank}/{hv.galaxy_size}"
+            galaxy = f"elastic galaxy, first round of {hv.galaxy_size}" if hv.unranked else fixed
         return f"{config.max_steps} steps, {launch.num_nodes * launch.nproc_per_node} rank(s), {galaxy}"
 
     def needs_config() -> Config:

@@ -9,7 +9,9 @@ def train(*, config: Config | None = None) -> None:
     """Train one cluster (run under torchrun for several ranks)."""
     # `config` is keyword-only so that its fields are flags only: as positionals, a stray word (`open-diloco
     # foo --fake-data`) would silently become --path-model.
-    config = config if config is not None else Config()
+    from open_diloco.cluster_id import resolve_galaxy_rank
+
+    config = resolve_galaxy_rank(config if config is not None else Config())  # an elastic cluster's id
     if config.dry_run:
         from open_diloco.dry_run import dry_run
 

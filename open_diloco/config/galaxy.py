@@ -25,10 +25,17 @@ class HvConfig(BaseModel):
     starts its own DHT (fine for a galaxy of one, or for the first cluster of a galaxy)."""
 
     galaxy_size: Annotated[int, Field(ge=1)] = 1
-    """Number of clusters training together."""
+    """Number of clusters training together. Without --hv.world-rank (an elastic galaxy): how many clusters
+    the galaxy's first round needs; others join and leave later."""
 
     world_rank: Annotated[int, Field(ge=0)] = 0
-    """This cluster's rank in the galaxy, 0 … galaxy-size − 1, unique per cluster."""
+    """This cluster's rank in a fixed galaxy, 0 … galaxy-size − 1, unique per cluster. Unset, with
+    --hv.initial-peers or a galaxy size above 1: an elastic galaxy, where the cluster is known by its
+    --hv.cluster-id and joins and leaves at round boundaries (docs/round-protocol.md)."""
+
+    cluster_id: str | None = None
+    """This cluster's id in an elastic galaxy (no --hv.world-rank). Unset: made at the first start and kept in
+    --ckpt.path (`cluster_id`), so a restart is the same cluster."""
 
     local_steps: Annotated[int, Field(ge=1)] = 500
     """H: inner steps between two outer steps."""
@@ -209,9 +216,31 @@ class HvConfig(BaseModel):
             check(maddr)
         return maddrs
 
+    @property
+    def elastic(self) -> bool:
+        """Clusters join and leave by the ledger, known by id, not by a rank (``open_diloco/cluster_id.py``):
+        what a cluster started without --hv.world-rank in a galaxy is."""
+        return self.cluster_id is not None
+
+    @property
+    def unranked(self) -> bool:
+        """Started in a galaxy without --hv.world-rank: elastic once its id is known."""
+        in_a_galaxy = self.galaxy_size > 1 or bool(self.initial_peers)
+        return in_a_galaxy and "world_rank" not in self.model_fields_set and self.cluster_id is None
+
+    @property
+    def alone(self) -> bool:
+        """A galaxy of one by its flags: no other cluster can come (the rounds need no DHT)."""
+        return self.galaxy_size == 1 and not self.elastic
+
     @model_validator(mode="after")
     def _cross_field(self) -> HvConfig:
-        if self.world_rank >= self.galaxy_size:
+        if self.cluster_id is not None and "world_rank" in self.model_fields_set:
+            raise ConfigError(
+                f"--hv.cluster-id {self.cluster_id} names a cluster of an elastic galaxy, --hv.world-rank "
+                f"{self.world_rank} one of a fixed galaxy: drop one of them"
+            )
+        if self.world_rank >= self.galaxy_size and not self.elastic:
             raise ConfigError(
                 f"--hv.world-rank {self.world_rank} is not below --hv.galaxy-size {self.galaxy_size}: "
                 f"give each cluster a rank in 0..{self.galaxy_size - 1}"

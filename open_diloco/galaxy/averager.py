@@ -97,7 +97,7 @@ class HivemindAverager:
         self.shard_index = shard_index
         """Which shard of the cluster this averager serves: it averages with the same shard of every other
         cluster."""
-        self.galaxy_rank, self.galaxy_size = hv.world_rank, hv.galaxy_size
+        self.galaxy_rank, self.galaxy_size, self.elastic = hv.world_rank, hv.galaxy_size, hv.elastic
         self.averaging_timeout, self.join_timeout = hv.averaging_timeout, hv.join_timeout
         self.status_key, self.member_expiry = status_key(hv.run_id), hv.member_expiry
         self.record_ages = RecordAges(self.member_expiry)
@@ -161,7 +161,7 @@ class HivemindAverager:
         never meet the galaxy's next round, nor a shard late for one attempt the group of the next."""
         start = time.monotonic()
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
-        if self.galaxy_size == 1:
+        if self.galaxy_size == 1 and not self.elastic:
             return HivemindRound(self, None, metadata, start)
         plan = plan or self.matchmaking_plan(self.galaxy_size)
         forget_finished_searches(self.dht)  # the last round's key, among others
@@ -185,7 +185,7 @@ class HivemindAverager:
     def membership(self) -> Membership:
         """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot
         average with this one (matchmaking would silently never group the two)."""
-        if self.galaxy_size == 1:
+        if self.galaxy_size == 1 and not self.elastic:
             return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
         # a stranger's record (say, a mismatched schema) must not stop or stall us
@@ -205,7 +205,7 @@ class HivemindAverager:
         earlier_runs = previous_lives(records, self._seen_training)
         records = [record for record in records if record.galaxy_rank not in earlier_runs]
         gone = frozenset(departed(records, self.member_expiry))
-        if time.monotonic() - self._started > NOT_HEARD_SECONDS:  # not coming soon: it will join late
+        if not self.elastic and time.monotonic() - self._started > NOT_HEARD_SECONDS:  # it will join late
             gone |= never_heard(records, self.galaxy_size, self.galaxy_rank)
         silence = silent(records, self.member_expiry)
         quiet = frozenset(silence)
@@ -272,7 +272,7 @@ class HivemindAverager:
 
     def alone_in(self, view: Membership) -> bool:
         """Every other cluster of the galaxy is known to be gone."""
-        others = set(range(self.galaxy_size)) - {self.galaxy_rank}
+        others = (set(view.reported) if self.elastic else set(range(self.galaxy_size))) - {self.galaxy_rank}
         return others <= view.departed
 
     def lonely_report(

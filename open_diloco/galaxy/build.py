@@ -41,6 +41,10 @@ from open_diloco.outer.codecs import codec_label, score_values, wire_codecs
 
 log = logging.getLogger(__name__)
 
+ELASTIC_GROUP = 64
+"""The most clusters one round of an elastic galaxy groups (hivemind's ``target_group_size``; each round's
+plan sets the group it waits for: the clusters alive)."""
+
 
 @dataclass(frozen=True)
 class ClusterShard:
@@ -111,7 +115,7 @@ def averaging_settings(hv: HvConfig) -> dict[str, Any]:
     """The arguments of a hivemind ``DecentralizedAverager`` that decide whom a round waits for, how long, and
     what goes on the wire (a benchmark's plain hivemind baseline takes the same)."""
     return dict(
-        target_group_size=hv.galaxy_size,
+        target_group_size=max(hv.galaxy_size, ELASTIC_GROUP) if hv.elastic else hv.galaxy_size,
         min_group_size=2,
         min_matchmaking_time=hv.matchmaking_time,
         request_timeout=min(3.0, hv.matchmaking_time / 2),

@@ -87,10 +87,13 @@ class HivemindRound:
         for peer, data in result["gathered"].items():
             rank = data.get("galaxy_rank")
             if rank == owner.galaxy_rank and peer != owner.peer_id:
-                raise DuplicateGalaxyRank(
-                    f"peer {peer} also claims galaxy rank {rank}; give every cluster a "
-                    f"unique --hv.world-rank in 0..{owner.galaxy_size - 1}"
+                fix = (
+                    "two clusters of an elastic galaxy share an id (or, rarely, its rank): give one a new "
+                    "--hv.cluster-id, or delete its --ckpt.path/cluster_id"
+                    if owner.elastic
+                    else f"give every cluster a unique --hv.world-rank in 0..{owner.galaxy_size - 1}"
                 )
+                raise DuplicateGalaxyRank(f"peer {peer} also claims galaxy rank {rank}; {fix}")
             peers[rank] = data
         owner.last_group_round_end = time.monotonic()
         matchmaking_seconds = max(0.0, result["grouped_at"] - self.start)

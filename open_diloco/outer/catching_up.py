@@ -66,7 +66,7 @@ class CatchUp:
         had not answered yet); once any other cluster's record is seen, download and take the state only if
         one of them is ahead: its chain holds more committed work (or as much, further on). Nothing is
         downloaded when no cluster is ahead: the records carry each cluster's outer step and work."""
-        if self.hv.galaxy_size == 1 or self.hv.skip_load_from_peers:
+        if self.hv.alone or self.hv.skip_load_from_peers:
             return None
         deadline = time.monotonic() + self.hv.join_timeout
         while True:
@@ -108,7 +108,7 @@ class CatchUp:
             self.schedule.inner_step_of(self.outer_step + 1),
         )
         target = start
-        if self.hv.galaxy_size > 1 and self.step_time.seconds:
+        if not self.hv.alone and self.step_time.seconds:
             view = self.averager.membership()
             if view.lead == self.outer_step and view.lead_inner_step > start:
                 lead_now = view.lead_inner_step + int(view.lead_seen_seconds / self.step_time.seconds)
@@ -187,7 +187,7 @@ class CatchUp:
         come back (``--hv.final-wait``); if more clusters end at this outer step on another θ_outer (ties: the
         side of the lowest galaxy rank), take it from one of them, every rank from the same source, before the
         final checkpoint. Returns that re-sync's result (``None``: this cluster already holds it)."""
-        if self.hv.galaxy_size == 1:
+        if self.hv.alone:
             return None
         # this cluster's rounds are over: say so now, so that no cluster takes its state as the galaxy's lead
         # (that would hand the galaxy to the side that trained alone) while it waits
@@ -302,7 +302,7 @@ class CatchUp:
         came out differently in two clusters would go unnoticed; and a run that ends with nobody to compare
         with while a cluster went silent (crashed, or cut off and training on alone: a partition that outlasts
         the run) says so too. Returns the clusters compared equal (``None``: none)."""
-        if self.hv.galaxy_size == 1:
+        if self.hv.alone:
             return None
         deadline = time.monotonic() + seconds
         while True:

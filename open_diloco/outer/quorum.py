@@ -41,11 +41,12 @@ from collections.abc import Iterable
 from open_diloco.outer.ledger import LedgerEntry
 
 
-def roster_of(entry: LedgerEntry | None, galaxy_size: int) -> frozenset[int]:
-    """The roster a cluster's chain names at ``entry`` (its last), or every rank of the galaxy."""
+def roster_of(entry: LedgerEntry | None, galaxy_size: int, elastic: bool = False) -> frozenset[int]:
+    """The roster a cluster's chain names at ``entry`` (its last), or every rank of a fixed galaxy; none
+    before an elastic galaxy's first entry (its first round makes it)."""
     if entry is not None and entry.roster is not None:
         return frozenset(entry.roster)
-    return frozenset(range(galaxy_size))
+    return frozenset() if elastic else frozenset(range(galaxy_size))
 
 
 def has_quorum(members: Iterable[int], roster: Iterable[int], ended: Iterable[int] = ()) -> bool:

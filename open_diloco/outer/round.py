@@ -199,6 +199,9 @@ class RoundView:
     gone: frozenset[int] = frozenset()
     """Clusters outside the group that some member (any shard, any rank) calls gone in its metadata: the
     round's one view of who is not coming, the same for every member of a committable round."""
+    known: frozenset[int] = frozenset()
+    """An elastic galaxy's clusters as any member knows them (their metadata's ``known``); empty in a fixed
+    galaxy."""
 
     @property
     def committable(self) -> bool:
@@ -225,6 +228,8 @@ class RoundView:
         overtaken = cluster.gather_strings("1" if report.overtaken else "")
         called_gone = sorted({int(rank) for meta in report.peers.values() for rank in meta.get("gone") or ()})
         gone = _ranks_by_any_rank(cluster, called_gone)
+        said_known = sorted({int(rank) for meta in report.peers.values() for rank in meta.get("known") or ()})
+        known = _ranks_by_any_rank(cluster, said_known)
         group = frozenset(int(rank) for rank in groups[0].split(",") if rank)
         return RoundView(
             whole=cluster.all_true(report.complete and not failed),
@@ -238,6 +243,7 @@ class RoundView:
             shard_groups=tuple(groups),
             overtaken_shards=tuple(rank for rank, flag in enumerate(overtaken) if flag),
             gone=frozenset(gone) - group,
+            known=frozenset(known),
         )
 
 
@@ -293,6 +299,10 @@ class Round:
     all, or silent past ``--hv.fork-after``): the roster drops them (``outer/quorum.py``)."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
+    known: frozenset[int] = frozenset()
+    """An elastic galaxy's clusters as this rank knows them (its chain's roster, every cluster with a
+    record, this one): what a member tells the round, whose live count is theirs less the gone. Empty in a
+    fixed galaxy (its clusters are the ranks of ``--hv.galaxy-size``)."""
     history: list[Phase] = field(default_factory=list)
     """The phases it went through, oldest first (the current one last)."""
 
@@ -326,6 +336,7 @@ class Round:
         # record of the others committed alone, as if they had all ended: chaos soak, 2026-12-02 evening)
         genesis = (last := ctx.committed.ledger.last) is None or last.roster is None
         made.ended, made.gone, made.left = ended | unheard if genesis else ended, seen.gone, seen.left
+        made.known = seen.known
         # the galaxy committed more than this cluster's chain holds (a late joiner, a side of a cut, a lighter
         # fork): its Δ comes from a θ_outer the galaxy left behind
         if (lead_work, lead) > (ctx.committed.work, state.outer_step):
@@ -359,7 +370,7 @@ class Round:
             **made.own_metadata(),
         }
         try:
-            if alive == 1 < ctx.hv.galaxy_size:  # everyone else is gone: waiting could only time out
+            if alive == 1 and not ctx.hv.alone:  # everyone else is gone: waiting could only time out
                 meta = {**fingerprint, "galaxy_rank": ctx.galaxy_rank, "round_id": state.outer_step}
                 made.pending = AloneRound(ctx.galaxy_rank, meta)
             else:
@@ -383,6 +394,7 @@ class Round:
                 f"warmup_rounds={hv.outer_warmup_rounds}"
             ),
             "roster": sorted(self.roster),
+            "known": sorted(self.known),
             "gone": sorted(self.gone),
             "left": sorted(self.left),
             "tokens": self.tokens,
@@ -399,7 +411,7 @@ class Round:
     @property
     def roster(self) -> frozenset[int]:
         """The clusters whose majority this round needs: what this cluster's chain names."""
-        return roster_of(self.ctx.committed.ledger.last, self.ctx.hv.galaxy_size)
+        return roster_of(self.ctx.committed.ledger.last, self.ctx.hv.galaxy_size, self.ctx.hv.elastic)
 
     # -- finish: wait, agree, decide ------------------------------------------------------------------------
     @torch.no_grad()
@@ -489,7 +501,7 @@ class Round:
                 "--hv.on-partial-round is `fail`: stopping (use `retry` or `proceed` to tolerate missing "
                 "clusters)"
             )
-        if clusters <= 1 < ctx.hv.galaxy_size and self._committed_elsewhere():
+        if clusters <= 1 and not ctx.hv.alone and self._committed_elsewhere():
             # alone because the others finished their run meanwhile (a finished cluster is gone from the
             # rounds but serves its last state): the round they committed is the galaxy's, not our Δ alone
             return Verdict(Next.TAKE)
@@ -509,7 +521,20 @@ class Round:
         applied from such a round either way)."""
         if not view.committable:
             return self.alive
+        if self.ctx.hv.elastic:  # the clusters any member knows (the same view in every member)
+            return max(len(view.known | view.group) - len(view.gone), self._genesis_need())
         return self.ctx.hv.galaxy_size - len(view.gone)
+
+    def _genesis_need(self) -> int:
+        """The clusters an elastic galaxy's first round needs (``--hv.galaxy-size``); 0 with a roster."""
+        return self.ctx.hv.galaxy_size if self.ctx.hv.elastic and not self.roster else 0
+
+    def _quorum(self, voting: set[int]) -> bool:
+        """Whether ``voting`` may commit (``outer/quorum.py``); an elastic galaxy's first round: when it holds
+        the clusters the first round needs."""
+        if need := self._genesis_need():
+            return len(voting) >= need
+        return has_quorum(voting, self.roster, self.ended)
 
     def _committed_elsewhere(self) -> bool:
         """A live cluster's record shows this round applied on a chain with at least this cluster's committed
@@ -555,7 +580,7 @@ class Round:
         ctx, state, number = self.ctx, self.ctx.state, self.id.number
         galaxy_average = alone is None
         voting = view.group - set(view.rejected) - set(view.stale) if galaxy_average else {ctx.galaxy_rank}
-        fork = not has_quorum(voting, self.roster, self.ended)
+        fork = not self._quorum(voting)
         if fork and not self._fork_due():
             return self._hold(view, report, network_wait, voting)
         self._enter(Phase.COMMITTED)
@@ -619,9 +644,11 @@ class Round:
         if not ctx.cluster.all_true(held >= ctx.hv.fork_after):  # 0: never hold (every side commits)
             return False
         if since is not None:
+            need, roster = self._genesis_need(), sorted(self.roster)
+            why = f"the first round's {need} clusters" if need else f"no majority of the roster {roster}"
             ctx.warn(
-                f"outer step {self.id.number}: no majority of the roster {sorted(self.roster)} for "
-                f"--hv.fork-after={ctx.hv.fork_after:g}s: this cluster commits on a fork of the ledger"
+                f"outer step {self.id.number}: {why} for --hv.fork-after={ctx.hv.fork_after:g}s: this "
+                "cluster commits on a fork of the ledger"
             )
         return True
 
@@ -643,6 +670,14 @@ class Round:
         last = ctx.hold_said
         if last is None or last[1] != said or now - last[0] >= HOLD_REMINDER_SECONDS:
             ctx.hold_said = (now, said)
+            if need := self._genesis_need():
+                ctx.warn(
+                    f"outer step {self.id.number}: the galaxy's first round needs {need} clusters "
+                    f"(--hv.galaxy-size), {sorted(voting)} came: this cluster commits nothing and trains the "
+                    f"stride again (held {ctx.held_rounds} round(s) in {now - ctx.holding_since:.0f}s)"
+                )
+                ctx.state.drop_progress()
+                return self._result("held", report, network_wait, galaxy_complete=view.whole)
             ctx.warn(
                 f"outer step {self.id.number}: clusters {present} are no majority of the roster "
                 f"{sorted(roster)}{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster "
@@ -782,7 +817,7 @@ class Round:
                 "state"
             )
             why, wanted = "the galaxy was ahead", self.lead
-        taken = ctx.catch_up.resync(wanted, why) if ctx.hv.galaxy_size > 1 else None
+        taken = ctx.catch_up.resync(wanted, why) if not ctx.hv.alone else None
         self._enter(Phase.SAT_OUT if taken is None else Phase.TAKEN)
         if taken is not None and not bad:
             ctx.catch_up.catch_up()
@@ -863,6 +898,8 @@ class Seen(NamedTuple):
     """Live clusters this rank reads as still in an earlier round (``Membership.behind``): on their way."""
     left: frozenset[int] = frozenset()
     """Of ``gone``, the clusters this rank reads as left for good (:attr:`Round.left`)."""
+    known: frozenset[int] = frozenset()
+    """An elastic galaxy's clusters as this rank knows them (:attr:`Round.known`)."""
 
 
 def _membership(ctx: RoundContext) -> Seen:
@@ -880,10 +917,17 @@ def _membership(ctx: RoundContext) -> Seen:
     ``Membership.silent``)."""
     view = ctx.averager.membership()
     ctx.fastest_seconds = min(view.step_seconds.values(), default=None)
-    ours = range(ctx.hv.galaxy_size)
+    known = frozenset()
+    if ctx.hv.elastic:  # its clusters: its chain's roster, every cluster with a record, this one
+        roster = roster_of(ctx.committed.ledger.last, ctx.hv.galaxy_size, elastic=True)
+        known = frozenset(roster | set(view.reported) | {ctx.galaxy_rank})
+    ours = known or range(ctx.hv.galaxy_size)
     gone = {rank for rank in view.departed if rank != ctx.galaxy_rank and rank in ours}
     silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
-    alive = -ctx.cluster.min_int(-(ctx.hv.galaxy_size - len(gone)))
+    # an elastic galaxy's first round waits for the clusters it needs (--hv.galaxy-size), as a fixed one waits
+    # for its ranks not heard yet
+    total = max(len(known), ctx.hv.galaxy_size if not roster_of(ctx.committed.ledger.last, 0, True) else 0)
+    alive = -ctx.cluster.min_int(-((total if known else ctx.hv.galaxy_size) - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
     # gone, not silent: a record that says it ended, or no record at all (not started, or unreadable: after a
     # split the DHT may not reach the others' records for a while). Only the first ends a vote (Round.start)
@@ -901,4 +945,5 @@ def _membership(ctx: RoundContext) -> Seen:
     long_silent = {rank for rank in silent if view.silent_seconds.get(rank, 0.0) > ctx.hv.fork_after}
     left = frozenset((gone - silent) | long_silent)  # (no record at all: as before, never started)
     ended_unheard = (ended, unheard)
-    return Seen(alive, (lead, lead_work), silent_count, attempt, ended_unheard, frozenset(gone), behind, left)
+    lead_of = (lead, lead_work)
+    return Seen(alive, lead_of, silent_count, attempt, ended_unheard, frozenset(gone), behind, left, known)

@@ -90,6 +90,10 @@ def test_config_file_with_flag_override(tmp_path):
             "--hv.world-rank 5 is not below --hv.galaxy-size 2",
         ),
         (
+            ["--hv.galaxy-size", "2", "--hv.world-rank", "0", "--hv.cluster-id", "site-b"],
+            "--hv.cluster-id site-b names a cluster of an elastic galaxy, --hv.world-rank 0 one of a fixed",
+        ),
+        (
             ["--hv.local-steps", "10", "--ckpt.interval", "15"],
             "--ckpt.interval 15 is not a multiple of --hv.local-steps 10",
         ),

@@ -204,7 +204,7 @@ def _looking_round(monkeypatch, view):
 
     monkeypatch.setattr(round_wait, "MEMBERSHIP_POLL_SECONDS", 0.01)
     owner = HivemindAverager.__new__(HivemindAverager)
-    owner.galaxy_rank, owner.galaxy_size, owner.averaging_timeout = 0, 2, 5.0
+    owner.galaxy_rank, owner.galaxy_size, owner.averaging_timeout, owner.elastic = 0, 2, 5.0, False
     owner.membership = lambda: view
     control = _StillLooking()
     pending = round_wait.HivemindRound(owner, control, {"round_id": 3, "galaxy_rank": 0}, time.monotonic())
