@@ -14,10 +14,10 @@ clusters' sync records (``--metric-logger-type jsonl``), lined up by their ``tim
   ``sync_step``: at ``--hv.sync-delay`` τ > 0, the τ steps trained while a sync is in flight belong to the
   fragment's next one).
 - **That sync commits the reading for f** when its outcome is ``applied`` or ``adopted`` with this cluster a
-  member of its ledger entry. It is lost for f when the sync ``held`` (the stride's fragment lands on the
-  unchanged θ_outer) or was ``sat_out``, lost for every fragment when the cluster took another's state
-  (``resynced``, or ``sat_out`` with a state taken), and un-committed when a later re-sync drops the round
-  (``ledger_dropped``: a fork not kept). A launch that ends (killed, stopped) loses its readings not yet
+  member of its ledger entry (else it is lost for f). Every reading in progress is lost, for every fragment,
+  when the sync ``held`` or was ``sat_out`` (θ_local goes back to θ_outer, every fragment of it) or the
+  cluster took another's state (``resynced``); a later re-sync that drops the round (``ledger_dropped``: a
+  fork not kept) takes its commits back. A launch that ends (killed, stopped) loses its readings not yet
   committed, except, when the next launch resumed from a checkpoint, those before the step it goes on from.
 - **A page is committed once** when each fragment's θ_outer took exactly one of its readings. *Lost*: some
   fragment took none, and none is still in flight at the end. *Twice*: some fragment took two.
@@ -42,6 +42,9 @@ from typing import Any
 
 TAKES = ("resynced",)
 """Outcomes after which this cluster's θ_local is another cluster's: every reading in progress is lost."""
+DROPS = {"held": "held", "sat_out": "sat out"}
+"""Outcomes after which θ_local is θ_outer again, every fragment of it (``OuterState.drop_progress``; a bad
+Δ's own state): every reading in progress is lost."""
 CAUSES = ("held", "sat out", "left out", "taken", "dropped fork", "launch ended", "never read")
 """Why a page was lost, as :attr:`ClusterPages.causes` counts them: its fragment's sync held or was sat out,
 committed without this cluster, the cluster took another's state, a later heal dropped the round, the launch
@@ -213,6 +216,8 @@ def _settle(
     fragment, outcome = record.get("fragment", 0), record["round_outcome"]
     if outcome in TAKES or (outcome == "sat_out" and record.get("state_source") is not None):
         return _lose(pending, "taken")
+    if outcome in DROPS:  # θ_local went back to θ_outer, every fragment of it
+        return _lose(pending, DROPS[outcome])
     started_at = record.get("sync_step", record["step"] - delay)  # (records before ``sync_step``: by τ)
     waiting = pending[fragment]
     ends = [i for i, r in enumerate(waiting) if r.step == started_at]
@@ -225,9 +230,8 @@ def _settle(
             reading.commits.setdefault(fragment, []).append(entry["round"])
             by_round[entry["round"]].append((reading, fragment))
     else:
-        cause = {"held": "held", "sat_out": "sat out"}.get(outcome, "left out")
         for reading in covered:
-            reading.lose(fragment, cause)
+            reading.lose(fragment, "left out")
     return pending
 
 

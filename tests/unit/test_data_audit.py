@@ -89,18 +89,18 @@ def test_a_round_this_cluster_is_not_a_member_of_commits_nothing_of_its_own(tmp_
     assert _one(c).lost == [1, 2] and _one(c).causes == {"left out": 2}
 
 
-def test_a_held_stride_trained_again_is_lost_for_its_fragment_and_doubled_for_the_other(tmp_path):
+def test_a_held_round_drops_every_fragments_progress_and_its_stride_is_trained_again(tmp_path):
     c = Cluster(tmp_path, fragments=2)
     c.read(1), c.read(2)
     c.sync(2, "applied", 1, fragment=0)
     c.read(3), c.read(4)
-    c.sync(4, "held", 2, fragment=1)  # fragment 1 lands on the unchanged θ_outer: pages 1-4 lost for it
-    c.read(3), c.read(4)  # the stride again: fragment 0 still holds its first training
+    c.sync(4, "held", 2, fragment=1)  # θ_local back to θ_outer: pages 1-4 lost for fragment 1, 3-4 for 0
+    c.read(3), c.read(4)  # the stride again
     c.sync(4, "applied", 2, fragment=1)
     c.read(5), c.read(6)
     c.sync(6, "applied", 3, fragment=0)
     pages = _one(c)
-    assert pages.lost == [1, 2] and pages.twice == [3, 4] and pages.in_flight == [5, 6] and not pages.once
+    assert pages.lost == [1, 2] and pages.once == [3, 4] and pages.in_flight == [5, 6] and not pages.twice
     assert pages.causes == {"held": 2}
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from open_diloco.cluster_id import rank_of
 from open_diloco.outer import round as round_module
 from open_diloco.outer.diloco import DiLoCo
 from open_diloco.outer.ledger import LedgerEntry, round_entry
@@ -207,3 +208,20 @@ def test_before_any_roster_a_cluster_never_heard_of_votes_in_no_quorum():
     # ... and on: the first entry's roster leaves it out, so the next rounds do not hold for it
     assert outer.ledger.last.roster == (1,)
     assert outer.after_inner_step(2)["round_outcome"] == "applied"
+
+
+def test_an_elastic_galaxys_first_round_holds_until_it_has_its_clusters_then_forks_after_fork_after():
+    # a cluster without a rank whose galaxy's first round needs two: alone, it commits nothing (and says why
+    # once), until --hv.fork-after, when it commits on a fork whose roster is itself: never a hold for good
+    rank = rank_of("solo")
+    hv = outer_hv(galaxy_size=2, fork_after=1.0, **PLAIN).model_copy(
+        update={"cluster_id": "solo", "world_rank": rank}
+    )
+    said = []
+    outer = DiLoCo(linear_model([1.0]), InProcessGalaxy(1).averager(rank, 1), hv, warn=said.append)
+    assert [outer.after_inner_step(step)["round_outcome"] for step in (1, 2, 3)] == ["held"] * 3
+    assert outer.ledger.last is None and len(said) == 1 and "first round needs 2 clusters" in said[0], said
+    time.sleep(1.1)
+    assert outer.after_inner_step(4)["round_outcome"] == "applied"
+    assert outer.ledger.last.fork and outer.ledger.last.roster == (rank,)
+    assert any("the first round's 2 clusters for --hv.fork-after=1s" in line for line in said), said
