@@ -53,6 +53,9 @@ class MemberRecord:
     """Tokens of every inner step the cluster trained (``outer/goodput.py``)."""
     tokens_committed: int | None = None
     """Tokens of its own in the ledger chain it holds: what of its work the galaxy committed."""
+    cluster_id: str | None = None
+    """Its id in an elastic galaxy (``--hv.cluster-id``, or the one kept in ``--ckpt.path``), whose hash is
+    its galaxy rank; ``None`` in a fixed galaxy."""
     roster: list[int] | None = None
     """The roster its ledger chain names (``outer/quorum.py``): the clusters whose majority its next round
     needs."""

@@ -122,6 +122,7 @@ JSON_KEYS = (
     "tokens_committed",
     "goodput",
     "roster",
+    "cluster_id",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""
@@ -168,7 +169,7 @@ def build_table(rows: list[dict[str, Any]], run_id: str, expected_size: int | No
             else ()
         )
         table.add_row(
-            str(row["galaxy_rank"]),
+            str(row["galaxy_rank"]) + (f" ({row['cluster_id']})" if row.get("cluster_id") else ""),
             str(row.get("host", "?")),
             str(row.get("ranks", "?")),
             str(row.get("state", "?")),

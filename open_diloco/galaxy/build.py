@@ -147,6 +147,8 @@ def join_galaxy(hv: HvConfig, shard: ClusterShard, cluster: ClusterComm) -> Gala
                 hv.world_rank, averager.schema, hv.local_steps, version_line(), shard_peer_ids
             )
             identity["client_mode"] = any_client
+            if hv.cluster_id is not None:
+                identity["cluster_id"] = hv.cluster_id
             status = StatusPublisher(
                 averager.dht, hv.run_id, identity, hv.heartbeat_interval, hv.member_expiry
             )

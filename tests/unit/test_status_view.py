@@ -126,3 +126,14 @@ def test_goodput_per_cluster_and_for_the_galaxy_beside_its_throughput():
     console.print(build_table(rows, "demo"))
     text = console.export_text()
     assert "90.0%" in text and "goodput" in text
+
+
+def test_an_elastic_clusters_id_is_in_its_row_and_beside_its_rank():
+    records = [record(849359237, 3, "aa", cluster_id="dae509e326e4"), record(1, 3, "aa")]
+    rows = judge(records)
+    assert [row["cluster_id"] for row in as_json_rows(rows)] == ["dae509e326e4", None]
+    from rich.console import Console
+
+    console = Console(width=220, record=True)
+    console.print(build_table(rows, "demo"))
+    assert "849359237 (dae509e326e4)" in console.export_text()
