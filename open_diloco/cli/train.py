@@ -11,7 +11,7 @@ def train(*, config: Config | None = None) -> None:
     # foo --fake-data`) would silently become --path-model.
     from open_diloco.cluster_id import resolve_galaxy_rank
 
-    config = resolve_galaxy_rank(config if config is not None else Config())  # an elastic cluster's id
+    config = config if config is not None else Config()
     if config.dry_run:
         from open_diloco.dry_run import dry_run
 
@@ -22,6 +22,7 @@ def train(*, config: Config | None = None) -> None:
     from open_diloco.world import launcher_env
 
     check_against_world(config, int(launcher_env()["world_size"]))
+    config = resolve_galaxy_rank(config)  # an elastic cluster's id (a dry run joins nothing: it keeps none)
     from open_diloco.trainer import train as run_training  # heavy imports only when training
 
     run_training(config)
