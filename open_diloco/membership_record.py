@@ -93,6 +93,9 @@ class MemberRecord:
     """``--hv.fragments``, which every cluster of a galaxy must share."""
     round_steps: str | None = None
     """``--hv.round-steps`` (``by-speed``: and the tokens of an inner step), which all clusters must share."""
+    membership: str | None = None
+    """``fixed`` (ranks by ``--hv.world-rank``) or ``elastic`` (ids): one galaxy cannot mix them (a fixed
+    cluster counts ranks 0 … N − 1 and would not see an elastic one in its live count)."""
     model_config: dict[str, Any] | None = None
     """The model config's fields that decide the fingerprint: they say what differs when fingerprints do."""
     local_steps: int | None = None
@@ -223,7 +226,7 @@ def _accepts(hint: Any, value: Any) -> bool:
 
 
 # -- the rules over every cluster's record ------------------------------------------------------------------
-SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments", "round_steps")
+SCHEMA_KEYS = ("model_fingerprint", "ranks", "codec", "fragments", "round_steps", "membership")
 """What clusters must share to average together: hivemind's matchmaking silently never groups peers whose
 tensors differ (another model, another number of ranks, so other shard sizes) or whose wire differs
 (codec)."""
@@ -252,7 +255,8 @@ def schema_conflict(
                 return (
                     f"{who} cannot average with this one: {what}; every cluster of a galaxy must train the "
                     "same model with the same number of ranks, --hv.compression, --hv.fragments and "
-                    "--hv.round-steps (with `by-speed`, the same tokens per inner step)"
+                    "--hv.round-steps (with `by-speed`, the same tokens per inner step), and give every "
+                    "cluster a --hv.world-rank or none (elastic)"
                 )
     return None
 

@@ -85,6 +85,7 @@ class ClusterShard:
                 if hv.round_steps == "by-speed"
                 else hv.round_steps
             ),
+            "membership": "elastic" if hv.elastic else "fixed",
             "model_config": dict(self.model_config),
         }
 

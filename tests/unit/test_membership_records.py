@@ -273,3 +273,12 @@ def test_a_galaxy_needs_one_cluster_that_is_not_in_client_mode():
     assert not no_reachable_cluster(
         [client, read({"galaxy_rank": 1, "client_mode": True}, seen=60.0)], 2, 15.0
     )
+
+
+def test_a_fixed_and_an_elastic_cluster_refuse_each_other_in_one_line():
+    # a fixed cluster counts ranks 0 … N − 1: an elastic one beside it would average unseen by its live count
+    elastic = read(cluster_identity(849359237, {**SCHEMA, "membership": "elastic"}, 20, "test", ["QmE"]))
+    line = schema_conflict([elastic], 0, {**SCHEMA, "membership": "fixed"}, expiry=15.0)
+    assert "its membership is 'elastic', here 'fixed'" in line and "--hv.world-rank or none" in line, line
+    older = read({"galaxy_rank": 1, **SCHEMA})  # a version before elastic galaxies: fixed, no key
+    assert schema_conflict([older], 0, {**SCHEMA, "membership": "fixed"}, expiry=15.0) is None
