@@ -670,21 +670,21 @@ class Round:
         last = ctx.hold_said
         if last is None or last[1] != said or now - last[0] >= HOLD_REMINDER_SECONDS:
             ctx.hold_said = (now, said)
+            held = f"held {ctx.held_rounds} round(s) in {now - ctx.holding_since:.0f}s"
             if need := self._genesis_need():
                 ctx.warn(
                     f"outer step {self.id.number}: the galaxy's first round needs {need} clusters "
                     f"(--hv.galaxy-size), {sorted(voting)} came: this cluster commits nothing and trains the "
-                    f"stride again (held {ctx.held_rounds} round(s) in {now - ctx.holding_since:.0f}s)"
+                    f"stride again (a fork after --hv.fork-after={ctx.hv.fork_after:g}s; {held})"
                 )
-                ctx.state.drop_progress()
-                return self._result("held", report, network_wait, galaxy_complete=view.whole)
-            ctx.warn(
-                f"outer step {self.id.number}: clusters {present} are no majority of the roster "
-                f"{sorted(roster)}{f' (ended: {sorted(self.ended)})' if self.ended else ''}: this cluster "
-                "commits nothing, trains the stride again, and takes the majority's state when it is back (a "
-                f"fork after --hv.fork-after={ctx.hv.fork_after:g}s; held {ctx.held_rounds} round(s) in "
-                f"{now - ctx.holding_since:.0f}s)"
-            )
+            else:
+                ended = f" (ended: {sorted(self.ended)})" if self.ended else ""
+                ctx.warn(
+                    f"outer step {self.id.number}: clusters {present} are no majority of the roster "
+                    f"{sorted(roster)}{ended}: this cluster commits nothing, trains the stride again, and "
+                    "takes the majority's state when it is back (a fork after "
+                    f"--hv.fork-after={ctx.hv.fork_after:g}s; {held})"
+                )
         ctx.state.drop_progress()
         return self._result("held", report, network_wait, galaxy_complete=view.whole)
 
@@ -917,17 +917,16 @@ def _membership(ctx: RoundContext) -> Seen:
     ``Membership.silent``)."""
     view = ctx.averager.membership()
     ctx.fastest_seconds = min(view.step_seconds.values(), default=None)
-    known = frozenset()
+    known, total = frozenset(), ctx.hv.galaxy_size
     if ctx.hv.elastic:  # its clusters: its chain's roster, every cluster with a record, this one
         roster = roster_of(ctx.committed.ledger.last, ctx.hv.galaxy_size, elastic=True)
         known = frozenset(roster | set(view.reported) | {ctx.galaxy_rank})
+        # its first round waits for the clusters it needs, as a fixed galaxy waits for ranks not heard yet
+        total = max(len(known), 0 if roster else ctx.hv.galaxy_size)
     ours = known or range(ctx.hv.galaxy_size)
     gone = {rank for rank in view.departed if rank != ctx.galaxy_rank and rank in ours}
     silent = {rank for rank in view.silent if rank != ctx.galaxy_rank and rank in ours}
-    # an elastic galaxy's first round waits for the clusters it needs (--hv.galaxy-size), as a fixed one waits
-    # for its ranks not heard yet
-    total = max(len(known), ctx.hv.galaxy_size if not roster_of(ctx.committed.ledger.last, 0, True) else 0)
-    alive = -ctx.cluster.min_int(-((total if known else ctx.hv.galaxy_size) - len(gone)))
+    alive = -ctx.cluster.min_int(-(total - len(gone)))
     attempt = -ctx.cluster.min_int(-view.attempt_of(ctx.state.outer_step + 1))
     # gone, not silent: a record that says it ended, or no record at all (not started, or unreadable: after a
     # split the DHT may not reach the others' records for a while). Only the first ends a vote (Round.start)
