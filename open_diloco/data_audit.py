@@ -123,12 +123,13 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
             continue
         config = starts[0]["config"]
         fake = bool(config.get("fake_data", True))
-        rank = config["hv"]["world_rank"] if config.get("hv") else 0
+        hv = config.get("hv") or {}
+        rank, fragments = hv.get("world_rank", 0), int(hv.get("fragments", 1))
         readings = _readings(lines_by_cluster.get(rank, {}))
-        pages = _replay(readings, records, config)
-        clusters.append(pages[0])
-        for reading in pages[1]:
-            if _taken_by_every_fragment(reading, _fragments(config)):
+        pages, every = _replay(readings, records, rank, fragments, int(hv.get("sync_delay", 0)))
+        clusters.append(pages)
+        for reading in every:
+            if all(reading.commits.get(f) for f in range(fragments)):  # committed into every fragment
                 for sample in reading.ids:
                     committed_ids[sample].add(rank)
     shared = [] if fake else sorted(i for i, ranks in committed_ids.items() if len(ranks) > 1)
@@ -138,10 +139,6 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
 def _whole_lines(path: Path) -> list[dict[str, Any]]:
     text = Path(path).read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
-
-
-def _fragments(config: dict[str, Any]) -> int:
-    return int(config["hv"]["fragments"]) if config.get("hv") else 1
 
 
 def _readings(by_rank: dict[int, list[dict[str, Any]]]) -> list[tuple[float, Reading]]:
@@ -158,12 +155,13 @@ def _readings(by_rank: dict[int, list[dict[str, Any]]]) -> list[tuple[float, Rea
 
 
 def _replay(
-    readings: list[tuple[float, Reading]], records: list[dict[str, Any]], config: dict[str, Any]
+    readings: list[tuple[float, Reading]],
+    records: list[dict[str, Any]],
+    rank: int,
+    fragments: int,
+    delay: int,
 ) -> tuple[ClusterPages, list[Reading]]:
     """Walk a cluster's readings and records in time order, settling each reading fragment by fragment."""
-    hv = config.get("hv") or {}
-    fragments, delay = _fragments(config), int(hv.get("sync_delay", 0))
-    rank = hv.get("world_rank", 0)
     events = [(t, 0, "read", r) for t, r in readings]
     marks = [r for r in records if "round_outcome" in r or r.get("event") == "start"]
     events += [(r["time"], 1, "record", r) for r in marks]
@@ -244,10 +242,6 @@ def _lose(
             if not keep(reading):
                 reading.lose(fragment, cause)
     return {fragment: [r for r in readings if keep(r)] for fragment, readings in pending.items()}
-
-
-def _taken_by_every_fragment(reading: Reading, fragments: int) -> bool:
-    return all(reading.commits.get(f) for f in range(fragments))
 
 
 def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]) -> ClusterPages:

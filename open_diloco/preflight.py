@@ -134,7 +134,8 @@ def build_checks(
         if config.hv is not None:
             hv = config.hv
             fixed = f"galaxy rank {hv.world_rank}/{hv.galaxy_size}"
-            galaxy = f"elastic galaxy, first round of {hv.galaxy_size}" if hv.unranked else fixed
+            elastic = hv.unranked or hv.elastic  # (no rank given, or an id given)
+            galaxy = f"elastic galaxy, first round of {hv.galaxy_size}" if elastic else fixed
         return f"{config.max_steps} steps, {launch.num_nodes * launch.nproc_per_node} rank(s), {galaxy}"
 
     def needs_config() -> Config:

@@ -30,20 +30,18 @@ def audit_data(
     sample_log
         The --sample-log directory the clusters wrote.
     metrics
-        The clusters' jsonl metrics files (--metrics-path), one per cluster.
+        The clusters' jsonl metrics files (--metrics-path), one per cluster, or the run's directory.
     verify
         Exit 1 with one line on the first cluster with a page lost or taken twice.
     json_output
         Print each cluster's pages as one JSON object per line instead of the table.
     """
     from open_diloco.data_audit import audit
+    from open_diloco.report.runs import metrics_files
 
     if not sample_log.is_dir():
         raise ConfigError(f"{sample_log} is not a directory: give the --sample-log directory of the run")
-    missing = [str(path) for path in metrics if not path.is_file()]
-    if missing:
-        raise ConfigError(f"no metrics file at {', '.join(missing)}: give the clusters' --metrics-path files")
-    galaxy = audit(sample_log, metrics)
+    galaxy = audit(sample_log, metrics_files(metrics))
     if not galaxy.clusters:
         raise ConfigError("no start record in the metrics files: give --metric-logger-type jsonl files")
     for cluster in galaxy.clusters:

@@ -98,6 +98,7 @@ class HivemindAverager:
         """Which shard of the cluster this averager serves: it averages with the same shard of every other
         cluster."""
         self.galaxy_rank, self.galaxy_size, self.elastic = hv.world_rank, hv.galaxy_size, hv.elastic
+        self.alone = hv.alone  # a galaxy of one by its flags: its rounds need no DHT
         self.averaging_timeout, self.join_timeout = hv.averaging_timeout, hv.join_timeout
         self.status_key, self.member_expiry = status_key(hv.run_id), hv.member_expiry
         self.record_ages = RecordAges(self.member_expiry)
@@ -161,7 +162,7 @@ class HivemindAverager:
         never meet the galaxy's next round, nor a shard late for one attempt the group of the next."""
         start = time.monotonic()
         metadata = {**fingerprint, "galaxy_rank": self.galaxy_rank, "round_id": round_id, "attempt": attempt}
-        if self.galaxy_size == 1 and not self.elastic:
+        if self.alone:
             return HivemindRound(self, None, metadata, start)
         plan = plan or self.matchmaking_plan(self.galaxy_size)
         forget_finished_searches(self.dht)  # the last round's key, among others
@@ -185,7 +186,7 @@ class HivemindAverager:
     def membership(self) -> Membership:
         """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot
         average with this one (matchmaking would silently never group the two)."""
-        if self.galaxy_size == 1 and not self.elastic:
+        if self.alone:
             return Membership()
         records = read_records(self.dht, self.status_key, MEMBERSHIP_READ_SECONDS, self.record_ages)
         # a stranger's record (say, a mismatched schema) must not stop or stall us

@@ -68,7 +68,6 @@ class DiLoCo:
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: Round | None = None
         """The round running in the background while inner steps go on (``--hv.sync-delay``)."""
-        self._flight_step = 0  # the inner step the sync in flight started after (its records' sync_step)
         self._resumed_contribution: Contribution | None = None  # set by load_state_dict, read by join_galaxy
         self._window_start: float | None = None
         self._held = 0.0
@@ -162,8 +161,8 @@ class DiLoCo:
                 )
                 resent = self._resumed_contribution
                 self._sync_pace[self.outer_step + 1] = (resent.inner_steps or 0, resent.weight)
-                self._hold(Round.start(self.rounds, resent), resumed_at + self.schedule.sync_delay)
-                self._flight_step = resumed_at
+                lands_at = resumed_at + self.schedule.sync_delay
+                self._hold(Round.start(self.rounds, resent), resumed_at, lands_at)
         self._resumed_contribution = None
         return self.inner_step_of_galaxy()
 
@@ -247,7 +246,7 @@ class DiLoCo:
         if self.in_flight is not None and (inner_step >= self.in_flight.lands_at or last):
             flight, self.in_flight = self.in_flight, None
             results.append(flight.finish())
-            results[-1].sync_step = self._flight_step
+            results[-1].sync_step = flight.started_after
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
         # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
@@ -261,8 +260,9 @@ class DiLoCo:
         held = any(result.outcome == "held" for result in results)
         back_to = self.catch_up.clock_after(inner_step, self.in_flight is not None, last, held)
         if back_to is not None and self.in_flight is not None:
-            self.in_flight.lands_at -= inner_step - back_to  # it lands as far into the galaxy's clock
-            self._flight_step -= inner_step - back_to
+            shift = inner_step - back_to  # it started and lands as far into the galaxy's clock
+            self.in_flight.started_after -= shift
+            self.in_flight.lands_at -= shift
         self._held += time.perf_counter() - began
         if results:
             window = time.perf_counter() - self._window_start
@@ -305,19 +305,18 @@ class DiLoCo:
         if self.pace.by_speed:  # the next stride's steps, from the speeds this round's start read
             planned = self.pace.plan(self.step_time.seconds, self.rounds.fastest_seconds)
             self.pace.agree(self.cluster.min_int(planned))
-        self._flight_step = inner_step
-        result = (
-            flight.finish() if delay == 0 and not flight.sits_out else self._hold(flight, inner_step + delay)
-        )
+        at_once = delay == 0 and not flight.sits_out
+        result = flight.finish() if at_once else self._hold(flight, inner_step, inner_step + delay)
         if result is not None:
             result.sync_step = inner_step
         return result
 
-    def _hold(self, flight: Round, lands_at: int) -> RoundResult | None:
-        """Keep a started round in flight until inner step ``lands_at``, or sit it out at once."""
+    def _hold(self, flight: Round, started_after: int, lands_at: int) -> RoundResult | None:
+        """Keep a round started after inner step ``started_after`` in flight until ``lands_at``, or sit it out
+        at once."""
         if flight.sits_out:
             return flight.sit_out()
-        flight.lands_at, self.in_flight = lands_at, flight
+        flight.started_after, flight.lands_at, self.in_flight = started_after, lands_at, flight
         return None
 
     def step(self) -> dict[str, Any]:

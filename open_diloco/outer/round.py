@@ -297,6 +297,8 @@ class Round:
     left: frozenset[int] = frozenset()
     """Of those, the clusters that left for good as this rank reads them (said they ended, have no record at
     all, or silent past ``--hv.fork-after``): the roster drops them (``outer/quorum.py``)."""
+    started_after: int = 0
+    """The inner step the round (a sync) started after: its Δ holds the training up to it (``sync_step``)."""
     lands_at: int = 0
     """The inner step after which the round's update lands (its start + ``--hv.sync-delay``)."""
     known: frozenset[int] = frozenset()
