@@ -119,8 +119,12 @@ def resolve_resume(ckpt: CkptConfig, model_config: dict[str, Any]) -> tuple[Path
 # Where the outer loop's state dict goes besides DCP: its counters are fields of metadata.json under their own
 # names (with what their absence means); per-rank values (cut from this rank's shard: DCP could not reshard
 # them) are files <key>_rank<N>.pt beside the RNG state. Every per-value piece is a top-level DCP entry of its
-# own name. ``pace`` (--hv.round-steps by-speed's step counts, one per cluster) is null with equal steps.
-_OUTER_COUNTERS = dict(outer_step=0, fragments=1, pace=None, param_hash=None, goodput=None, in_flight=None)
+# own name. ``pace`` (by-speed's step counts) is null with equal steps, ``goodput`` counts tokens
+# (outer/goodput.py), ``in_flight`` is a round in flight's weight and steps, ``own_pages`` an elastic
+# galaxy's pages its Δ carries (outer/own_pages.py).
+_OUTER_COUNTERS = dict(
+    outer_step=0, fragments=1, pace=None, param_hash=None, goodput=None, in_flight=None, own_pages=None
+)
 _OUTER_PER_RANK = ("sparse_scores",)
 
 
@@ -141,10 +145,7 @@ def _outer_parts(outer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
         "has_error_feedback": "error_feedback" in outer_state,
         "streaming": [key for key in ("outer_params", "sync_start") if key in outer_state],
         "fragments": int(outer_state.get("fragments", _OUTER_COUNTERS["fragments"])),
-        "pace": outer_state.get("pace"),
-        "param_hash": outer_state.get("param_hash"),
-        "goodput": outer_state.get("goodput"),  # tokens computed and committed (outer/goodput.py)
-        "in_flight": outer_state.get("in_flight"),  # the weight and inner steps of a round in flight
+        **{key: outer_state.get(key) for key in ("pace", "param_hash", "goodput", "in_flight", "own_pages")},
     }
     entries = {key: outer_state[key] for key in _outer_pieces(fields)}
     per_rank = {key: outer_state[key] for key in _OUTER_PER_RANK if key in outer_state}

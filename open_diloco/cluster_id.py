@@ -67,11 +67,6 @@ def resolve_galaxy_rank(config: Config) -> Config:
     hv = config.hv
     if hv is None or not (hv.unranked or hv.elastic):
         return config
-    if config.dataset_path is not None:
-        raise ConfigError(
-            "an elastic galaxy (no --hv.world-rank) trains on --fake-data only for now: the ledger does not "
-            "deal real data yet; give every cluster --hv.world-rank in 0..--hv.galaxy-size − 1"
-        )
     cluster_id = hv.cluster_id or kept_cluster_id(config.ckpt.path)
     update = {"world_rank": rank_of(cluster_id), "cluster_id": cluster_id}
     return config.model_copy(update={"hv": hv.model_copy(update=update)})

@@ -24,6 +24,11 @@ into G' parts: the clusters stay disjoint from each other, but each cluster resu
 its *new* part, so until the current epoch ends some samples are seen twice by the galaxy and others not at
 all (the more so the further into the epoch). Later epochs are clean. To keep exact coverage, change the
 galaxy size at an epoch boundary or start a fresh loader state.
+
+An elastic galaxy (no --hv.world-rank) has no N: every cluster plans the whole training set in one order (real
+data: the shuffled ids, each pass reshuffled by (seed, the galaxy stream, epoch); fake data: one galaxy-wide
+stream), and the ledger deals it in pages of one inner step (``outer/deal.py``): a :class:`PageSampler` reads
+the pages :class:`DealtBatches` gives it, step by step.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ VAL_FRACTION_DENOMINATOR = 100
 """One sample in this many (at least one) is held out for validation."""
 FAKE_VAL_STREAM = -1
 """The fake-data stream validation reads (clusters use their galaxy rank, 0 … G − 1)."""
+GALAXY_STREAM = -2
+"""The fake-data stream of an elastic galaxy: one order for every cluster, which the ledger deals in pages."""
 
 
 def _seed_of(*parts: int | str) -> int:
@@ -155,6 +162,54 @@ class ClusterSampler(Sampler[int]):
         self.next_block = state["next_block"]
 
 
+class PageSampler(Sampler[int]):
+    """The positions of the pages the ledger dealt this cluster (an elastic galaxy: ``outer/deal.py``), for
+    one rank: page p is positions p·S … p·S + S − 1 of the galaxy's order, S = ``per_device_batch`` × W ×
+    ``grad_accum`` (one inner step of the cluster), each of its micro-batch blocks sliced by rank as
+    :class:`ClusterSampler` slices them. It walks :attr:`pages` and stops when they run out: the deal is known
+    only so far ahead, and :class:`DealtBatches` starts it again with the pages dealt since."""
+
+    def __init__(self, per_device_batch: int, rank: int, world_size: int, grad_accum: int):
+        self.per_device_batch, self.rank, self.world_size = per_device_batch, rank, world_size
+        self.grad_accum = grad_accum
+        self.pages: list[int] = []
+
+    @property
+    def page_samples(self) -> int:
+        return self.per_device_batch * self.world_size * self.grad_accum
+
+    def __iter__(self) -> Iterator[int]:
+        block = self.per_device_batch * self.world_size
+        for page in list(self.pages):
+            for micro in range(self.grad_accum):
+                start = page * self.page_samples + micro * block + self.rank * self.per_device_batch
+                yield from range(start, start + self.per_device_batch)
+
+
+class DealtBatches:
+    """The micro-batches of the page each inner step reads in an elastic galaxy. ``page_at(step)``: its page;
+    ``pages_from(step)``: the pages of the steps from ``step`` on, as far as the deal is known. The loader
+    prefetches along them; when the page a step wants is not the one next in its pipeline (the deal ran out
+    there, or a taken chain dealt otherwise), it starts again from that step's pages."""
+
+    def __init__(self, loader: Any, page_at: Any, pages_from: Any, grad_accum: int):
+        self.loader, self.page_at, self.pages_from, self.grad_accum = loader, page_at, pages_from, grad_accum
+        self._planned: list[int] = []
+        self._taken = 0
+        self._batches: Iterator[dict[str, Any]] = iter(())
+
+    def at(self, step: int) -> Iterator[dict[str, Any]]:
+        """The batches of inner step ``step`` (its ``grad_accum`` micro-batches come next)."""
+        page = self.page_at(step)
+        if page is None:
+            raise RuntimeError(f"inner step {step} trains, but the ledger dealt this cluster no page for it")
+        if self._taken >= len(self._planned) or self._planned[self._taken] != page:
+            self.loader.sampler.pages = self._planned = list(self.pages_from(step))
+            self._taken, self._batches = 0, iter(self.loader)
+        self._taken += 1
+        return self._batches
+
+
 def cluster_stream(galaxy_rank: int) -> int:
     """The fake-data stream of a cluster: clusters of a galaxy draw different samples."""
     return galaxy_rank
@@ -184,6 +239,15 @@ class DataPlan:
     """None: fake data."""
     train_ids: np.ndarray | None = None
     val_ids: np.ndarray | None = None
+    dealt: bool = False
+    """An elastic galaxy: the ledger deals pages of one galaxy-wide order (:class:`PageSampler`)."""
+
+    def epoch_pages(self, page_samples: int) -> float | None:
+        """Pages of ``page_samples`` in one pass over the training set when the ledger deals a corpus (its
+        deal's cursor over it is the galaxy's epoch); ``None`` otherwise."""
+        if not self.dealt or self.train_ids is None:
+            return None
+        return len(self.train_ids) / page_samples
 
 
 def plan_data(
@@ -193,7 +257,10 @@ def plan_data(
 
     Every failure is a one-line ConfigError raised in every rank on its own (the ranks not packing wait for
     the one that does and re-raise its error), so no rank is left waiting in a rendezvous."""
-    plan = DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size)
+    dealt = config.hv is not None and config.hv.elastic
+    if dealt:  # one order for the galaxy, dealt by the ledger: every cluster reads from all of it
+        galaxy_rank, galaxy_size = 0, 1
+    plan = DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size, dealt=dealt)
     if config.dataset_path is None:
         return plan
     tokenizer = load_tokenizer(config.path_tokenizer)
@@ -215,28 +282,39 @@ def plan_data(
             f"samples of --seq-length {config.seq_length} ({len(val_ids)} held out), fewer than one per rank "
             f"({galaxy_size} cluster(s) x {world_size} rank(s)): use more data or a shorter --seq-length"
         )
-    return DataPlan(config.seed, config.seq_length, galaxy_rank, model_vocab_size, corpus, train_ids, val_ids)
+    return DataPlan(
+        config.seed, config.seq_length, galaxy_rank, model_vocab_size, corpus, train_ids, val_ids, dealt
+    )
 
 
 def build_train_loader(
-    plan: DataPlan, *, per_device_batch: int, rank: int, world_size: int, num_workers: int
+    plan: DataPlan,
+    *,
+    per_device_batch: int,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    grad_accum: int = 1,
 ) -> StatefulDataLoader:
     """A stateful loader of ``{"input_ids": [B, T], "sample_id": [B]}`` micro-batches for this rank.
 
     ``state_dict()`` / ``load_state_dict()`` resume exactly at the next batch (the sampler's position is the
-    whole state; the datasets are pure functions of position)."""
+    whole state; the datasets are pure functions of position). Dealt (an elastic galaxy): a
+    :class:`PageSampler` over the galaxy's one order, read through :class:`DealtBatches`."""
+    stream = GALAXY_STREAM if plan.dealt else cluster_stream(plan.galaxy_rank)
     if plan.corpus is None:
-        dataset: Dataset = FakeSequences(
-            plan.seed, cluster_stream(plan.galaxy_rank), plan.vocab_size, plan.seq_length
-        )
+        dataset: Dataset = FakeSequences(plan.seed, stream, plan.vocab_size, plan.seq_length)
     else:
-        dataset = PackedSamples(
-            plan.corpus, plan.seq_length, plan.train_ids, _seed_of(plan.seed, plan.galaxy_rank)
-        )
+        dataset = PackedSamples(plan.corpus, plan.seq_length, plan.train_ids, _seed_of(plan.seed, stream))
+    sampler: Sampler[int] = (
+        PageSampler(per_device_batch, rank, world_size, grad_accum)
+        if plan.dealt
+        else ClusterSampler(per_device_batch, rank, world_size)
+    )
     return StatefulDataLoader(
         dataset,
         batch_size=per_device_batch,
-        sampler=ClusterSampler(per_device_batch, rank, world_size),
+        sampler=sampler,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,

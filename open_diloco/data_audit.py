@@ -23,6 +23,11 @@ clusters' sync records (``--metric-logger-type jsonl``), lined up by their ``tim
   fragment took none, and none is still in flight at the end. *Twice*: some fragment took two.
 - Across clusters (real data, where a sample id is global): a sample in pages of two clusters that both
   committed is counted twice by the galaxy.
+- **An elastic galaxy** (the ledger deals pages of one galaxy-wide order: ``outer/deal.py``): a page is the
+  galaxy's (the sample log's ``page``), a cluster's lost page is no loss while the deal gives it back, and
+  the audit is galaxy-wide (:class:`DealtPages`): every page below the final deal's cursor committed by
+  exactly one reading, or still in flight by that deal (its queue, its unsettled hands); and the pages the
+  ledger entries say they committed are exactly those the readings show committed.
 
 A resumed launch that goes on past its checkpoint's step took the galaxy's state as it joined (no sync record
 says so): what its checkpoint held is lost too.
@@ -88,21 +93,48 @@ class ClusterPages:
 
 
 @dataclass(frozen=True)
+class DealtPages:
+    """An elastic galaxy's pages, galaxy-wide (see the module doc)."""
+
+    cursor: int
+    """The final deal's first page never dealt."""
+    once: int
+    """Pages below the cursor committed by exactly one reading."""
+    lost: list[int]
+    """Pages below the cursor that no reading committed and the final deal does not hold in flight."""
+    twice: list[int]
+    """Pages committed by two readings (of one cluster or two)."""
+    in_flight: list[int]
+    """Pages the final deal holds: its queue, and hands not yet settled."""
+    unmatched: list[int]
+    """Pages the ledger entries and the readings disagree on (committed by one, not the other)."""
+
+
+@dataclass(frozen=True)
 class GalaxyPages:
     clusters: list[ClusterPages]
     shared_ids: list[int]
     """Real data: sample ids committed in pages of two clusters (empty for fake data: its streams are the
     clusters' own)."""
+    dealt: DealtPages | None = None
+    """An elastic galaxy's galaxy-wide account; ``None`` for a fixed one."""
 
     @property
     def problems(self) -> list[str]:
-        """One line per cluster with pages lost or twice, and one for shared samples."""
+        """One line per cluster with pages lost or twice (a fixed galaxy; an elastic one: one line for the
+        galaxy's pages), and one for shared samples."""
         lines = [
             f"cluster {c.galaxy_rank}: {len(c.lost)} page(s) lost (first {c.lost[:5]}), {len(c.twice)} taken "
             f"twice (first {c.twice[:5]}), of {c.cursor}"
             for c in self.clusters
-            if c.lost or c.twice
+            if (c.lost or c.twice) and self.dealt is None
         ]
+        if (d := self.dealt) is not None and (d.lost or d.twice or d.unmatched):
+            lines.append(
+                f"the galaxy: {len(d.lost)} page(s) lost (first {d.lost[:5]}), {len(d.twice)} committed "
+                f"twice (first {d.twice[:5]}), {len(d.unmatched)} the ledger and the readings disagree on "
+                f"(first {d.unmatched[:5]}), below the cursor {d.cursor}"
+            )
         if self.shared_ids:
             first = self.shared_ids[:5]
             lines.append(f"{len(self.shared_ids)} sample(s) committed by two clusters (first {first})")
@@ -116,6 +148,7 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         for line in _whole_lines(path):
             lines_by_cluster[line["galaxy_rank"]][line["rank"]].append(line)
     clusters, fake, committed_ids = [], True, defaultdict(set)
+    dealt, readers, entries = False, Counter(), []
     for path in metrics:
         records = _whole_lines(path)
         starts = [r for r in records if r.get("event") == "start"]
@@ -125,15 +158,53 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         fake = bool(config.get("fake_data", True))
         hv = config.get("hv") or {}
         rank, fragments = hv.get("world_rank", 0), int(hv.get("fragments", 1))
+        dealt = dealt or hv.get("cluster_id") is not None
         readings = _readings(lines_by_cluster.get(rank, {}))
-        pages, every = _replay(readings, records, rank, fragments, int(hv.get("sync_delay", 0)))
+        delay = int(hv.get("sync_delay", 0))
+        pages, every = _replay(readings, records, rank, fragments, delay, hv.get("cluster_id") is not None)
         clusters.append(pages)
+        entries += [r["ledger"] for r in records if r.get("ledger")]
         for reading in every:
             if all(reading.commits.get(f) for f in range(fragments)):  # committed into every fragment
+                readers[(reading.page, rank)] += 1
                 for sample in reading.ids:
                     committed_ids[sample].add(rank)
     shared = [] if fake else sorted(i for i, ranks in committed_ids.items() if len(ranks) > 1)
-    return GalaxyPages(clusters, shared)
+    return GalaxyPages(clusters, shared, _dealt_pages(readers, entries) if dealt else None)
+
+
+def _dealt_pages(readers: Counter, entries: list[dict[str, Any]]) -> DealtPages:
+    """The galaxy-wide account of an elastic galaxy's pages: the committed readings (``readers``: (page,
+    cluster) → how many) against the chain the galaxy ended on (the entry with the most work, and its
+    ancestors by θ hash) and its final deal."""
+    from open_diloco.outer.deal import Deal, from_ranges
+
+    by_after = {entry["after"]: entry for entry in entries}
+    final = max(entries, key=lambda e: (e.get("work") or 0, e["round"]), default=None)
+    chain = []
+    while final is not None and final not in chain:
+        chain.append(final)
+        final = by_after.get(final["before"])
+    deal = Deal.from_wire(chain[0]["deal"]) if chain and chain[0].get("deal") else Deal()
+    in_ledger = {
+        (page, int(rank))
+        for entry in chain
+        for rank, runs in (entry.get("pages") or {}).items()
+        for page in from_ranges(runs)
+    }
+    per_page = Counter()
+    for (page, _), count in readers.items():
+        per_page[page] += count
+    flying = deal.in_flight
+    unmatched = sorted({page for page, _ in set(readers) ^ in_ledger})
+    return DealtPages(
+        cursor=deal.cursor,
+        once=sum(1 for page in range(deal.cursor) if per_page[page] == 1),
+        lost=[page for page in range(deal.cursor) if per_page[page] == 0 and page not in flying],
+        twice=sorted(page for page, count in per_page.items() if count > 1),
+        in_flight=sorted(flying),
+        unmatched=unmatched,
+    )
 
 
 def _whole_lines(path: Path) -> list[dict[str, Any]]:
@@ -150,7 +221,8 @@ def _readings(by_rank: dict[int, list[dict[str, Any]]]) -> list[tuple[float, Rea
     readings = []
     for index, line in enumerate(first):
         ids = [i for rank in ranks if index < len(by_rank[rank]) for i in by_rank[rank][index]["sample_ids"]]
-        readings.append((line["time"], Reading(line["step"], line["inner_steps"], ids)))
+        page = line.get("page", line["inner_steps"])  # an elastic galaxy's: the page the ledger dealt
+        readings.append((line["time"], Reading(line["step"], page, ids)))
     return readings
 
 
@@ -160,6 +232,7 @@ def _replay(
     rank: int,
     fragments: int,
     delay: int,
+    dealt: bool = False,
 ) -> tuple[ClusterPages, list[Reading]]:
     """Walk a cluster's readings and records in time order, settling each reading fragment by fragment."""
     events = [(t, 0, "read", r) for t, r in readings]
@@ -188,7 +261,7 @@ def _replay(
         else:
             pending = _settle(item, pending, delay, rank, by_round)
     flight = sorted({r.page for rs in pending.values() for r in rs})
-    return _pages(rank, every, fragments, flight), every
+    return _pages(rank, every, fragments, flight, dealt), every
 
 
 def _checkpoint_step(path: str | None) -> int | None:
@@ -244,7 +317,11 @@ def _lose(
     return {fragment: [r for r in readings if keep(r)] for fragment, readings in pending.items()}
 
 
-def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]) -> ClusterPages:
+def _pages(
+    rank: int, every: list[Reading], fragments: int, in_flight: list[int], dealt: bool = False
+) -> ClusterPages:
+    """A cluster's pages by what became of them: every page up to the highest it read (its own part), or in
+    an elastic galaxy the pages it read (the deal gave it those)."""
     taken: dict[int, list[int]] = defaultdict(lambda: [0] * fragments)
     for reading in every:
         for f in range(fragments):
@@ -253,7 +330,7 @@ def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]
     flying = set(in_flight)
     last_loss = {r.page: r.lost for r in every if r.lost}  # (readings in order: the last one wins)
     once, lost, twice, causes = [], [], [], Counter()
-    for page in range(1, cursor + 1):
+    for page in sorted({r.page for r in every}) if dealt else range(1, cursor + 1):
         counts = taken.get(page, [0] * fragments)
         if any(c > 1 for c in counts):
             twice.append(page)
@@ -263,5 +340,5 @@ def _pages(rank: int, every: list[Reading], fragments: int, in_flight: list[int]
             lost.append(page)
             missing = [last_loss.get(page, {}).get(f) for f, c in enumerate(counts) if c == 0]
             causes[next((why for why in missing if why), "never read")] += 1
-    skipped = [p for p in range(1, cursor + 1) if p not in taken]
+    skipped = [] if dealt else [p for p in range(1, cursor + 1) if p not in taken]
     return ClusterPages(rank, cursor, len(taken), once, lost, twice, sorted(flying), skipped, dict(causes))

@@ -52,6 +52,12 @@ class MemberRecord:
     tokens_computed: int | None = None
     """Tokens of every inner step the cluster trained (``outer/goodput.py``)."""
     tokens_committed: int | None = None
+    data_cursor: int | None = None
+    """An elastic galaxy: the first page its chain's deal never dealt (``outer/deal.py``)."""
+    data_committed_pages: int | None = None
+    """An elastic galaxy: the pages its chain committed."""
+    data_epoch: float | None = None
+    """An elastic galaxy on a corpus: the passes over the training set the deal's cursor has made."""
     """Tokens of its own in the ledger chain it holds: what of its work the galaxy committed."""
     cluster_id: str | None = None
     """Its id in an elastic galaxy (``--hv.cluster-id``, or the one kept in ``--ckpt.path``), whose hash is
@@ -256,7 +262,8 @@ def schema_conflict(
                     f"{who} cannot average with this one: {what}; every cluster of a galaxy must train the "
                     "same model with the same number of ranks, --hv.compression, --hv.fragments and "
                     "--hv.round-steps (with `by-speed`, the same tokens per inner step), and give every "
-                    "cluster a --hv.world-rank or none (elastic)"
+                    "cluster a --hv.world-rank or none (elastic: then the same --hv.local-steps and tokens "
+                    "per inner step, the size of a page the ledger deals)"
                 )
     return None
 

@@ -27,7 +27,7 @@ class NullSampleLog:
     def watch(self, loader: Any) -> Any:
         return loader
 
-    def record(self, step: int, inner_steps: int) -> None:
+    def record(self, step: int, inner_steps: int, page: int | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -47,9 +47,12 @@ class SampleLog(NullSampleLog):
         """``loader``, each batch's ids noted as the model takes it (not as the loader prefetches it)."""
         return WatchedLoader(loader, self._ids)
 
-    def record(self, step: int, inner_steps: int) -> None:
-        """The ids read since the last record, as inner step ``step`` (the loader at ``inner_steps``)."""
+    def record(self, step: int, inner_steps: int, page: int | None = None) -> None:
+        """The ids read since the last record, as inner step ``step`` (the loader at ``inner_steps``; in an
+        elastic galaxy, the ``page`` the ledger dealt it)."""
         line = {"time": time.time(), "step": step, "inner_steps": inner_steps, **self._where}
+        if page is not None:
+            line["page"] = page
         line["sample_ids"] = list(self._ids)
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()

@@ -62,7 +62,26 @@ def galaxy_line(records: list[MemberRecord]) -> str:
     if named:
         heaviest = max(named, key=lambda r: (*chain_weight(r), -r.galaxy_rank))
         line += f"; roster {sorted(heaviest.roster)} (cluster {heaviest.galaxy_rank}'s chain, the heaviest)"
+        joiners = sorted(  # an elastic galaxy's (a fixed one's cluster off the roster was dropped)
+            r.galaxy_rank
+            for r in records
+            if r.cluster_id and r.training and not _silent(r) and r.galaxy_rank not in heaviest.roster
+        )
+        if joiners:
+            line += f"; joining {joiners}"
+        line += _data_line(heaviest)
     return line
+
+
+def _data_line(record: MemberRecord) -> str:
+    """An elastic galaxy's data as the heaviest chain's deal has it (``outer/deal.py``): the cursor, the pages
+    committed (their share of those dealt) and, on a corpus, the epoch."""
+    if record.data_cursor is None:
+        return ""
+    committed = record.data_committed_pages or 0
+    share_of = f" ({committed / record.data_cursor:.1%})" if record.data_cursor else ""
+    epoch = f", epoch {record.data_epoch:.2f}" if record.data_epoch is not None else ""
+    return f"; data: {record.data_cursor} pages dealt, {committed} committed{share_of}{epoch}"
 
 
 def _silent(record: MemberRecord) -> bool:
@@ -123,6 +142,9 @@ JSON_KEYS = (
     "goodput",
     "roster",
     "cluster_id",
+    "data_cursor",
+    "data_committed_pages",
+    "data_epoch",
 )
 """What ``--json`` prints per cluster, in this order (a public contract, like the metrics keys: add, don't
 rename)."""

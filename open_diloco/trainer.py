@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ import torch
 
 from open_diloco import checkpoint
 from open_diloco.config import Config, HvConfig, check_against_world
-from open_diloco.data import build_eval_loader, build_train_loader, plan_data
+from open_diloco.data import DealtBatches, build_eval_loader, build_train_loader, plan_data
 from open_diloco.errors import ConfigError, Stop
 from open_diloco.gc_schedule import GcSchedule
 from open_diloco.logs import log_from_every_rank
@@ -82,7 +82,7 @@ def train(config: Config) -> None:
         loader = sample_log.watch(loader)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
-        batches = position_at(start_step, outer.data_position(start_step), loader, scheduler, grad_accum)
+        batches = feed_at(start_step, outer, loader, scheduler, grad_accum)
         _say(world, format_start_line(run_name, world, precision, grad_accum, start_step, config.max_steps))
 
         step = start_step
@@ -93,20 +93,20 @@ def train(config: Config) -> None:
             gc_schedule.collect_if_due(step)
             if trains:
                 record = latest = train_step(
-                    step, model, optimizer, batches, scheduler, grad_accum, config, world
+                    step, model, optimizer, batches(step), scheduler, grad_accum, config, world
                 )
-                sample_log.record(step, outer.data_position(step))
+                sample_log.record(step, outer.data_position(step), outer.page_at(step))
             else:
                 record = pass_step(step, latest, scheduler)
             syncs = outer.syncs_after_inner_step(step, last=step == config.max_steps, trained=trains)
             record["inner_steps"] = outer.data_position(step)
-            add_sync_metrics(record, syncs, metrics)
+            add_sync_metrics(record, syncs, metrics, data.epoch_pages(config.total_batch_size))
             if any(sync.diverged for sync in syncs):
                 # diverged: the weights came back from the galaxy, AdamW's moments start afresh
                 optimizer.state.clear()
             if (galaxy_step := outer.go_on_from(step)) != step:  # back on the galaxy's clock (a take, a hold)
                 step = _on_galaxy_clock(world, step, min(galaxy_step, config.max_steps))
-                batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
+                batches = feed_at(step, outer, loader, scheduler, grad_accum)
             if config.eval_interval and (step % config.eval_interval == 0 or step == config.max_steps):
                 record["val_loss"] = evaluate(model, eval_loader, world)
             if trains or syncs or "val_loss" in record:  # an idle step says something only then
@@ -222,7 +222,12 @@ def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[Statefu
     batch_args = dict(
         per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
     )
-    loader = build_train_loader(data, **batch_args, num_workers=config.num_workers)
+    loader = build_train_loader(
+        data,
+        **batch_args,
+        num_workers=config.num_workers,
+        grad_accum=check_against_world(config, world.world_size),
+    )
     eval_loader = build_eval_loader(data, **batch_args, samples=config.eval_samples)
     return loader, eval_loader
 
@@ -233,12 +238,17 @@ def publish(record: dict[str, Any], metrics: Metrics, outer: OuterLoop) -> None:
     outer.report(record)
 
 
-def add_sync_metrics(record: dict[str, Any], syncs: list[RoundResult], metrics: Metrics) -> None:
+def add_sync_metrics(
+    record: dict[str, Any], syncs: list[RoundResult], metrics: Metrics, epoch_pages: float | None = None
+) -> None:
     """The metrics of the syncs (outer steps) that ended at this step into its ``record``. Two end at one step
-    with ``--hv.sync-delay`` = H/P: the earlier one is logged at once, as a line of its own."""
+    with ``--hv.sync-delay`` = H/P: the earlier one is logged at once, as a line of its own. With pages of a
+    corpus dealt (``epoch_pages`` a pass over it), the epoch the deal's cursor is in (``data_epoch``)."""
     for earlier in syncs[:-1]:
         metrics.log({**record, **earlier.metrics()})
     record.update(syncs[-1].metrics() if syncs else {})
+    if epoch_pages and record.get("data_cursor") is not None:
+        record["data_epoch"] = record["data_cursor"] / epoch_pages
 
 
 def log_failure(err: Exception) -> str:
@@ -259,6 +269,19 @@ def position_at(
     loader.sampler.next_block = data_step * grad_accum
     move_scheduler_to(scheduler, step)
     return iter(loader)
+
+
+def feed_at(
+    step: int, outer: OuterLoop, loader: Any, scheduler: Any, grad_accum: int
+) -> Callable[[int], Iterator[dict[str, torch.Tensor]]]:
+    """The batches of each inner step after galaxy step ``step``: the cluster's own part from where its data
+    goes on (:func:`position_at`), or in an elastic galaxy the pages the ledger dealt each step
+    (``data.DealtBatches``)."""
+    if outer.pages_from(step + 1) is None:
+        batches = position_at(step, outer.data_position(step), loader, scheduler, grad_accum)
+        return lambda _step: batches
+    move_scheduler_to(scheduler, step)
+    return DealtBatches(loader, outer.page_at, outer.pages_from, grad_accum).at
 
 
 def start_galaxy(

@@ -54,6 +54,15 @@ def audit_data(
                 f"{len(cluster.in_flight)} in flight at the end"
                 + (f"; lost: {why}" if (why := _causes(cluster.causes)) else "")
             )
+    if (dealt := galaxy.dealt) is not None:
+        if json_output:
+            print(json.dumps({"galaxy": asdict(dealt)}))
+        else:
+            print(
+                f"the galaxy (pages dealt by the ledger): {dealt.cursor} dealt, {dealt.once} committed once, "
+                f"{len(dealt.lost)} lost, {len(dealt.twice)} twice, {len(dealt.in_flight)} in flight at the "
+                f"end, {len(dealt.unmatched)} the ledger and the readings disagree on"
+            )
     problems = galaxy.problems
     if problems and verify:
         raise DataCheckFailed(problems[0])

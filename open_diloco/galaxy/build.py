@@ -85,7 +85,12 @@ class ClusterShard:
                 if hv.round_steps == "by-speed"
                 else hv.round_steps
             ),
-            "membership": "elastic" if hv.elastic else "fixed",
+            # an elastic galaxy deals pages of one order: each must be as many samples of as many tokens
+            "membership": (
+                f"elastic, {hv.local_steps // hv.fragments} pages a stride of {self.tokens_per_step} tokens"
+                if hv.elastic
+                else "fixed"
+            ),
             "model_config": dict(self.model_config),
         }
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from open_diloco.outer.adoption import Downloaded
 from open_diloco.outer.cluster import ClusterComm
+from open_diloco.outer.deal import Deal, next_deal, to_ranges
 from open_diloco.outer.digests import combine_hashes
 from open_diloco.outer.goodput import Goodput
 from open_diloco.outer.ledger import Dropped, Ledger, LedgerEntry, round_entry
@@ -39,8 +41,12 @@ class CommittedState:
         galaxy_rank: int,
         warn: Callable[[str], Any],
         goodput: Goodput | None = None,
+        stride_pages: int | None = None,
     ):
         self.state, self.cluster, self.galaxy_rank, self.warn = state, cluster, galaxy_rank, warn
+        self.stride_pages = stride_pages
+        """Pages dealt to a cluster per stride (H/P) in an elastic galaxy, whose entries carry the deal
+        (``outer/deal.py``); ``None``: a fixed galaxy, no deal."""
         self.ledger = Ledger()
         """The chain of committed rounds this cluster's θ_outer went through."""
         self.goodput = goodput or Goodput(galaxy_rank, tokens_per_step=1, local_steps=1)
@@ -94,10 +100,13 @@ class CommittedState:
         members: set[int],
         alone: bool,
         fork: bool = False,
+        known: Iterable[int] = (),
     ) -> LedgerEntry:
         """The entry of the round just applied (θ_outer is its result), appended to the chain: rank 0's, on
         every rank (its shard's ``peers`` name the members' metadata; every rank holds the same ``before`` and
-        ``after``), its roster from the members' (``outer/quorum.py``). Called under :meth:`changing`."""
+        ``after``), its roster from the members' (``outer/quorum.py``), and in an elastic galaxy the deal that
+        follows (``outer/deal.py``; dealt to the ``known`` clusters less those that left). Called under
+        :meth:`changing`."""
         sent = [peers.get(rank, {}) for rank in members]
         # "left" (ended, or silent past --hv.fork-after); an older member sends only "gone"
         gone = {int(rank) for meta in sent for rank in meta.get("left", meta.get("gone")) or ()}
@@ -114,12 +123,34 @@ class CommittedState:
             roster=roster,
             fork=fork,
         )
+        if self.stride_pages is not None:
+            entry = self._with_deal(entry, peers, members, set(known) - gone)
         (wire,) = self.cluster.broadcast_strings([json.dumps(entry.to_wire())])
         entry = LedgerEntry.from_wire(json.loads(wire))
         if broken := self.ledger.append(entry):
             self.warn(broken)
         self.goodput.appended(entry)
         return entry
+
+    def _with_deal(
+        self, entry: LedgerEntry, peers: dict[int, dict[str, Any]], members: set[int], dealt_to: set[int]
+    ) -> LedgerEntry:
+        """``entry`` with the deal after it and the pages it committed (``outer/deal.py``): from the chain's
+        last deal and what each member said its Δ carries."""
+        last = self.ledger.last
+        parent = Deal.from_wire(last.deal) if last is not None and last.deal is not None else Deal()
+        carries = {
+            rank: {
+                int(stride): (int(lo), int(hi)) for stride, (lo, hi) in (meta.get("carries") or {}).items()
+            }
+            for rank in members
+            if isinstance(meta := peers.get(rank, {}), dict)
+        }
+        settled = next_deal(
+            parent, entry.round, carries, dealt_to, self.stride_pages or 1, self.state.fragments
+        )
+        pages = {str(rank): to_ranges(kept) for rank, kept in sorted(settled.committed.items())}
+        return replace(entry, deal=settled.deal.to_wire(), pages=pages)
 
     def take(self, got: Downloaded, own_round: bool = False) -> None:
         """θ_outer and the chain that ends at it, from one download, together: ``own_round``: the round this

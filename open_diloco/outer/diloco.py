@@ -25,6 +25,7 @@ from open_diloco.outer.committed_state import CommittedState
 from open_diloco.outer.goodput import Goodput
 from open_diloco.outer.guard import NormHistory
 from open_diloco.outer.ledger import Ledger
+from open_diloco.outer.own_pages import OwnPages
 from open_diloco.outer.pacing import Pace, StepTime
 from open_diloco.outer.policy import RoundPolicy
 from open_diloco.outer.protocols import Averager, NullStatusBoard, StatusBoard
@@ -53,17 +54,17 @@ class DiLoCo:
         status: StatusBoard | None = None,
         tokens_per_step: int = 1,
     ):
-        self.averager, self.status, self.hv = averager, status or NullStatusBoard(), hv
+        self.averager, self.status, self.hv, self.warn = averager, status or NullStatusBoard(), hv, warn
         self.galaxy_rank = hv.world_rank
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
-        self.warn = warn
         self._finished = False
-        """The trainer reported the run finished (not stopped): leaving may wait for the last round's
-        peers."""
+        """The trainer reported the run finished (not stopped): leaving may wait for its last peers."""
         self.schedule = SyncSchedule(hv.local_steps, hv.fragments, hv.sync_delay)
         self.pace = Pace(hv.local_steps, hv.fragments, hv.round_steps == "by-speed", hv.cluster_speed)
         """Which galaxy steps this cluster trains at, and the weight of each sync (``--hv.round-steps``)."""
         self.step_time = StepTime()
+        self.own_pages = OwnPages.of(hv, self.pace, lambda: self.ledger.last)
+        """An elastic galaxy's pages dealt to this cluster and carried by its Δ (``outer/deal.py``)."""
         self._sync_pace: dict[int, tuple[int, float]] = {}
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
         self.in_flight: Round | None = None
@@ -84,7 +85,8 @@ class DiLoCo:
             sync_alpha=hv.sync_alpha,
         )
         self.goodput = Goodput(self.galaxy_rank, max(1, tokens_per_step), hv.local_steps, hv.fragments)
-        self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn, self.goodput)
+        deals = self.pace.stride if hv.elastic else None
+        self.committed = CommittedState(self.state, self.cluster, self.galaxy_rank, warn, self.goodput, deals)
         """θ_outer with the ledger chain that ends at it: what a commit changes and a peer downloads."""
         self.averager.serve_state(self.committed.served)
         adoption = StateAdoption(
@@ -143,6 +145,8 @@ class DiLoCo:
             {"committed_work": self.committed.work}
         )  # what the others compare their chain with
         got = self.catch_up.take_newer()
+        if got is not None and self.own_pages is not None:
+            self.own_pages.reset()  # θ_local is the downloaded θ_outer: it carries nothing of ours
         if got is not None:
             self.warn(
                 f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
@@ -184,9 +188,13 @@ class DiLoCo:
         if self.ledger.entries:
             state["ledger"] = self.ledger.state_dict()
         state["goodput"] = self.goodput.state_dict()
+        if self.own_pages is not None:
+            state["own_pages"] = self.own_pages.state_dict()
         if self.in_flight is not None and "sync_start" in state:
             contribution = self.in_flight.contribution
             state["in_flight"] = {"weight": contribution.weight, "inner_steps": contribution.inner_steps}
+            if contribution.carries is not None:
+                state["in_flight"]["carries"] = contribution.carries
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -208,6 +216,8 @@ class DiLoCo:
         self.pace.load_state_dict(state_dict.get("pace"))
         self.ledger.load_state_dict(state_dict.get("ledger"))
         self.goodput.load_state_dict(state_dict.get("goodput"))
+        if self.own_pages is not None:
+            self.own_pages.load_state_dict(state_dict.get("own_pages"))
         # the contribution of a round the checkpoint holds in flight (its weight and inner steps): sent again
         # as it was, its average and its ledger entry are the straight run's. A checkpoint of before this
         # kept none: weight 1, no step count, as such rounds were sent.
@@ -221,8 +231,18 @@ class DiLoCo:
         return results[-1].metrics() if results else {}
 
     def trains_at(self, inner_step: int) -> bool:
-        """See :class:`OuterLoop` (``outer/pacing.py``)."""
+        """See :class:`OuterLoop` (``outer/pacing.py``; an elastic galaxy's step trains only with a page)."""
+        if self.own_pages is not None:
+            return self.own_pages.page_at(self.own_pages.deal, inner_step) is not None
         return self.pace.trains_at(inner_step)
+
+    def page_at(self, inner_step: int) -> int | None:
+        """See :class:`OuterLoop`."""
+        return None if self.own_pages is None else self.own_pages.page_at(self.own_pages.deal, inner_step)
+
+    def pages_from(self, inner_step: int) -> list[int] | None:
+        """See :class:`OuterLoop`."""
+        return None if self.own_pages is None else self.own_pages.upcoming(self.own_pages.deal, inner_step)
 
     def data_position(self, inner_step: int) -> int:
         """See :class:`OuterLoop`."""
@@ -238,6 +258,8 @@ class DiLoCo:
         the step the next starts and that one ends at once too (sat out, or at the run's end)."""
         began = time.perf_counter()
         self.pace.count(trained)
+        if trained and self.own_pages is not None:
+            self.own_pages.trained(self.own_pages.deal, inner_step)
         if trained:
             self.goodput.trained()
         if self._window_start is None:
@@ -247,6 +269,7 @@ class DiLoCo:
             flight, self.in_flight = self.in_flight, None
             results.append(flight.finish())
             results[-1].sync_step = flight.started_after
+            self._pages_after(results[-1])
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
         # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
@@ -256,6 +279,7 @@ class DiLoCo:
             and (result := self._start_sync(inner_step, last))
         ):
             results.append(result)
+            self._pages_after(result)
         # after a take, a sync in flight is the one this step started (a landing clears the one before)
         held = any(result.outcome == "held" for result in results)
         back_to = self.catch_up.clock_after(inner_step, self.in_flight is not None, last, held)
@@ -293,12 +317,25 @@ class DiLoCo:
             settled.goodput = self.goodput.metrics()
         return settled
 
+    def _pages_after(self, result: RoundResult) -> None:
+        """An elastic galaxy: what the round did to the pages (``OwnPages.round_ended``)."""
+        if self.own_pages is not None:
+            self.own_pages.round_ended(result)
+
+    def _contribution(self, fragment: int) -> Contribution:
+        """What the next sync puts in beside its Δ: by pacing (``outer/pacing.py``), or in an elastic galaxy
+        the pages the Δ carries (its weight counts them)."""
+        if self.own_pages is None:
+            return Contribution(self.pace.weight_of(fragment), self.pace.since_sync[fragment])
+        weight, pages, carries = self.own_pages.contribution(self.outer_step + 1, self.hv.local_steps)
+        return Contribution(weight, pages, carries)
+
     def _start_sync(self, inner_step: int, last: bool) -> RoundResult | None:
         """Start the sync of the next fragment; finish it at once without a delay (or at the run's end)."""
         delay = 0 if last else self.schedule.sync_delay
         fragment = self.schedule.fragment_of(self.outer_step)
-        contribution = Contribution(self.pace.weight_of(fragment), self.pace.since_sync[fragment])
-        self._sync_pace[self.outer_step + 1] = (self.pace.since_sync[fragment], contribution.weight)
+        contribution = self._contribution(fragment)
+        self._sync_pace[self.outer_step + 1] = (contribution.inner_steps or 0, contribution.weight)
         self.pace.synced(fragment)
         self.state.begin_round(fragment, keep_local=delay > 0)
         flight = Round.start(self.rounds, contribution)

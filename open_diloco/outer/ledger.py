@@ -93,6 +93,12 @@ class LedgerEntry:
     """The committed work of the chain up to this entry: the tokens of every round in it, cumulative (the
     parent's ``work``, the most any member held, plus :attr:`tokens`). What decides which of two forks the
     galaxy keeps (``outer/quorum.py``); ``None`` in entries made before it was counted."""
+    deal: dict[str, Any] | None = None
+    """An elastic galaxy's deal after this round (``outer/deal.py``'s ``Deal`` on the wire): the cursor, the
+    pages that came back and the hands of the strides in progress; ``None`` in a fixed galaxy."""
+    pages: dict[str, list[list[int]]] | None = None
+    """The pages this round committed, by galaxy rank (``[first, last + 1]`` runs): the strides it settled
+    (``outer/deal.py``); ``None`` in a fixed galaxy."""
 
     @functools.cached_property
     def hash(self) -> str:
@@ -124,6 +130,8 @@ class LedgerEntry:
             **({"fork": True} if self.fork else {}),
             **({"tokens": self.tokens} if self.tokens is not None else {}),
             **({"work": self.work} if self.work is not None else {}),
+            **({"deal": self.deal} if self.deal is not None else {}),
+            **({"pages": self.pages} if self.pages is not None else {}),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -152,6 +160,8 @@ class LedgerEntry:
                 fork=bool(fields.get("fork", False)),
                 tokens=_optional_int(fields.get("tokens")),
                 work=_optional_int(fields.get("work")),
+                deal=fields.get("deal"),
+                pages=fields.get("pages"),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise LedgerBroken(

@@ -32,6 +32,16 @@ class OuterLoop(Protocol):
         galaxy step itself unless ``--hv.round-steps by-speed``)."""
         ...
 
+    def page_at(self, inner_step: int) -> int | None:
+        """The page galaxy step ``inner_step`` reads (elastic galaxy: :meth:`pages_from`), else ``None``."""
+        ...
+
+    def pages_from(self, inner_step: int) -> list[int] | None:
+        """The pages the ledger dealt this cluster for its inner steps from galaxy step ``inner_step`` on, as
+        far as they are known (an elastic galaxy: ``outer/deal.py``); ``None``: the data is not dealt (the
+        cluster reads its own part, positioned by :meth:`data_position`)."""
+        ...
+
     def syncs_after_inner_step(
         self, inner_step: int, last: bool = False, trained: bool = True
     ) -> list[RoundResult]:
@@ -105,6 +115,12 @@ class NullOuterLoop:
 
     def data_position(self, inner_step: int) -> int:
         return inner_step
+
+    def page_at(self, inner_step: int) -> int | None:
+        return None
+
+    def pages_from(self, inner_step: int) -> list[int] | None:
+        return None
 
     def syncs_after_inner_step(
         self, inner_step: int, last: bool = False, trained: bool = True

@@ -131,6 +131,9 @@ class Contribution:
 
     weight: float = 1.0
     inner_steps: int | None = None
+    carries: dict[str, list[int]] | None = None
+    """An elastic galaxy: per stride the Δ covers, the range of this cluster's hand it carries
+    (``outer/own_pages.py``); the members' entry settles the deal by it (``outer/deal.py``)."""
 
 
 @dataclass
@@ -401,6 +404,7 @@ class Round:
             "left": sorted(self.left),
             "tokens": self.tokens,
             "work": self.ctx.committed.work,
+            **({"carries": self.contribution.carries} if self.contribution.carries is not None else {}),
         }
 
     @property
@@ -615,7 +619,14 @@ class Round:
             state.land()
             peers = {**report.peers, ctx.galaxy_rank: self.own_metadata()}
             entry = ctx.committed.record_commit(
-                self.id.attempt, fragment, before, peers, members, not (galaxy_average and finite), fork
+                self.id.attempt,
+                fragment,
+                before,
+                peers,
+                members,
+                not (galaxy_average and finite),
+                fork,
+                known=view.known | members,
             )
         in_sync = (
             view.in_sync

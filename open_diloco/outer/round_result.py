@@ -64,6 +64,13 @@ class RoundResult:
     """The committed work (tokens) of the ledger chain that ends at this cluster's θ_outer now
     (``LedgerEntry.work``): how the galaxy tells which of two forks to keep."""
     ledger_dropped: dict[str, Any] | None = None
+    data_cursor: int | None = None
+    """An elastic galaxy: the first page the chain's deal never dealt (``outer/deal.py``)."""
+    data_committed_pages: int | None = None
+    """An elastic galaxy: the pages the chain committed so far."""
+    pages: list[list[int]] | None = None
+    """An elastic galaxy: the pages of this cluster's that the round's entry committed (``[first, last + 1]``
+    runs; ``outer/deal.py``), ``[]`` when none; ``None`` in a fixed galaxy or without an entry."""
     """This cluster's own entries that the chain it took replaced (``ledger.Dropped``): a fork not kept."""
     goodput: dict[str, Any] | None = None
     """``tokens_computed``, ``tokens_committed`` and ``goodput`` of this cluster after the round
@@ -105,6 +112,9 @@ class RoundResult:
             "sync_step",
             "ledger",
             "ledger_dropped",
+            "pages",
+            "data_cursor",
+            "data_committed_pages",
             "matchmaking_window_seconds",
             "matchmaking_min_group",
             "round_trip_seconds",

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.e2e
 
 QUICK = ["--hv.matchmaking-time", "1.0", "--hv.heartbeat-interval", "1", "--hv.member-expiry", "4"]
 COMMON = ["--max-steps", "5000", "--hv.local-steps", "3", "--hv.on-partial-round", "proceed", *QUICK]
+DEAL_AHEAD = 2
+"""A stride is dealt by the entry two rounds before it (``outer/deal.py``): the galaxy's first two pass."""
 """Runs the test ends (Ctrl+C) once it has seen enough, paced like a device (``paced``)."""
 
 
@@ -55,11 +57,13 @@ def _ranks(entry: dict) -> set[int]:
 
 def test_clusters_without_a_rank_form_a_galaxy_a_third_joins_by_an_entry_and_one_leaves(galaxy):
     names = ("alpha", "beta", "gamma")
+    samples = galaxy.workdir / "samples"
+    common = [*COMMON, "--sample-log", str(samples)]
     metrics = {
-        name: galaxy.start_cluster(None, 2, *COMMON, nproc=1, name=name, env=paced(0.2)) for name in names[:2]
+        name: galaxy.start_cluster(None, 2, *common, nproc=1, name=name, env=paced(0.2)) for name in names[:2]
     }
     galaxy.wait_for_step(metrics["beta"], 6, 240)
-    metrics["gamma"] = galaxy.start_cluster(None, 2, *COMMON, nproc=1, name="gamma", env=paced(0.2))
+    metrics["gamma"] = galaxy.start_cluster(None, 2, *common, nproc=1, name="gamma", env=paced(0.2))
     # each is known by the id kept in its checkpoint directory, and ranked by it
     ranks = {}
     for name in names:
@@ -97,5 +101,98 @@ def test_clusters_without_a_rank_form_a_galaxy_a_third_joins_by_an_entry_and_one
         assert hashes == {entry["after"]}, (number, members, hashes)
     assert rounds["gamma"][joined]["in_sync"], rounds["gamma"][joined]
     for name in names[:2]:  # (gamma starts from the galaxy's θ)
-        losses = [r["loss"] for r in read_metrics(metrics[name])]
+        losses = [r["loss"] for r in read_metrics(metrics[name]) if r.get("trained")]
         assert losses[-1] < 0.8 * losses[0], name
+    _assert_the_ledger_dealt_the_data(samples, list(metrics.values()), entries, ranks)
+
+
+def _assert_the_ledger_dealt_the_data(samples, metrics_files, entries, ranks) -> None:
+    """The data, dealt by the ledger in pages of one galaxy order: the first strides (no deal yet) train
+    nothing; every cluster reads only its hands' pages (from the sample ids its loader handed the model: one
+    page = one inner step = positions p·S … p·S + S − 1 of the galaxy's fake-data stream); and the audit of
+    those readings against the ledger: no page committed twice, none below the final cursor missing but
+    those the final deal holds in flight, and the entries' ``pages`` are the readings' committed ones."""
+    from open_diloco.data_audit import audit
+    from open_diloco.outer.deal import Deal, from_ranges
+
+    for number in range(1, DEAL_AHEAD + 1):
+        assert all(m["inner_steps"] == 0 for m in entries[number]["members"]), entries[number]
+    page_samples = _start_record(metrics_files[0])["config"]["total_batch_size"]
+    read = [json.loads(line) for path in samples.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert read, "no sample log"
+    for line in read:
+        page = line["page"]
+        assert line["sample_ids"] == list(range(page * page_samples, (page + 1) * page_samples)), line
+        dealt = Deal.from_wire(entries[max(1, line["step"] // 3 - DEAL_AHEAD + 1)]["deal"])
+        assert dealt.cursor > page, line
+    committed = [
+        (p, int(r)) for e in entries.values() for r, runs in e["pages"].items() for p in from_ranges(runs)
+    ]
+    assert committed and len({p for p, _ in committed}) == len(committed), committed  # none twice
+    assert {r for _, r in committed} == set(ranks.values()), committed  # every cluster's work is in θ_outer
+    galaxy = audit(samples, metrics_files)
+    assert galaxy.dealt is not None and galaxy.problems == [], galaxy.problems
+    assert galaxy.dealt.once == len(committed) > 10, galaxy.dealt
+
+
+RESUME = ["--hv.local-steps", "4", "--hv.fragments", "2", "--hv.sync-delay", "1", "--warmup-steps", "2"]
+"""Two fragments, one of them in flight at every checkpoint (a sync started at step 8 lands at step 9)."""
+
+
+def _run_pair(galaxy, phase: str, *extra: str) -> list[list[dict]]:
+    """Clusters ``a`` and ``b`` (no rank: ids ``a`` and ``b``, 1 rank each) to step 20; their records."""
+    metrics = [
+        galaxy.start_cluster(
+            None,
+            2,
+            "--max-steps",
+            "20",
+            "--hv.cluster-id",
+            name,
+            *RESUME,
+            *[flag.format(name=name) for flag in extra],
+            nproc=1,
+            name=f"{phase}-{name}",
+        )  # fmt: skip
+        for name in ("a", "b")
+    ]
+    for name in ("a", "b"):
+        assert galaxy.wait(f"{phase}-{name}", 240) == 0, galaxy.log(f"{phase}-{name}")[-3000:]
+    return [read_metrics(m) for m in metrics]
+
+
+def test_an_elastic_galaxy_resumed_from_its_checkpoints_reads_the_same_pages_bit_exact(galaxy, tmp_path):
+    """The deal is in the ledger and what each Δ carries in the outer state: both are in the checkpoints, so a
+    galaxy stopped and resumed (new processes, a round in flight) deals, reads and commits exactly as the
+    straight run did, loss for loss."""
+    from open_diloco.local_galaxy import round_was_clean
+
+    samples = tmp_path / "samples"
+    for attempt in ("straight", "again"):  # one trajectory as reference: no partial round in it
+        saving = ("--ckpt.interval", "8", "--ckpt.path", str(tmp_path / f"{attempt}-{{name}}"))
+        straight = _run_pair(galaxy, attempt, *saving, "--sample-log", str(samples / attempt))
+        if all(round_was_clean(r) for side in straight for r in side if "outer_step" in r):
+            break
+    resume = ("--ckpt.resume", str(tmp_path / f"{attempt}-{{name}}" / "step_00000008"))
+    resumed = _run_pair(galaxy, "resumed", *resume, "--sample-log", str(samples / "resumed"))
+    for before, after in zip(straight, resumed, strict=True):
+        losses = {r["step"]: r["loss"] for r in after if r.get("trained")}
+        assert sorted(losses) == list(range(9, 21)), sorted(losses)
+        assert losses == {r["step"]: r["loss"] for r in before if r["step"] > 8 and r.get("trained")}
+        rounds = {r["outer_step"]: r for r in after if "outer_step" in r}
+        reference = {r["outer_step"]: r for r in before if "outer_step" in r}
+        assert rounds and all(rounds[n]["ledger"] == reference[n]["ledger"] for n in rounds), rounds
+        assert all(rounds[n].get("pages") == reference[n].get("pages") for n in rounds)
+    read = {phase: _read_after(samples / phase, 8) for phase in (attempt, "resumed")}
+    assert read[attempt] == read["resumed"] and read["resumed"], read
+
+
+def _read_after(directory, step: int) -> list[tuple]:
+    """(cluster and rank, step, page, sample ids) of every step after ``step`` the loaders read."""
+    read = []
+    for path in directory.glob("*.jsonl"):
+        who = path.name.split("-", 1)[1]  # (the phase's name off: "a.rank0.jsonl")
+        for line in map(json.loads, path.read_text().splitlines()):
+            if line["step"] > step:
+                read.append((who, line["step"], line["page"], tuple(line["sample_ids"])))
+    return sorted(read)

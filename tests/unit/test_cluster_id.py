@@ -52,11 +52,10 @@ def test_a_ranked_cluster_and_a_galaxy_of_one_are_as_before(tmp_path):
     assert not HvConfig(galaxy_size=3).elastic  # (code that builds the config itself names its rank)
 
 
-def test_real_data_and_an_empty_id_file_are_one_line(tmp_path):  # (flag conflicts: test_config.py)
+def test_real_data_is_elastic_too_and_an_empty_id_file_is_one_line(tmp_path):  # (conflicts: test_config.py)
     real = _config("--hv.galaxy-size", "2", "--ckpt.path", str(tmp_path / "ckpt"))
     real = real.model_copy(update={"fake_data": False, "dataset_path": tmp_path})
-    with pytest.raises(ConfigError, match="elastic galaxy .* --fake-data only for now"):
-        resolve_galaxy_rank(real)
+    assert resolve_galaxy_rank(real).hv.elastic  # (the ledger deals its pages: tests/unit/test_data.py)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "cluster_id").write_text("\n")
     with pytest.raises(ConfigError, match="is empty: delete it"):

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from open_diloco.config import Config
+from open_diloco.config import Config, HvConfig
 from open_diloco.corpus import PackedCorpus, find_source, pack_corpus
 from open_diloco.corpus_cache import _wait_for_lock, prepare_cached
 from open_diloco.data import (
     ClusterSampler,
+    DealtBatches,
     PackedSamples,
     build_eval_loader,
     build_train_loader,
@@ -210,6 +211,36 @@ def test_loader_restored_from_state_dict_continues_with_the_next_batch(
     restored = build_train_loader(plan, **args)
     restored.load_state_dict(state)
     assert [b["sample_id"].tolist() for b in islice(iter(restored), 3)] == expected
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_elastic_galaxy_reads_the_pages_the_ledger_dealt_of_one_order(tmp_path: Path, num_workers) -> None:
+    """Dealt (no --hv.world-rank): every cluster plans the whole training set in one order, page p is
+    positions p·S … p·S + S − 1 of it (S: one inner step of the cluster, every rank and micro-batch), and the
+    batches follow the pages the deal names, starting again where the deal ran out or changed."""
+    config = _config(tmp_path, text_dir(tmp_path, DOCS))
+    elastic = config.model_copy(update={"hv": HvConfig(galaxy_size=2, cluster_id="site-a")})
+    plan = plan_data(elastic, 2048, world_size=2, galaxy_rank=0, galaxy_size=1)
+    whole = plan_data(config, 2048, world_size=2, galaxy_rank=0, galaxy_size=1)
+    assert plan.dealt and (plan.train_ids == whole.train_ids).all()  # the whole set, in the galaxy's order
+    assert plan.epoch_pages(4) == len(plan.train_ids) / 4 and whole.epoch_pages(4) is None
+    order = [
+        build_train_loader(plan, per_device_batch=2, rank=r, world_size=2, num_workers=0) for r in (0, 1)
+    ]
+    for loader in order:
+        loader.sampler.pages = list(range(6))
+    straight = [[b["sample_id"].tolist() for b in loader] for loader in order]  # pages 0..5, grad accum 1
+    deal = {1: [4, 2], 2: [2], 3: [5, 0]}  # step -> the pages from it on, as the deal knows them
+    ranks = [
+        build_train_loader(plan, per_device_batch=2, rank=r, world_size=2, num_workers=num_workers)
+        for r in (0, 1)
+    ]
+    for rank, loader in enumerate(ranks):
+        feed = DealtBatches(loader, lambda step: deal[step][0], deal.get, grad_accum=1)
+        read = [next(feed.at(step))["sample_id"].tolist() for step in (1, 2, 3)]
+        assert read == [straight[rank][4], straight[rank][2], straight[rank][5]], rank
+    with pytest.raises(RuntimeError, match="dealt this cluster no page"):
+        DealtBatches(ranks[0], {}.get, {}.get, grad_accum=1).at(1)
 
 
 def test_eval_batches_are_held_out_and_repeat(tmp_path: Path) -> None:

@@ -50,7 +50,8 @@ def test_the_schema_is_what_every_cluster_must_share():
         "model_config": {"hidden_size": 8},
     }
     elastic = HvConfig(galaxy_size=2, cluster_id="site-b")  # (no rank: a cluster of an elastic galaxy)
-    assert shard.schema(elastic)["membership"] == "elastic"
+    # an elastic galaxy deals pages: every cluster's stride holds as many, of as many tokens
+    assert shard.schema(elastic)["membership"] == "elastic, 500 pages a stride of 0 tokens"
     # with steps by speed, a Δ's weight counts steps: every cluster's step must hold as many tokens
     by_speed = ClusterShard(index=0, ranks=1, numel=10, model_fingerprint="abc", tokens_per_step=4096)
     schema = by_speed.schema(HvConfig(round_steps="by-speed"))

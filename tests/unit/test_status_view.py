@@ -137,3 +137,18 @@ def test_an_elastic_clusters_id_is_in_its_row_and_beside_its_rank():
     console = Console(width=220, record=True)
     console.print(build_table(rows, "demo"))
     assert "849359237 (dae509e326e4)" in console.export_text()
+
+
+def test_an_elastic_galaxy_shows_its_joiners_and_its_data_as_the_heaviest_chains_deal_has_it():
+    deal = dict(data_cursor=200, data_committed_pages=150, data_epoch=0.5)
+    records = [
+        record(7, 5, "aa", cluster_id="a", roster=[7, 9], committed_work=10, **deal),
+        record(9, 5, "aa", cluster_id="b", roster=[7, 9], committed_work=10, **deal),
+        record(4, 0, None, cluster_id="c"),  # not in the roster yet: joining
+    ]
+    line = galaxy_line(records)
+    assert line.endswith(
+        "; roster [7, 9] (cluster 7's chain, the heaviest); joining [4]; data: 200 pages dealt, "
+        "150 committed (75.0%), epoch 0.50"
+    ), line
+    assert as_json_rows(judge(records))[0]["data_cursor"] == 200
