@@ -148,7 +148,7 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         for line in _whole_lines(path):
             lines_by_cluster[line["galaxy_rank"]][line["rank"]].append(line)
     clusters, fake, committed_ids = [], True, defaultdict(set)
-    dealt, readers, entries = False, Counter(), []
+    dealt, readers, read, entries = False, Counter(), set(), []
     for path in metrics:
         records = _whole_lines(path)
         starts = [r for r in records if r.get("event") == "start"]
@@ -165,18 +165,22 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         clusters.append(pages)
         entries += [r["ledger"] for r in records if r.get("ledger")]
         for reading in every:
+            read.add((reading.page, rank))
             if all(reading.commits.get(f) for f in range(fragments)):  # committed into every fragment
                 readers[(reading.page, rank)] += 1
                 for sample in reading.ids:
                     committed_ids[sample].add(rank)
     shared = [] if fake else sorted(i for i, ranks in committed_ids.items() if len(ranks) > 1)
-    return GalaxyPages(clusters, shared, _dealt_pages(readers, entries) if dealt else None)
+    return GalaxyPages(clusters, shared, _dealt_pages(readers, read, entries) if dealt else None)
 
 
-def _dealt_pages(readers: Counter, entries: list[dict[str, Any]]) -> DealtPages:
-    """The galaxy-wide account of an elastic galaxy's pages: the committed readings (``readers``: (page,
-    cluster) → how many) against the chain the galaxy ended on (the entry with the most work, and its
-    ancestors by θ hash) and its final deal."""
+def _dealt_pages(readers: Counter, read: set, entries: list[dict[str, Any]]) -> DealtPages:
+    """The galaxy-wide account of an elastic galaxy's pages: what the chain the galaxy ended on committed
+    (the entry with the most work and its ancestors by θ hash; its final deal) against the readings: every
+    page the chain committed read by its committer (``read``: (page, cluster) of every reading), and every
+    reading its cluster's records show committed (``readers``: (page, cluster) → how many) in the chain. A
+    reading its records do not settle (the cluster was killed before it logged the round) may still be in
+    the chain: its Δ had gone out."""
     from open_diloco.outer.deal import Deal, from_ranges
 
     by_after = {entry["after"]: entry for entry in entries}
@@ -186,24 +190,27 @@ def _dealt_pages(readers: Counter, entries: list[dict[str, Any]]) -> DealtPages:
         chain.append(final)
         final = by_after.get(final["before"])
     deal = Deal.from_wire(chain[0]["deal"]) if chain and chain[0].get("deal") else Deal()
-    in_ledger = {
+    in_ledger = Counter(
         (page, int(rank))
         for entry in chain
         for rank, runs in (entry.get("pages") or {}).items()
         for page in from_ranges(runs)
-    }
+    )
     per_page = Counter()
-    for (page, _), count in readers.items():
+    for (page, _), count in in_ledger.items():
         per_page[page] += count
     flying = deal.in_flight
-    unmatched = sorted({page for page, _ in set(readers) ^ in_ledger})
+    unread = {page for page, rank in in_ledger if (page, rank) not in read}
+    unledgered = {page for page, rank in readers if (page, rank) not in in_ledger}
+    twice = {page for page, count in per_page.items() if count > 1}
+    twice |= {page for (page, _), count in readers.items() if count > 1}
     return DealtPages(
         cursor=deal.cursor,
         once=sum(1 for page in range(deal.cursor) if per_page[page] == 1),
         lost=[page for page in range(deal.cursor) if per_page[page] == 0 and page not in flying],
-        twice=sorted(page for page, count in per_page.items() if count > 1),
+        twice=sorted(twice),
         in_flight=sorted(flying),
-        unmatched=unmatched,
+        unmatched=sorted(unread | unledgered),
     )
 
 

@@ -49,7 +49,8 @@ def audit_data(
             print(json.dumps(asdict(cluster)))
         else:
             print(
-                f"cluster {cluster.galaxy_rank}: {cluster.cursor} pages, {len(cluster.once)} committed once, "
+                f"cluster {cluster.galaxy_rank}: {cluster.read if galaxy.dealt else cluster.cursor} pages"
+                f"{' read' if galaxy.dealt else ''}, {len(cluster.once)} committed once, "
                 f"{len(cluster.lost)} lost ({len(cluster.skipped)} never read), {len(cluster.twice)} twice, "
                 f"{len(cluster.in_flight)} in flight at the end"
                 + (f"; lost: {why}" if (why := _causes(cluster.causes)) else "")

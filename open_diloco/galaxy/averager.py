@@ -26,6 +26,7 @@ from open_diloco.galaxy.dht import (
     rebootstrap,
     shutdown_dht,
 )
+from open_diloco.galaxy.ledger_mirror import first_round
 from open_diloco.galaxy.lifecycle import end_child
 from open_diloco.galaxy.link_probe import LinkProbe
 from open_diloco.galaxy.record_ages import RecordAges
@@ -55,16 +56,13 @@ log = logging.getLogger(__name__)
 NOT_HEARD_SECONDS = 120.0
 """How long after this peer's start a cluster of the galaxy with no record still counts as alive. A galaxy
 that starts together waits for all of it: clusters' starts differ by tens of seconds (torchrun, the model,
-the DHT). A cluster that has not come by then is not coming soon, and waiting for it cost every round two
-retries (~40 s against ~13 s a round over `home`, in the soak's late joiner); it joins late when it comes,
-downloading the galaxy's state, as a restarted cluster does."""
+the DHT). One not come by then is not coming soon, and waiting for it cost every round two retries (~40 s
+against ~13 s a round over `home`, in the soak's late joiner); it joins late, as a restarted cluster does."""
 
 SETTINGS_SECONDS = 10.0  # how long the averager's process may take to set up a round's matchmaking
 SHUTDOWN_SECONDS = 3.0  # what the averager gets to shut down in order before it is ended by PID
 DRAIN_SECONDS = 3.0  # at a stop: how long after a round with others this peer's p2pd stays up, at most
-FINISH_DRAIN_SECONDS = (
-    15.0  # at the end of a run: the same, waiting for the peers of the last round to finish it
-)
+FINISH_DRAIN_SECONDS = 15.0  # at a run's end: the same, waiting for its last round's peers to finish it
 
 
 class HivemindAverager:
@@ -100,7 +98,7 @@ class HivemindAverager:
         self.galaxy_rank, self.galaxy_size, self.elastic = hv.world_rank, hv.galaxy_size, hv.elastic
         self.alone = hv.alone  # a galaxy of one by its flags: its rounds need no DHT
         self.averaging_timeout, self.join_timeout = hv.averaging_timeout, hv.join_timeout
-        self.status_key, self.member_expiry = status_key(hv.run_id), hv.member_expiry
+        self.status_key, self.member_expiry, self.run_id = status_key(hv.run_id), hv.member_expiry, hv.run_id
         self.record_ages = RecordAges(self.member_expiry)
         """Ages of the records on this machine's clock, kept across reads (``galaxy/record_ages.py``)."""
         self.schema = schema
@@ -182,6 +180,10 @@ class HivemindAverager:
             wait=False,
         )
         return HivemindRound(self, control, metadata, start, plan)
+
+    def genesis_entry(self) -> dict[str, Any] | None:
+        """See ``Averager`` (``galaxy/ledger_mirror.py``)."""
+        return None if self.alone else first_round(self.dht, self.run_id, MEMBERSHIP_READ_SECONDS)
 
     def membership(self) -> Membership:
         """See ``Averager``; also raises :class:`GalaxyMismatch` when a live cluster's record says it cannot

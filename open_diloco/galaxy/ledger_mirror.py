@@ -55,6 +55,11 @@ def store_entries(dht: DHT, run_id: str, entries: list[dict[str, Any]], timeout:
         return False
 
 
+def first_round(dht: DHT, run_id: str, timeout: float) -> dict[str, Any] | None:
+    """Round 1's entry as mirrored (any, if two were): a run whose galaxy began (``None``: none seen)."""
+    return next((entry for entry in read_mirror(dht, run_id, 0, timeout) if entry.get("round") == 1), None)
+
+
 def read_mirror(dht: DHT, run_id: str, up_to_round: int, timeout: float) -> list[dict[str, Any]]:
     """Every entry mirrored for rounds 0 … ``up_to_round`` (wire form, unchecked), oldest round first."""
     futures = []

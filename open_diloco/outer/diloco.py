@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from open_diloco.errors import ConfigError
+from open_diloco.errors import ConfigError, GalaxyMismatch
 from open_diloco.outer.adoption import StateAdoption
 from open_diloco.outer.catching_up import CatchUp
 from open_diloco.outer.cluster import ClusterComm
@@ -145,6 +145,8 @@ class DiLoCo:
             {"committed_work": self.committed.work}
         )  # what the others compare their chain with
         got = self.catch_up.take_newer()
+        if got is None and self.hv.elastic and not self.ledger.entries:
+            self._refuse_a_second_genesis()
         if got is not None and self.own_pages is not None:
             self.own_pages.reset()  # θ_local is the downloaded θ_outer: it carries nothing of ours
         if got is not None:
@@ -172,6 +174,22 @@ class DiLoCo:
 
     def inner_step_of_galaxy(self) -> int:
         return self.catch_up.inner_step_of_galaxy()
+
+    def _refuse_a_second_genesis(self) -> None:
+        """An elastic cluster with no chain, which no live cluster is ahead of, would make the run's first
+        round: refused when the DHT's ledger mirror holds one already (the galaxy ran, and its clusters are
+        gone or stopped): a second first round would start another history, and deal its pages again, under
+        the same run id."""
+        genesis = self.averager.genesis_entry()
+        if self.cluster.all_true(genesis is None):
+            return
+        members = sorted(m["rank"] for m in genesis["members"]) if genesis else "?"
+        raise GalaxyMismatch(
+            f"--hv.run-id {self.hv.run_id} had its first round already (members {members}; the DHT's ledger "
+            "mirror holds it), and this cluster holds no chain of it nor took a running cluster's state: "
+            "resume from a checkpoint of that galaxy (--ckpt.resume), join while one of its clusters runs, "
+            "or start a new galaxy with another --hv.run-id"
+        )
 
     def go_on_from(self, inner_step: int) -> int:
         rewind, self.catch_up.rewind_to = self.catch_up.rewind_to, None

@@ -195,6 +195,12 @@ class Averager(Protocol):
         them."""
         ...
 
+    def genesis_entry(self) -> dict[str, Any] | None:
+        """The ledger entry of this run's first round as the DHT mirrors it (``galaxy/ledger_mirror.py``),
+        ``None`` when none is there: an elastic cluster with no chain of its own asks it before a first
+        round of its own, which would start a second history under the same run id."""
+        ...
+
     def serve_state(self, get_state: Any) -> None:
         """Let late joiners download the outer state: ``get_state()`` returns ``(metadata, tensors)``."""
         ...

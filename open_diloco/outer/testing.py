@@ -165,6 +165,9 @@ class InProcessAverager:
         self.calls += 1
         return InProcessRound(self, round_id, fingerprint, attempt)
 
+    def genesis_entry(self) -> dict | None:
+        return None  # (no DHT mirror in process)
+
     def membership(self) -> Membership:
         """What the galaxy's records would say: each serving cluster's outer step (``steps``, read off its
         served state) and its averager, by galaxy rank (``sources``), when the galaxy serves state. Each

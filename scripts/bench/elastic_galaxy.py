@@ -3,12 +3,15 @@
 Two clusters start the galaxy (its first round needs two), a third and a fourth join later with the same
 command, one leaves with Ctrl+C and one is killed with SIGKILL; the run ends with two. Every ledger entry is
 checked against the clusters' records: each round bitwise identical among the clusters in it, each joiner in
-sync from its first round, each roster as the joins and leaves say. Prints one line per membership event and
-a summary (docs/results/membership.md holds the figures).
+sync from its first round, each roster as the joins and leaves say; and the data, from the samples the loaders
+read (``--sample-log``, audited by ``open-diloco audit-data``'s rules): no page committed twice, none below
+the final deal's cursor missing but those the ledger holds in flight, the entries' ``pages`` those the
+readings show committed. Prints one line per membership event and a summary (docs/results/membership.md holds
+the figures).
 
     python -m scripts.bench.elastic_galaxy [--profile lan] [--ranks 2] [--out DIR]
 
-Needs root (the lab's network namespaces); fake data (an elastic galaxy does not deal real data yet).
+Needs root (the lab's network namespaces); fake data.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import json
 import signal
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from open_diloco.data_audit import audit
 from open_diloco.local_galaxy import Galaxy, kill_tree, outer_records
 from scripts.wan.lab import Lab
 
@@ -85,18 +90,19 @@ def run(profile: str, ranks: int, workdir: Path) -> dict:
         events.append((round(time.monotonic() - began, 1), what, number))
         print(f"[{events[-1][0]:7.1f}s] {what}: round {number}", flush=True)
 
+    flags = [*FLAGS, "--sample-log", str(workdir / "samples")]
     with Lab(4, profile) as lab:
         galaxy = Galaxy(workdir, lab=lab)
         metrics: dict[str, Path] = {}
         try:
             for name in ("cluster0", "cluster1"):
-                metrics[name] = galaxy.start_cluster(None, 2, *FLAGS, nproc=ranks, name=name)
+                metrics[name] = galaxy.start_cluster(None, 2, *flags, nproc=ranks, name=name)
                 RUNNING.add(name)
             rank = {name: rank_of(m) for name, m in metrics.items()}
             genesis = wait_for(metrics, lambda e: e["round"] == 1, "1", 600, galaxy)[0]
             event("genesis (cluster0, cluster1)", genesis)
             for name in ("cluster2", "cluster3"):
-                metrics[name] = galaxy.start_cluster(None, 2, *FLAGS, nproc=ranks, name=name)
+                metrics[name] = galaxy.start_cluster(None, 2, *flags, nproc=ranks, name=name)
                 RUNNING.add(name)
                 rank[name] = rank_of(metrics[name])
                 joined = wait_for(
@@ -121,13 +127,15 @@ def run(profile: str, ranks: int, workdir: Path) -> dict:
                 galaxy.wait(name, 120)
         finally:
             galaxy.close()
-    return judge(metrics, rank, events, end)
+    return judge(metrics, rank, events, end, workdir / "samples")
 
 
-def judge(metrics: dict[str, Path], rank: dict[str, int], events: list, end: int) -> dict:
-    """Every entry's round bitwise identical among its members; joiners in sync from their first round."""
+def judge(metrics: dict[str, Path], rank: dict[str, int], events: list, end: int, samples: Path) -> dict:
+    """Every entry's round bitwise identical among its members; joiners in sync from their first round; the
+    pages the loaders read committed once each (``open_diloco/data_audit.py``)."""
     rounds = {name: outer_records(m) for name, m in metrics.items()}
-    problems = []
+    pages = audit(samples, list(metrics.values()))
+    problems = list(pages.problems)
     for number, entry in sorted(entries(metrics).items()):
         members = [name for name in metrics if rank[name] in ranks_of(entry)]
         hashes = {rounds[name][number]["param_hash"] for name in members if number in rounds[name]}
@@ -148,8 +156,17 @@ def judge(metrics: dict[str, Path], rank: dict[str, int], events: list, end: int
         "rosters": sorted({tuple(sorted(e.get("roster") or [])) for e in entries(metrics).values()}, key=len),
         "last_round_together": last_together,
         "hashes_then": sorted(final),
+        "pages": asdict(pages.dealt) | {"in_flight": len(pages.dealt.in_flight)} if pages.dealt else None,
+        "goodput": _goodput(metrics),
         "problems": problems,
     }
+
+
+def _goodput(metrics: dict[str, Path]) -> float | None:
+    """Tokens committed ÷ computed over the clusters, each by its last record that says both."""
+    last = [[r for r in outer_records(m).values() if r.get("tokens_computed")][-1:] for m in metrics.values()]
+    computed = sum(r[0]["tokens_computed"] for r in last if r)
+    return sum(r[0]["tokens_committed"] for r in last if r) / computed if computed else None
 
 
 def main() -> None:

@@ -219,6 +219,14 @@ class Galaxy:
         self.poll()
         return left
 
+    def interrupt(self, cluster: int) -> None:
+        """SIGINT to the cluster's torchrun (it forwards it to the ranks), as its operator's Ctrl+C: the
+        soak's doing, so its exit code says nothing about the trainer."""
+        launch = self.current(cluster)
+        if launch is not None and launch.proc.poll() is None:
+            launch.killed = True
+            signal_all([launch.proc.pid], signal.SIGINT)
+
     def poll(self) -> None:
         """Record the exit code and time of every launch that ended."""
         for launch in self.launches:

@@ -12,7 +12,10 @@
 - ``loss_burst``: the cluster's forwarder loses 5 % of the packets both ways for ``seconds``.
 - ``slow``: SIGSTOP/SIGCONT of the cluster's rank processes, half of every second (its hivemind processes run
   on: the cluster computes at half speed, as a slower machine would, while its heartbeats stay on time).
-- ``late_join``: the cluster is not started with the others but when the galaxy reaches the trigger.
+- ``late_join``: the cluster is not started with the others but when the galaxy reaches the trigger (in an
+  elastic soak, a join without a rank).
+- ``leave`` (an elastic soak): SIGINT to the cluster, as its operator's Ctrl+C: it leaves by an entry and is
+  never started again; the fault ends when it has exited (a SIGKILL after ``LEAVE_GRACE_S``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from scripts.chaos.plan import BURST_LOSS_PCT, CUTS, SLOW_DUTY, SLOW_PERIOD_S, F
 
 Say = Callable[[str], None]
 QUIET_SYNCS = 4  # syncs of the galaxy between the end of one fault and the start of the next
+LEAVE_GRACE_S = 60.0  # what a cluster told to leave gets to exit on its own
 
 
 class DutyCycle(threading.Thread):
@@ -57,6 +61,8 @@ class Injector:
     def __init__(self, galaxy: Galaxy, faults: list[Fault], relaunch: Callable[[int, bool], None], say: Say):
         self.galaxy, self.faults, self.relaunch, self.say = galaxy, faults, relaunch, say
         self.slowing: dict[int, DutyCycle] = {}
+        self.left: set[int] = set()
+        """Clusters that left for good (``leave``): never started again."""
         self.progress = 0
         self.quiet_until = 0  # the galaxy's outer step before which no new fault starts
 
@@ -161,6 +167,9 @@ class Injector:
         elif fault.kind == "slow":
             self.slowing[fault.cluster] = DutyCycle(self.galaxy, fault.cluster)
             self.slowing[fault.cluster].start()
+        elif fault.kind == "leave":
+            self.left.add(fault.cluster)
+            self.galaxy.interrupt(fault.cluster)
 
     def _undo(self, fault: Fault) -> None:
         from scripts.wan import control
@@ -175,6 +184,11 @@ class Injector:
             control.set_loss(self.galaxy.lab["run_id"], f"c{fault.cluster}", None)
         elif fault.kind == "slow":
             self.slowing.pop(fault.cluster).stop()
+        elif fault.kind == "leave" and self.galaxy.running(fault.cluster):
+            if time.time() < fault.start + LEAVE_GRACE_S:
+                return  # not gone yet: looked at again next tick
+            fault.note = f"still running {LEAVE_GRACE_S:g} s after SIGINT: killed"
+            self.galaxy.kill(fault.cluster)
         self._finish(fault)
 
     def undo_all(self) -> None:

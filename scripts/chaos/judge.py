@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 from open_diloco.ledger_view import read_cluster, verify
@@ -14,6 +16,7 @@ from scripts.chaos.analysis import (
     RETRY_SHARE_LIMIT,
     cluster_figures,
     fault_figures,
+    galaxy_goodput,
     hashes_by_step,
     windows,
 )
@@ -59,6 +62,7 @@ def judge(
 ) -> dict:
     """Every figure of the summary and the verdict on each target (``launches``: ``Launch.to_json()``
     each)."""
+    syncs = by_cluster_number(syncs, out)
     table = hashes_by_step(syncs)
     spans = windows(faults, syncs)
     fault_rows = fault_figures(faults, syncs, table)
@@ -77,7 +81,10 @@ def judge(
         fig["stopped"] = any(code not in (0, None) for code in exits) or bool(stops.get(c))
         fig["stopping_lines"] = stops.get(c, [])[:5]
         fig["launches"] = sum(launch["cluster"] == c for launch in launches)
+        fig["left"] = any(f.kind == "leave" and f.fired and f.cluster == c for f in faults)
+    pages = audit_pages(out, len(syncs))
     return {
+        "pages": pages,
         "clusters": clusters,
         "faults": fault_rows,
         "log_lines": [{"count": n, "line": line} for line, n in kinds.most_common(25)],
@@ -90,8 +97,65 @@ def judge(
             minority_taken(faults, syncs),
             lighter_taken(syncs),
             sum(bool(r.get("ledger_dropped")) for records in syncs for r in records),
-        ),
+        )
+        + elastic_rows(pages, clusters),
     }
+
+
+GOODPUT_GOAL = 0.9
+"""Issue 50's goal for an elastic soak: tokens committed ÷ computed over the galaxy, with its faults."""
+
+
+def by_cluster_number(syncs: list[list[dict]], out: Path) -> list[list[dict]]:
+    """The clusters' syncs with ``state_source`` (a galaxy rank) as the soak's cluster number: the same in a
+    fixed soak, the rank of an id in an elastic one (each cluster's first record says its rank)."""
+    number = {}
+    for c in range(len(syncs)):
+        path = out / f"cluster{c}.jsonl"
+        first = path.read_text().split("\n", 1)[0] if path.exists() else ""
+        if first.strip():
+            number[json.loads(first)["config"]["hv"]["world_rank"]] = c
+    return [
+        [{**r, "state_source": number.get(r.get("state_source"), r.get("state_source"))} for r in records]
+        for records in syncs
+    ]
+
+
+def audit_pages(out: Path, clusters: int) -> dict | None:
+    """An elastic soak's pages (``open_diloco/data_audit.py``) from the samples its loaders read
+    (``out/samples``); ``None`` for a fixed soak."""
+    from open_diloco.data_audit import audit
+
+    if not (out / "samples").is_dir():
+        return None
+    dealt = audit(out / "samples", [out / f"cluster{c}.jsonl" for c in range(clusters)]).dealt
+    if dealt is None:
+        return None
+    return {**asdict(dealt), "in_flight": len(dealt.in_flight)}
+
+
+def elastic_rows(pages: dict | None, clusters: list[dict]) -> list[dict]:
+    """An elastic soak's targets: its pages dealt by the ledger, each committed once, and its goodput."""
+    if pages is None:
+        return []
+    goodput = galaxy_goodput(clusters)
+    bad = len(pages["lost"]) + len(pages["twice"]) + len(pages["unmatched"])
+    rows = [
+        (
+            "every page below the final cursor committed once or in flight by the final deal "
+            "(from the samples read)",
+            f"{pages['once']} once, {len(pages['lost'])} lost, {len(pages['twice'])} twice, "
+            f"{pages['in_flight']} in flight, {len(pages['unmatched'])} ledger ≠ readings, "
+            f"of {pages['cursor']}",
+            not bad,
+        ),
+        (
+            f"galaxy goodput ≥ {GOODPUT_GOAL:.0%}",
+            "-" if goodput is None else f"{goodput:.1%}",
+            goodput is not None and goodput >= GOODPUT_GOAL,
+        ),
+    ]
+    return [{"target": t, "value": v, "passed": bool(ok)} for t, v, ok in rows]
 
 
 HEAL_SECONDS = 120.0
@@ -172,7 +236,7 @@ def targets(
 ) -> list[dict]:
     """Issue 34's acceptance targets, issue 48's (retries, the ledger) and issue 49's (the majority's work
     kept, the heavier fork kept), each ``{"target", "value", "passed"}``."""
-    finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters}
+    finals = {(c["final_outer_step"], c["final_param_hash"]) for c in clusters if not c.get("left")}
     free = sum(c["syncs_without_fault"] for c in clusters)
     share = sum(c["resynced_without_fault"] for c in clusters) / free if free else 0.0
     streak = max((c["longest_out_of_sync_run_after_faults"] for c in clusters), default=0)

@@ -23,6 +23,9 @@ KINDS = (
     "long_partition",
     "split",
 )
+ELASTIC_KINDS = (*KINDS, "leave")
+"""An elastic soak's (``--elastic``: clusters without ``--hv.world-rank``): a late joiner joins without a
+rank, and ``leave`` stops a cluster for good with SIGINT (it leaves by an entry; never started again)."""
 CUTS = frozenset({"partition", "long_partition", "split"})
 """Kinds that cut links (``long_partition``: issue 49's 60 s cut, which a cluster trained through alone,
 ahead, before the quorum; now it holds; ``split``: the galaxy in two halves, :func:`split_sides`)."""
@@ -138,6 +141,8 @@ def schedule(
                 if kind is None:
                     break
                 targets = [c for c in range(clusters) if c != late]
+        if kind == "leave" and any(f.kind == "leave" for f in faults):  # one cluster leaves, at most
+            kind = next(k for k in kinds if k not in ("leave", "late_join", "lost_average"))
         cluster = rng.choice(targets or list(range(clusters)))
         if kind == "late_join":
             cluster = late = rng.randrange(1, clusters) if clusters > 1 else 0

@@ -36,6 +36,10 @@ class SoakConfig:
     python: str
     extra: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)  # fault seconds by kind, replacing plan's
+    elastic: bool = False
+    """Clusters without ``--hv.world-rank``: each known by an id (:func:`soak_ids`), the galaxy's first round
+    needing the clusters started at once (``genesis``), the late joiner joining without a rank."""
+    genesis: int = 0
 
     @property
     def stride(self) -> int:
@@ -65,6 +69,19 @@ def matchmaking_flags(cfg: SoakConfig) -> list[str]:
     cluster's download (6-7 s at 10 Mbit/s; at 1 s such a cluster missed every later round,
     docs/results/chaos-soak.md)."""
     return ["--hv.matchmaking-time", "1.0"] if cfg.profile in (None, "none") else []
+
+
+def soak_ids(clusters: int) -> list[str]:
+    """Cluster ids for an elastic soak whose galaxy ranks (``cluster_id.rank_of``) rise with the soak's own
+    cluster numbers: the soak's rules that name a side by its lowest rank (``plan.split_sides``,
+    ``plan.minority_of``: the quorum's tie-break) read the same as in a fixed galaxy."""
+    from open_diloco.cluster_id import rank_of
+
+    ids: list[str] = []
+    for cluster in range(clusters):
+        above = rank_of(ids[-1]) if ids else -1
+        ids.append(next(i for n in range(10_000) if rank_of(i := f"soak-c{cluster}-{n}") > above))
+    return ids
 
 
 def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None) -> list[str]:
@@ -116,10 +133,13 @@ def trainer_flags(cfg: SoakConfig, cluster: int, maddr: str, address: str | None
         "--hv.initial-peers",
         maddr,
         "--hv.galaxy-size",
-        str(cfg.clusters),
-        "--hv.world-rank",
-        str(cluster),
+        str(cfg.genesis or cfg.clusters if cfg.elastic else cfg.clusters),
     ]
+    if cfg.elastic:  # (and the debug log of the samples read: the soak audits the pages the ledger dealt)
+        identity += ["--hv.cluster-id", soak_ids(cfg.clusters)[cluster]]
+        identity += ["--sample-log", str(cfg.out / "samples")]
+    else:
+        identity += ["--hv.world-rank", str(cluster)]
     identity += ["--hv.host-maddrs", f"/ip4/{address or '127.0.0.1'}/tcp/0"]  # never the machine's others
     return [*switches, *with_overrides(defaults, cfg.extra), *identity]
 

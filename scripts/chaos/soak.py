@@ -27,7 +27,15 @@ from pathlib import Path
 
 from scripts.chaos import judge, report
 from scripts.chaos.galaxy import REPO, python_default
-from scripts.chaos.plan import DURATION_S, KINDS, NEEDS_LAB, SPLIT_MIN_CLUSTERS, Fault, schedule
+from scripts.chaos.plan import (
+    DURATION_S,
+    ELASTIC_KINDS,
+    KINDS,
+    NEEDS_LAB,
+    SPLIT_MIN_CLUSTERS,
+    Fault,
+    schedule,
+)
 from scripts.chaos.run import Soak, SoakConfig, with_overrides
 
 TARGET = dict(
@@ -77,6 +85,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", type=Path, help="output directory (default outputs/chaos/<time>); must be empty")
     p.add_argument("--no-faults", action="store_true", help="no faults: the re-sync share of a clean run")
     p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="clusters without --hv.world-rank (ids; the late joiner joins without a rank), the data dealt "
+        "by the ledger and audited from the samples read, and one cluster leaving for good (`leave`)",
+    )
+    p.add_argument(
         "--partition-seconds",
         type=float,
         help=f"how long each partition lasts (default {DURATION_S['partition']:g}); one longer than a "
@@ -109,10 +123,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def build_config(args: argparse.Namespace, extra: list[str]) -> SoakConfig:
     profile = None if args.profile in (None, "none") else args.profile
-    kinds = [k.strip() for k in (args.kinds or ",".join(KINDS)).split(",") if k.strip()]
-    unknown = set(kinds) - set(KINDS)
+    allowed = ELASTIC_KINDS if args.elastic else KINDS
+    kinds = [k.strip() for k in (args.kinds or ",".join(allowed)).split(",") if k.strip()]
+    unknown = set(kinds) - set(allowed)
     if unknown:
-        raise SystemExit(f"soak: unknown fault kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
+        raise SystemExit(f"soak: unknown fault kinds {sorted(unknown)}: choose from {', '.join(allowed)}")
     if profile is None:
         kinds = [k for k in kinds if k not in NEEDS_LAB]
     if args.clusters < SPLIT_MIN_CLUSTERS:
@@ -141,6 +156,7 @@ def build_config(args: argparse.Namespace, extra: list[str]) -> SoakConfig:
         python=args.python,
         extra=extra,
         durations={} if args.partition_seconds is None else {"partition": args.partition_seconds},
+        elastic=args.elastic,
     )
 
 
@@ -166,10 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     faults = schedule(
         cfg.faults, cfg.kinds, cfg.clusters, cfg.ranks, cfg.total_syncs, cfg.seed, cfg.durations
     )
+    cfg.genesis = cfg.clusters - sum(f.kind == "late_join" for f in faults)  # (an elastic first round's)
     setting = (
         f"{cfg.clusters} clusters x {cfg.ranks} ranks, {cfg.profile or 'no WAN lab (127.0.0.1)'}, "
         f"{cfg.steps} steps, H={cfg.local_steps}, P={cfg.fragments}, tau={cfg.stride}, "
-        f"{len(faults)} faults (seed {cfg.seed})" + (f", trainer flags {' '.join(extra)}" if extra else "")
+        f"{len(faults)} faults (seed {cfg.seed})"
+        + (", elastic (no ranks; data dealt by the ledger)" if cfg.elastic else "")
+        + (f", trainer flags {' '.join(extra)}" if extra else "")
     )
     say(f"soak in {cfg.out}: {setting}")
     for fault in faults:

@@ -88,6 +88,10 @@ def test_clusters_without_a_rank_form_a_galaxy_a_third_joins_by_an_entry_and_one
     for name in names[1:]:
         galaxy.procs[name].send_signal(signal.SIGINT)
         assert galaxy.wait(name, 60) != 0
+    # the galaxy is gone: a new cluster of the same run id (no checkpoint) would make a second first round
+    galaxy.start_cluster(None, 2, *common, nproc=1, name="delta", env=paced(0.2))
+    assert galaxy.wait("delta", 120) != 0, galaxy.log("delta")[-2000:]
+    assert "error: --hv.run-id open_diloco had its first round already" in galaxy.log("delta")
     entries = _entries(files)
     # the first round is the galaxy's genesis: alpha and beta, both needed (--hv.galaxy-size 2)
     assert set(entries[1]["roster"]) == _ranks(entries[1]) == {a, b}, entries[1]

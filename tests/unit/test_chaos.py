@@ -262,3 +262,34 @@ def test_a_cut_lasts_until_the_cut_off_cluster_is_back_in_a_round():
     assert w.back == 27.0
     (w,) = windows([Fault(2, "split", 2, trigger=5, seconds=10, start=10.0, end=20.0)], [c0, c1, c2, c3])
     assert w.back == 35.0  # sides {2, 3} and {0, 1}: cluster 3 is back last
+
+
+def test_an_elastic_soak_has_one_leave_ids_ranked_like_its_clusters_and_judges_its_pages(tmp_path):
+    import json
+
+    from open_diloco.cluster_id import rank_of
+    from scripts.chaos.judge import GOODPUT_GOAL, by_cluster_number, elastic_rows
+    from scripts.chaos.plan import ELASTIC_KINDS
+    from scripts.chaos.run import SoakConfig, soak_ids, trainer_flags
+
+    faults = schedule(20, list(ELASTIC_KINDS), 4, 2, 150, seed=5)
+    assert sum(f.kind == "leave" for f in faults) == 1 and faults[0].kind == "late_join"
+    ids = soak_ids(4)  # a side's lowest rank is its lowest cluster number, as in a fixed galaxy
+    assert [rank_of(i) for i in ids] == sorted(rank_of(i) for i in ids) and len(set(ids)) == 4
+    cfg = SoakConfig(4, 2, None, 40, 4, 2, 1, [], 0, 60.0, tmp_path, tmp_path, "python")
+    cfg.elastic, cfg.genesis = True, 3
+    flags = trainer_flags(cfg, 2, "/ip4/127.0.0.1/tcp/1", None)
+    assert "--hv.world-rank" not in flags and flags[flags.index("--hv.cluster-id") + 1] == ids[2]
+    assert flags[flags.index("--hv.galaxy-size") + 1] == "3" and "--sample-log" in flags
+    # a re-sync's source is a galaxy rank: the judge reads it as the soak's cluster number
+    for c in (0, 1):
+        config = {"config": {"hv": {"world_rank": rank_of(ids[c])}}}
+        (tmp_path / f"cluster{c}.jsonl").write_text(json.dumps(config) + "\n")
+    mapped = by_cluster_number([[{"state_source": rank_of(ids[1])}], [{"state_source": None}]], tmp_path)
+    assert mapped == [[{"state_source": 1}], [{"state_source": None}]]
+    pages = dict(cursor=10, once=8, lost=[], twice=[], in_flight=2, unmatched=[])
+    good = [{"tokens_computed": 100, "tokens_committed": 95}]
+    assert all(row["passed"] for row in elastic_rows(pages, good))
+    low = [{"tokens_computed": 100, "tokens_committed": int(100 * GOODPUT_GOAL) - 1}]
+    assert [row["passed"] for row in elastic_rows({**pages, "twice": [3]}, low)] == [False, False]
+    assert elastic_rows(None, good) == []  # a fixed soak: no such targets

@@ -175,3 +175,46 @@ def test_a_resumed_launch_that_went_on_past_its_checkpoint_took_the_galaxys_stat
     # pages 3, 4: fragment 1 took them at step 4, fragment 0's sync (step 6) never came: the take lost them
     assert pages.lost == [3, 4, 5, 6, 7, 8] and pages.once == [1, 2] and pages.in_flight == [9, 10]
     assert pages.causes == {"taken": 2, "launch ended": 1, "never read": 3}
+
+
+def _elastic_pair(root: Path, b_reads: list[int]) -> list[Path]:
+    """Two clusters of an elastic galaxy (ranks 1 and 2, one page an inner step, pages dealt by the ledger):
+    rounds 3 and 4 commit pages 0-3 and 4-7, and deal 8-9 ahead; cluster 2 reads ``b_reads`` in round 4 and is
+    killed before it logs that round (its Δ had gone out: the galaxy's entry 4 holds it)."""
+    (root / "samples").mkdir(parents=True)
+    entries = [
+        {"round": 3, "before": "h2", "after": "h3", "work": 4, "pages": {"1": [[0, 2]], "2": [[2, 4]]}},
+        {"round": 4, "before": "h3", "after": "h4", "work": 8, "pages": {"1": [[4, 6]], "2": [[6, 8]]}},
+    ]
+    entries[1]["deal"] = {"cursor": 10, "queue": [], "hands": {"6": {"1": [[[8, 10]], 0, None]}}}
+    for entry in entries:
+        entry["members"] = [{"rank": 1}, {"rank": 2}]
+    files = []
+    for rank, reads in ((1, [[0, 1], [4, 5]]), (2, [[2, 3], b_reads])):
+        config = {"fake_data": True, "hv": {"world_rank": rank, "cluster_id": f"c{rank}", "fragments": 1}}
+        lines, metrics, clock = [], [{"time": 0.0, "event": "start", "config": config}], 0.0
+        for number, (entry, pages) in enumerate(zip(entries, reads, strict=True)):
+            for page in pages:
+                clock += 1.0
+                step = 4 + 2 * number + (page % 2) + 1
+                where = {"galaxy_rank": rank, "rank": 0, "sample_ids": [10 * page, 10 * page + 1]}
+                lines.append({"time": clock, "step": step, "inner_steps": step, "page": page, **where})
+            clock += 1.0
+            if rank == 1 or number == 0:  # (cluster 2 is killed before its record of round 4)
+                record = {"time": clock, "step": 6 + 2 * number, "outer_step": entry["round"], "fragment": 0}
+                metrics.append({**record, "round_outcome": "applied", "ledger": entry})
+        (root / "samples" / f"c{rank}.rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        files.append(root / f"c{rank}.jsonl")
+        files[-1].write_text("".join(json.dumps(x) + "\n" for x in metrics))
+    return files
+
+
+def test_an_elastic_galaxys_pages_are_audited_against_the_chain_it_ended_on(tmp_path):
+    files = _elastic_pair(tmp_path / "whole", b_reads=[6, 7])
+    dealt = audit(tmp_path / "whole" / "samples", files).dealt
+    assert dealt is not None and (dealt.cursor, dealt.once) == (10, 8)
+    assert (dealt.lost, dealt.twice, dealt.in_flight, dealt.unmatched) == ([], [], [8, 9], [])
+    # the ledger says cluster 2 committed page 7, which its loader never read: the two disagree
+    files = _elastic_pair(tmp_path / "unread", b_reads=[6])
+    galaxy = audit(tmp_path / "unread" / "samples", files)
+    assert galaxy.dealt.unmatched == [7] and "1 the ledger and the readings disagree on" in galaxy.problems[0]
