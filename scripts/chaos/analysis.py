@@ -84,7 +84,7 @@ def windows(faults: list[Fault], syncs: list[list[dict]]) -> list[Window]:
         if f.kind in ("kill_restart", "late_join"):
             settled = max(f.end, next((s["time"] for s in syncs[f.cluster] if s["time"] > f.end), f.end))
         if f.kind in TAKES_OUT:
-            out = minority_of(f, len(syncs))
+            out = minority_of(f, len(syncs), faults)
             back = max([settled, *(back_at(syncs[c], f.end, len(out)) for c in out)])
         spans.append(Window(f.index, f.start, f.end, settled, back))
     return spans

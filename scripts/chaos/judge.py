@@ -173,7 +173,7 @@ def minority_taken(faults: list[Fault], syncs: list[list[dict]]) -> list[str]:
     for f in faults:
         if f.kind not in CUTS or not f.fired or len(syncs) < 3:
             continue
-        minority = set(minority_of(f, len(syncs)))
+        minority = set(minority_of(f, len(syncs), faults))
 
         def onto_it(record: dict, cut: set[int] = minority) -> bool:
             return bool(record.get("resynced")) and record.get("state_source") in cut

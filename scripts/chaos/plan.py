@@ -91,12 +91,17 @@ def split_sides(cluster: int, clusters: int) -> tuple[list[int], list[int]]:
     return side, [c for c in range(clusters) if c not in side]
 
 
-def minority_of(fault: Fault, clusters: int) -> list[int]:
-    """The clusters a cut leaves without a quorum: the cut-off one, or a split's side without rank 0."""
+def minority_of(fault: Fault, clusters: int, faults: list[Fault] = ()) -> list[int]:
+    """The clusters a cut leaves without a quorum: the cut-off one, or a split's side with no majority of the
+    clusters still in the galaxy (those that did not ``leave`` before it, of ``faults``), a tie going to the
+    side with the lowest of them (``outer/quorum.py``'s tie-break)."""
     if fault.kind != "split":
         return [fault.cluster]
-    side, other = split_sides(fault.cluster, clusters)
-    return other if 0 in side else side
+    gone = {f.cluster for f in faults if f.kind == "leave" and f.end is not None and f.end <= fault.start}
+    side, other = ([c for c in part if c not in gone] for part in split_sides(fault.cluster, clusters))
+    if len(side) != len(other):
+        return side if len(side) < len(other) else other
+    return other if min(side + other) in side else side
 
 
 def _kinds_in_order(n: int, kinds: list[str], rng: random.Random) -> list[str]:

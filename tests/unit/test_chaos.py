@@ -190,6 +190,9 @@ def test_a_split_halves_the_galaxy_and_the_side_without_rank_0_is_the_minority()
     assert split_sides(1, 4) == ([1, 2], [0, 3])
     assert split_sides(3, 4) == ([0, 3], [1, 2])  # wraps
     assert minority_of(Fault(0, "split", 1, 10, 60.0), 4) == [1, 2]
+    # after cluster 0 left for good (an elastic soak), a split of [3, 0] | [1, 2] leaves 3 alone: the minority
+    left = Fault(1, "leave", 0, 5, start=1.0, end=2.0)
+    assert minority_of(Fault(2, "split", 3, 20, 60.0, start=10.0), 4, [left]) == [3]
     assert minority_of(Fault(0, "split", 3, 10, 60.0), 4) == [1, 2]  # its side holds rank 0
     assert minority_of(Fault(0, "partition", 0, 10, 30.0), 4) == [0]
 
