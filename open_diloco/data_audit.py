@@ -243,7 +243,7 @@ def _replay(
 ) -> tuple[ClusterPages, list[Reading]]:
     """Walk a cluster's readings and records in time order, settling each reading fragment by fragment."""
     events = [(t, 0, "read", r) for t, r in readings]
-    marks = [r for r in records if "round_outcome" in r or r.get("event") == "start"]
+    marks = [r for r in records if "round_outcome" in r or r.get("event") in ("start", "took_state")]
     events += [(r["time"], 1, "record", r) for r in marks]
     events.sort(key=lambda e: (e[0], e[1]))
     pending: dict[int, list[Reading]] = {f: [] for f in range(fragments)}
@@ -260,6 +260,8 @@ def _replay(
             every.append(item)
             for f in range(fragments):
                 pending[f].append(item)
+        elif item.get("event") == "took_state":  # joined by the galaxy's state: θ_local is another's
+            pending = _lose(pending, "taken")
         elif item.get("event") == "start":
             if every:  # the previous launch ended here
                 resumed_at = _checkpoint_step(item.get("resumed_from"))

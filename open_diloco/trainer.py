@@ -82,6 +82,8 @@ def train(config: Config) -> None:
         loader = sample_log.watch(loader)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
+        if outer.joined is not None:  # the checkpoint's training is gone: the metrics say so (audit-data)
+            metrics.log(outer.joined)
         batches = feed_at(start_step, outer, loader, scheduler, grad_accum)
         _say(world, format_start_line(run_name, world, precision, grad_accum, start_step, config.max_steps))
 

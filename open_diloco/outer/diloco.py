@@ -124,6 +124,8 @@ class DiLoCo:
         self._final_hash: str | None = None
         """``param_hash`` of the last round this cluster ended, for ``CatchUp.verify_final``."""
 
+    joined: dict[str, Any] | None = None  # the record of a state taken as it joined (OuterLoop.joined)
+
     @property
     def outer_step(self) -> int:
         return self.state.outer_step
@@ -141,15 +143,14 @@ class DiLoCo:
         joiner, or a resume from an older checkpoint), else send again a round a checkpoint holds in flight;
         return the inner step to continue after."""
         previous = self.outer_step
-        self.status.update(
-            {"committed_work": self.committed.work}
-        )  # what the others compare their chain with
+        self.status.update({"committed_work": self.committed.work})  # the others compare their chain to it
         got = self.catch_up.take_newer()
         if got is None and self.hv.elastic and not self.ledger.entries:
             self._refuse_a_second_genesis()
         if got is not None and self.own_pages is not None:
             self.own_pages.reset()  # θ_local is the downloaded θ_outer: it carries nothing of ours
         if got is not None:
+            self.joined = {"event": "took_state", "galaxy_outer_step": got.step, "state_source": got.source}
             self.warn(
                 f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "
                 f"θ_outer and the outer momentum from cluster {got.source} "
@@ -336,8 +337,7 @@ class DiLoCo:
         return settled
 
     def _pages_after(self, result: RoundResult) -> None:
-        """An elastic galaxy: what the round did to the pages (``OwnPages.round_ended``)."""
-        if self.own_pages is not None:
+        if self.own_pages is not None:  # an elastic galaxy: what the round did to the pages
             self.own_pages.round_ended(result)
 
     def _contribution(self, fragment: int) -> Contribution:

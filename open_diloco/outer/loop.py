@@ -22,6 +22,11 @@ class OuterLoop(Protocol):
         """Adopt the galaxy's current state if it is ahead; return the inner step to continue after."""
         ...
 
+    joined: dict[str, Any] | None
+    """After :meth:`join_galaxy`: the metrics record of the state it took then (``{"event": "took_state",
+    "galaxy_outer_step", "state_source"}``: what this cluster trained before is gone, which no sync record
+    says), ``None`` when it took none."""
+
     def trains_at(self, inner_step: int) -> bool:
         """Whether this cluster takes an inner step at galaxy step ``inner_step`` (1-based): always, unless
         ``--hv.round-steps by-speed`` plans fewer steps for a slower cluster (``outer/pacing.py``)."""
@@ -100,6 +105,7 @@ class NullOuterLoop:
 
     outer_step = 0
     fragments = 1
+    joined = None
 
     def join_galaxy(self) -> int:
         return 0

@@ -177,6 +177,24 @@ def test_a_resumed_launch_that_went_on_past_its_checkpoint_took_the_galaxys_stat
     assert pages.causes == {"taken": 2, "launch ended": 1, "never read": 3}
 
 
+def test_a_resumed_launch_that_took_the_galaxys_state_at_its_own_step_says_so(tmp_path):
+    """The galaxy had committed the round the checkpoint held in flight: the resumed launch downloads it and
+    goes on at its checkpoint's step, which no sync record shows; its ``took_state`` record does."""
+    c = Cluster(tmp_path, fragments=2)
+    for step in (1, 2, 3, 4):
+        c.read(step)
+        if step == 2:
+            c.sync(step, "applied", 1, fragment=0)
+    c.start(resumed_from="ckpt/step_00000004")  # killed after round 2 (fragment 1) started at step 4
+    c._write(c.metrics, {"event": "took_state", "galaxy_outer_step": 2, "state_source": 1})
+    c.read(5), c.read(6)
+    c.sync(6, "applied", 3, fragment=0)
+    c.sync(6, "applied", 4, fragment=1)
+    pages = _one(c)
+    # pages 1, 2 went into fragment 0 at round 1 but fragment 1's round 2 never carried them for this cluster
+    assert pages.once == [5, 6] and pages.lost == [1, 2, 3, 4] and pages.causes == {"taken": 4}
+
+
 def _elastic_pair(root: Path, b_reads: list[int]) -> list[Path]:
     """Two clusters of an elastic galaxy (ranks 1 and 2, one page an inner step, pages dealt by the ledger):
     rounds 3 and 4 commit pages 0-3 and 4-7, and deal 8-9 ahead; cluster 2 reads ``b_reads`` in round 4 and is
