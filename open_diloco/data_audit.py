@@ -108,6 +108,10 @@ class DealtPages:
     """Pages the final deal holds: its queue, and hands not yet settled."""
     unmatched: list[int]
     """Pages the ledger entries and the readings disagree on (committed by one, not the other)."""
+    fragment_twice: list[int] = field(default_factory=list)
+    """Pages some fragment took from two readings: committed into part of the model, then (some covering
+    round not carrying it) given back and trained again whole. Not a page committed twice (that needs every
+    fragment), but those fragments saw its samples twice: the deal's price for never losing a page."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         for line in _whole_lines(path):
             lines_by_cluster[line["galaxy_rank"]][line["rank"]].append(line)
     clusters, fake, committed_ids = [], True, defaultdict(set)
-    dealt, readers, read, entries = False, Counter(), set(), []
+    dealt, readers, read, entries, parts = False, Counter(), set(), [], Counter()
     for path in metrics:
         records = _whole_lines(path)
         starts = [r for r in records if r.get("event") == "start"]
@@ -166,15 +170,16 @@ def audit(sample_log: Path, metrics: list[Path]) -> GalaxyPages:
         entries += [r["ledger"] for r in records if r.get("ledger")]
         for reading in every:
             read.add((reading.page, rank))
+            parts.update((reading.page, f) for f, rounds in reading.commits.items() for _ in rounds)
             if all(reading.commits.get(f) for f in range(fragments)):  # committed into every fragment
                 readers[(reading.page, rank)] += 1
                 for sample in reading.ids:
                     committed_ids[sample].add(rank)
     shared = [] if fake else sorted(i for i, ranks in committed_ids.items() if len(ranks) > 1)
-    return GalaxyPages(clusters, shared, _dealt_pages(readers, read, entries) if dealt else None)
+    return GalaxyPages(clusters, shared, _dealt_pages(readers, read, entries, parts) if dealt else None)
 
 
-def _dealt_pages(readers: Counter, read: set, entries: list[dict[str, Any]]) -> DealtPages:
+def _dealt_pages(readers: Counter, read: set, entries: list[dict[str, Any]], parts: Counter) -> DealtPages:
     """The galaxy-wide account of an elastic galaxy's pages: what the chain the galaxy ended on committed
     (the entry with the most work and its ancestors by θ hash; its final deal) against the readings: every
     page the chain committed read by its committer (``read``: (page, cluster) of every reading), and every
@@ -183,12 +188,14 @@ def _dealt_pages(readers: Counter, read: set, entries: list[dict[str, Any]]) -> 
     the chain: its Δ had gone out."""
     from open_diloco.outer.deal import Deal, from_ranges
 
-    by_after = {entry["after"]: entry for entry in entries}
+    # the parent of entry r: entry r − 1 that ended at its θ (by round too: a round whose Δs were all zero,
+    # every member without a page, leaves θ as it was, so an "after" alone may name two rounds)
+    by_after = {(entry["after"], entry["round"]): entry for entry in entries}
     final = max(entries, key=lambda e: (e.get("work") or 0, e["round"]), default=None)
     chain = []
-    while final is not None and final not in chain:
+    while final is not None:
         chain.append(final)
-        final = by_after.get(final["before"])
+        final = by_after.get((final["before"], final["round"] - 1))
     deal = Deal.from_wire(chain[0]["deal"]) if chain and chain[0].get("deal") else Deal()
     in_ledger = Counter(
         (page, int(rank))
@@ -211,6 +218,7 @@ def _dealt_pages(readers: Counter, read: set, entries: list[dict[str, Any]]) -> 
         twice=sorted(twice),
         in_flight=sorted(flying),
         unmatched=sorted(unread | unledgered),
+        fragment_twice=sorted({page for (page, _), count in parts.items() if count > 1} - twice),
     )
 
 

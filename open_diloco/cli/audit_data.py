@@ -62,7 +62,8 @@ def audit_data(
             print(
                 f"the galaxy (pages dealt by the ledger): {dealt.cursor} dealt, {dealt.once} committed once, "
                 f"{len(dealt.lost)} lost, {len(dealt.twice)} twice, {len(dealt.in_flight)} in flight at the "
-                f"end, {len(dealt.unmatched)} the ledger and the readings disagree on"
+                f"end, {len(dealt.unmatched)} the ledger and the readings disagree on; "
+                f"{len(dealt.fragment_twice)} taken twice by a fragment (partly committed, then again)"
             )
     problems = galaxy.problems
     if problems and verify:

@@ -146,7 +146,7 @@ def elastic_rows(pages: dict | None, clusters: list[dict]) -> list[dict]:
             "(from the samples read)",
             f"{pages['once']} once, {len(pages['lost'])} lost, {len(pages['twice'])} twice, "
             f"{pages['in_flight']} in flight, {len(pages['unmatched'])} ledger ≠ readings, "
-            f"of {pages['cursor']}",
+            f"of {pages['cursor']} ({len(pages.get('fragment_twice', []))} taken twice by a fragment)",
             not bad,
         ),
         (

@@ -236,3 +236,25 @@ def test_an_elastic_galaxys_pages_are_audited_against_the_chain_it_ended_on(tmp_
     files = _elastic_pair(tmp_path / "unread", b_reads=[6])
     galaxy = audit(tmp_path / "unread" / "samples", files)
     assert galaxy.dealt.unmatched == [7] and "1 the ledger and the readings disagree on" in galaxy.problems[0]
+
+
+def test_the_chain_walk_takes_a_round_that_changed_nothing_and_counts_fragments_taken_twice():
+    """A round whose members all carried no page leaves θ as it was (``before`` = ``after``): the walk back
+    from the final entry goes by round as well as by θ. A page one fragment took from two readings (partly
+    committed, given back, trained again) is counted apart, not as committed twice."""
+    from collections import Counter
+
+    from open_diloco.data_audit import _dealt_pages
+
+    deal = {"cursor": 4, "queue": [], "hands": {}}
+    entries = [
+        {"round": 1, "before": "h0", "after": "h1", "work": 2, "pages": {"7": [[0, 2]]}},
+        {"round": 2, "before": "h1", "after": "h1", "work": 2, "pages": {}},  # nobody had a page
+        {"round": 3, "before": "h1", "after": "h3", "work": 4, "pages": {"7": [[2, 4]]}, "deal": deal},
+    ]
+    read = {(page, 7) for page in range(4)}
+    parts = Counter({(page, 0): 1 for page in range(4)} | {(page, 1): 1 for page in range(4)})
+    parts[(3, 0)] = 2  # page 3: fragment 0 took an earlier reading too
+    dealt = _dealt_pages(Counter(dict.fromkeys(read, 1)), read, entries, parts)
+    assert (dealt.once, dealt.lost, dealt.twice, dealt.unmatched) == (4, [], [], [])
+    assert dealt.fragment_twice == [3]
