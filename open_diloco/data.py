@@ -149,17 +149,21 @@ class ClusterSampler(Sampler[int]):
         self.next_block = 0
 
     def __iter__(self) -> Iterator[int]:
-        block_size = self.per_device_batch * self.world_size
         while True:
-            start = self.next_block * block_size + self.rank * self.per_device_batch
-            self.next_block += 1
-            yield from range(start, start + self.per_device_batch)
+            block, self.next_block = self.next_block, self.next_block + 1
+            yield from rank_slice(block, self.per_device_batch, self.rank, self.world_size)
 
     def state_dict(self) -> dict[str, int]:
         return {"next_block": self.next_block}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.next_block = state["next_block"]
+
+
+def rank_slice(block: int, per_device_batch: int, rank: int, world_size: int) -> range:
+    """Rank ``rank``'s positions of block ``block`` (``per_device_batch`` × ``world_size`` positions each)."""
+    start = (block * world_size + rank) * per_device_batch
+    return range(start, start + per_device_batch)
 
 
 class PageSampler(Sampler[int]):
@@ -174,16 +178,10 @@ class PageSampler(Sampler[int]):
         self.grad_accum = grad_accum
         self.pages: list[int] = []
 
-    @property
-    def page_samples(self) -> int:
-        return self.per_device_batch * self.world_size * self.grad_accum
-
     def __iter__(self) -> Iterator[int]:
-        block = self.per_device_batch * self.world_size
-        for page in list(self.pages):
-            for micro in range(self.grad_accum):
-                start = page * self.page_samples + micro * block + self.rank * self.per_device_batch
-                yield from range(start, start + self.per_device_batch)
+        for page in list(self.pages):  # page p: blocks p·grad_accum … (p + 1)·grad_accum − 1
+            for block in range(page * self.grad_accum, (page + 1) * self.grad_accum):
+                yield from rank_slice(block, self.per_device_batch, self.rank, self.world_size)
 
 
 class DealtBatches:

@@ -138,7 +138,7 @@ class CommittedState:
         """``entry`` with the deal after it and the pages it committed (``outer/deal.py``): from the chain's
         last deal and what each member said its Δ carries."""
         last = self.ledger.last
-        parent = Deal.from_wire(last.deal) if last is not None and last.deal is not None else Deal()
+        parent = (last.dealt if last is not None else None) or Deal()
         carries = {
             rank: {
                 int(stride): (int(lo), int(hi)) for stride, (lo, hi) in (meta.get("carries") or {}).items()

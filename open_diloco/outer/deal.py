@@ -151,7 +151,8 @@ def next_deal(
                     returned.extend(hand.kept)
                 continue
             after = hand.carried_by(carries.get(rank, {}).get(stride) if rank in carries else None)
-            returned.extend(page for page in hand.kept if page not in set(after.kept))
+            still = set(after.kept)
+            returned.extend(page for page in hand.kept if page not in still)
             if stride == round_no - fragments + 1:  # its last covering round: settled
                 if after.kept:
                     committed[rank] = committed.get(rank, ()) + after.kept

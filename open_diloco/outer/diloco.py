@@ -63,7 +63,7 @@ class DiLoCo:
         self.pace = Pace(hv.local_steps, hv.fragments, hv.round_steps == "by-speed", hv.cluster_speed)
         """Which galaxy steps this cluster trains at, and the weight of each sync (``--hv.round-steps``)."""
         self.step_time = StepTime()
-        self.own_pages = OwnPages.of(hv, self.pace, lambda: self.ledger.last)
+        self.own_pages = OwnPages.of(hv, self.pace, lambda: self.ledger.last and self.ledger.last.dealt)
         """An elastic galaxy's pages dealt to this cluster and carried by its Δ (``outer/deal.py``)."""
         self._sync_pace: dict[int, tuple[int, float]] = {}
         """(inner steps behind the Δ, weight) of each started sync by its round number, for its metrics."""
@@ -252,16 +252,16 @@ class DiLoCo:
     def trains_at(self, inner_step: int) -> bool:
         """See :class:`OuterLoop` (``outer/pacing.py``; an elastic galaxy's step trains only with a page)."""
         if self.own_pages is not None:
-            return self.own_pages.page_at(self.own_pages.deal, inner_step) is not None
+            return self.own_pages.page_at(inner_step) is not None
         return self.pace.trains_at(inner_step)
 
     def page_at(self, inner_step: int) -> int | None:
         """See :class:`OuterLoop`."""
-        return None if self.own_pages is None else self.own_pages.page_at(self.own_pages.deal, inner_step)
+        return None if self.own_pages is None else self.own_pages.page_at(inner_step)
 
     def pages_from(self, inner_step: int) -> list[int] | None:
         """See :class:`OuterLoop`."""
-        return None if self.own_pages is None else self.own_pages.upcoming(self.own_pages.deal, inner_step)
+        return None if self.own_pages is None else self.own_pages.upcoming(inner_step)
 
     def data_position(self, inner_step: int) -> int:
         """See :class:`OuterLoop`."""
@@ -278,7 +278,7 @@ class DiLoCo:
         began = time.perf_counter()
         self.pace.count(trained)
         if trained and self.own_pages is not None:
-            self.own_pages.trained(self.own_pages.deal, inner_step)
+            self.own_pages.trained(inner_step)
         if trained:
             self.goodput.trained()
         if self._window_start is None:

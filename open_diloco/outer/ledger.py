@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from open_diloco.errors import OpenDilocoError
+from open_diloco.outer.deal import Deal
 
 KEEP = 4096
 """Entries a cluster keeps (and checkpoints): at one round a second, over an hour of rounds, longer than the
@@ -107,6 +108,11 @@ class LedgerEntry:
         import xxhash
 
         return xxhash.xxh3_64(json.dumps(self._fields(), sort_keys=True).encode()).hexdigest()
+
+    @functools.cached_property
+    def dealt(self) -> Deal | None:
+        """:attr:`deal` read, once (a cluster's steps read their pages from it every step)."""
+        return None if self.deal is None else Deal.from_wire(self.deal)
 
     @property
     def ranks(self) -> list[int]:

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from open_diloco.outer.deal import Deal
-from open_diloco.outer.ledger import LedgerEntry
+from open_diloco.outer.deal import Deal, Hand
 from open_diloco.outer.round_result import RoundResult
 
 if TYPE_CHECKING:
@@ -39,12 +38,11 @@ class OwnPages:
         fragments: int,
         trains_at: Callable[[int], bool],
         by_speed: bool = False,
-        last_entry: Callable[[], LedgerEntry | None] = lambda: None,
+        deal_of: Callable[[], Deal | None] = lambda: None,
     ):
         self.galaxy_rank, self.stride, self.fragments = galaxy_rank, stride, fragments
-        self.last_entry = last_entry
-        """The last entry of this cluster's chain, whose deal the steps read (:attr:`deal`)."""
-        self._deal: tuple[str, Deal] | None = None
+        self.deal_of = deal_of
+        """The deal of this cluster's chain now (its last entry's; ``None`` before any): what steps read."""
         self.trains_at = trains_at
         """The pacing's own decision (``Pace.trains_at``): which positions of a stride train, pages aside."""
         self.by_speed = by_speed
@@ -53,58 +51,51 @@ class OwnPages:
         """Stride → [first, last + 1] indices of its hand trained since θ_local was last θ_outer."""
 
     @staticmethod
-    def of(hv: HvConfig, pace: Pace, last_entry: Callable[[], LedgerEntry | None]) -> OwnPages | None:
+    def of(hv: HvConfig, pace: Pace, deal_of: Callable[[], Deal | None]) -> OwnPages | None:
         """This cluster's pages in an elastic galaxy (``hv.elastic``), else ``None``: its data is its own."""
         if not hv.elastic:
             return None
-        return OwnPages(hv.world_rank, pace.stride, hv.fragments, pace.trains_at, pace.by_speed, last_entry)
-
-    @property
-    def deal(self) -> Deal | None:
-        """The deal this cluster's chain holds (its last entry's), ``None`` before any."""
-        last = self.last_entry()
-        if last is None or last.deal is None:
-            return None
-        if self._deal is None or self._deal[0] != last.hash:
-            self._deal = (last.hash, Deal.from_wire(last.deal))
-        return self._deal[1]
+        return OwnPages(hv.world_rank, pace.stride, hv.fragments, pace.trains_at, pace.by_speed, deal_of)
 
     def stride_of(self, step: int) -> tuple[int, int]:
         """(stride, position in it from 0) of galaxy step ``step`` (1-based)."""
         return (step - 1) // self.stride + 1, (step - 1) % self.stride
 
-    def page_at(self, deal: Deal | None, step: int) -> int | None:
+    def page_at(self, step: int) -> int | None:
         """The page galaxy step ``step`` reads, ``None`` when it has none (no hand, or the hand is spent)."""
         stride, position = self.stride_of(step)
-        hand = deal.hand(stride, self.galaxy_rank) if deal is not None else None
+        hand = self._hand(stride)
         if hand is None or not self.trains_at(step):
             return None
         index = self._index(step, position)
         return hand.pages[index] if index < len(hand.pages) else None
 
-    def upcoming(self, deal: Deal | None, step: int) -> list[int]:
+    def upcoming(self, step: int) -> list[int]:
         """The pages of the steps from ``step`` on, as far as the deal and the pacing's plan are known: the
         rest of this stride and every later stride dealt (with equal steps; by speed, a later stride's plan is
         made when its sync starts)."""
         pages: list[int] = []
         current, _ = self.stride_of(step)
-        while deal is not None and deal.hand(stride := self.stride_of(step)[0], self.galaxy_rank) is not None:
+        while self._hand(stride := self.stride_of(step)[0]) is not None:
             if self.by_speed and stride > current:
                 break
-            if (page := self.page_at(deal, step)) is not None:
+            if (page := self.page_at(step)) is not None:
                 pages.append(page)
             step += 1
         return pages
 
-    def trained(self, deal: Deal | None, step: int) -> None:
+    def trained(self, step: int) -> None:
         """Galaxy step ``step`` trained its page: the Δ carries it (call before the sync after it starts)."""
         stride, position = self.stride_of(step)
-        hand = deal.hand(stride, self.galaxy_rank) if deal is not None else None
-        if hand is None:
+        if self._hand(stride) is None:
             return
         index = self._index(step, position)
         span = self.carried.setdefault(stride, [index, index])
         span[1] = index + 1
+
+    def _hand(self, stride: int) -> Hand | None:
+        deal = self.deal_of()
+        return None if deal is None else deal.hand(stride, self.galaxy_rank)
 
     def _index(self, step: int, position: int) -> int:
         """The inner steps this cluster took in the stride before galaxy step ``step`` (its ``position``)."""
@@ -123,10 +114,9 @@ class OwnPages:
         if result.outcome in ("held", "sat_out", "resynced"):
             self.reset()
         entry = result.ledger
-        if entry is not None and entry.deal is not None:
+        if entry is not None and entry.dealt is not None:
             result.pages = (entry.pages or {}).get(str(self.galaxy_rank), [])
-            result.data_cursor = int(entry.deal["cursor"])
-            result.data_committed_pages = int(entry.deal.get("committed", 0))
+            result.data_cursor, result.data_committed_pages = entry.dealt.cursor, entry.dealt.committed
 
     def carries(self, round_no: int) -> dict[int, tuple[int, int]]:
         """What round ``round_no``'s Δ carries: per stride it covers (the last P up to its own), the range of

@@ -112,7 +112,10 @@ def by_cluster_number(syncs: list[list[dict]], out: Path) -> list[list[dict]]:
     number = {}
     for c in range(len(syncs)):
         path = out / f"cluster{c}.jsonl"
-        first = path.read_text().split("\n", 1)[0] if path.exists() else ""
+        first = ""
+        if path.exists():
+            with path.open() as metrics:  # (its first record: the launch's start)
+                first = metrics.readline()
         if first.strip():
             number[json.loads(first)["config"]["hv"]["world_rank"]] = c
     return [

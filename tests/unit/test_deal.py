@@ -74,15 +74,15 @@ def test_the_deal_round_trips_on_the_wire_and_pages_compress_to_runs():
 
 def test_a_clusters_side_reads_its_hand_and_says_what_its_delta_carries():
     deal = Deal(cursor=8, hands={3: {7: Hand((10, 11))}, 4: {7: Hand((12, 13))}})
-    own = OwnPages(galaxy_rank=7, stride=2, fragments=1, trains_at=lambda step: True)
-    assert own.page_at(deal, 4) is None  # stride 2: no hand, no step
-    assert [own.page_at(deal, step) for step in (5, 6, 7, 8)] == [10, 11, 12, 13]
-    assert own.upcoming(deal, 6) == [11, 12, 13]
-    own.trained(deal, 5)
-    own.trained(deal, 6)
+    own = OwnPages(galaxy_rank=7, stride=2, fragments=1, trains_at=lambda step: True, deal_of=lambda: deal)
+    assert own.page_at(4) is None  # stride 2: no hand, no step
+    assert [own.page_at(step) for step in (5, 6, 7, 8)] == [10, 11, 12, 13]
+    assert own.upcoming(6) == [11, 12, 13]
+    own.trained(5)
+    own.trained(6)
     assert own.contribution(3, local_steps=2) == (1.0, 2, {"3": [0, 2]})
     own.reset()  # a held round: θ_local is θ_outer again
-    own.trained(deal, 8)
+    own.trained(8)
     assert own.contribution(4, local_steps=2) == (0.5, 1, {"4": [1, 2]})
     assert own.contribution(5, local_steps=2) == (0.5, 0, {})  # nothing carried: weighs as one page
     restored = OwnPages(7, 2, 1, lambda step: True)
@@ -92,6 +92,6 @@ def test_a_clusters_side_reads_its_hand_and_says_what_its_delta_carries():
 
 def test_by_speed_a_cluster_trains_the_first_pages_of_its_hand():
     deal = Deal(cursor=8, hands={1: {0: Hand((0, 1, 2, 3))}})
-    odd_steps = OwnPages(0, stride=4, fragments=1, trains_at=lambda step: step % 2 == 0, by_speed=True)
-    assert [odd_steps.page_at(deal, step) for step in (1, 2, 3, 4)] == [None, 0, None, 1]
-    assert odd_steps.upcoming(deal, 1) == [0, 1]
+    odd_steps = OwnPages(0, 4, 1, trains_at=lambda step: step % 2 == 0, by_speed=True, deal_of=lambda: deal)
+    assert [odd_steps.page_at(step) for step in (1, 2, 3, 4)] == [None, 0, None, 1]
+    assert odd_steps.upcoming(1) == [0, 1]
