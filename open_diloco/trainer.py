@@ -78,7 +78,7 @@ def train(config: Config) -> None:
     try:
         model, outer = build_model_and_outer_loop(config, world, precision, model_config)
         optimizer, scheduler = build_optimizer_and_schedule(model, config)
-        loader, eval_loader = build_loaders(config, data, world)
+        loader, eval_loader = build_loaders(config, data, world, grad_accum)
         loader = sample_log.watch(loader)
         start_step = resume_from(resume, model, optimizer, outer, world) if resume is not None else 0
         start_step = max(start_step, outer.join_galaxy())
@@ -219,17 +219,14 @@ def resume_from(
     return step
 
 
-def build_loaders(config: Config, data: DataPlan, world: World) -> tuple[StatefulDataLoader, DataLoader]:
+def build_loaders(
+    config: Config, data: DataPlan, world: World, grad_accum: int
+) -> tuple[StatefulDataLoader, DataLoader]:
     """This rank's training loader and its held-out evaluation batches."""
     batch_args = dict(
         per_device_batch=config.per_device_train_batch_size, rank=world.rank, world_size=world.world_size
     )
-    loader = build_train_loader(
-        data,
-        **batch_args,
-        num_workers=config.num_workers,
-        grad_accum=check_against_world(config, world.world_size),
-    )
+    loader = build_train_loader(data, **batch_args, num_workers=config.num_workers, grad_accum=grad_accum)
     eval_loader = build_eval_loader(data, **batch_args, samples=config.eval_samples)
     return loader, eval_loader
 
@@ -246,11 +243,13 @@ def add_sync_metrics(
     """The metrics of the syncs (outer steps) that ended at this step into its ``record``. Two end at one step
     with ``--hv.sync-delay`` = H/P: the earlier one is logged at once, as a line of its own. With pages of a
     corpus dealt (``epoch_pages`` a pass over it), the epoch the deal's cursor is in (``data_epoch``)."""
-    for earlier in syncs[:-1]:
-        metrics.log({**record, **earlier.metrics()})
-    record.update(syncs[-1].metrics() if syncs else {})
-    if epoch_pages and record.get("data_cursor") is not None:
-        record["data_epoch"] = record["data_cursor"] / epoch_pages
+    ended = [sync.metrics() for sync in syncs]
+    for sync in ended:
+        if epoch_pages and sync.get("data_cursor") is not None:
+            sync["data_epoch"] = sync["data_cursor"] / epoch_pages
+    for earlier in ended[:-1]:
+        metrics.log({**record, **earlier})
+    record.update(ended[-1] if ended else {})
 
 
 def log_failure(err: Exception) -> str:
