@@ -104,8 +104,7 @@ class HivemindAverager:
         self.schema = schema
         """What this cluster must share with the others to average (``membership_record.SCHEMA_KEYS``)."""
         self.allowlist = allowlist
-        self.compression = hv.compression
-        self.initial_peers = list(initial_peers)
+        self.compression, self.initial_peers = hv.compression, list(initial_peers)
         """Where this peer's DHT node joined, asked again now and then (``galaxy.dht.rebootstrap``)."""
         self._rebootstrapped = float("-inf")
         self._started = time.monotonic()
@@ -261,6 +260,7 @@ class HivemindAverager:
                 record.galaxy_rank: (record.outer_step, record.param_hash, record.galaxy_rank not in gone)
                 for record in records
             },
+            ages={record.galaxy_rank: record.last_seen_seconds for record in records},
         )
 
     def _find_the_others_again(self, silent_peers: list[str], live_peers: list[str]) -> None:

@@ -24,6 +24,7 @@ from open_diloco.outer.codecs import build_compressor
 from open_diloco.outer.committed_state import CommittedState
 from open_diloco.outer.goodput import Goodput
 from open_diloco.outer.guard import NormHistory
+from open_diloco.outer.hold_pause import pause_while_held
 from open_diloco.outer.ledger import Ledger
 from open_diloco.outer.own_pages import OwnPages
 from open_diloco.outer.pacing import Pace, StepTime
@@ -210,10 +211,9 @@ class DiLoCo:
         if self.own_pages is not None:
             state["own_pages"] = self.own_pages.state_dict()
         if self.in_flight is not None and "sync_start" in state:
-            contribution = self.in_flight.contribution
-            state["in_flight"] = {"weight": contribution.weight, "inner_steps": contribution.inner_steps}
-            if contribution.carries is not None:
-                state["in_flight"]["carries"] = contribution.carries
+            sent = self.in_flight.contribution
+            state["in_flight"] = {"weight": sent.weight, "inner_steps": sent.inner_steps}
+            state["in_flight"] |= {"carries": sent.carries} if sent.carries is not None else {}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -301,6 +301,8 @@ class DiLoCo:
             self._pages_after(result)
         # after a take, a sync in flight is the one this step started (a landing clears the one before)
         held = any(result.outcome == "held" for result in results)
+        if held and not last:  # what it trains cannot commit before news comes (outer/hold_pause.py)
+            pause_while_held(self.rounds)
         back_to = self.catch_up.clock_after(inner_step, self.in_flight is not None, last, held)
         if back_to is not None and self.in_flight is not None:
             shift = inner_step - back_to  # it started and lands as far into the galaxy's clock
@@ -391,9 +393,7 @@ class DiLoCo:
     def close(self) -> None:
         try:
             if self._finished and self._final_hash and not isinstance(self.status, NullStatusBoard):
-                self.catch_up.verify_final(
-                    self._final_hash
-                )  # the cluster's rank 0 (it publishes, so it may read)
+                self.catch_up.verify_final(self._final_hash)  # the cluster's rank 0 (it publishes: reads)
             self.status.close()  # while the DHT still runs
         finally:
             # a finished run may wait for the peers of its last round to take their averages; a stop may not

@@ -121,6 +121,11 @@ class Membership:
     """``(outer step, param_hash, still training)`` of every cluster with a record, ended ones too, by galaxy
     rank: what a cluster at the end of its run compares its final θ_outer with."""
 
+    ages: dict[int, float] = field(default_factory=dict)
+    """How long ago each cluster with a record refreshed it (its age on this reader's clock,
+    ``galaxy/record_ages.py``), by galaxy rank: a holding cluster learns from it that the others are back
+    (``outer/hold_pause.py``)."""
+
     def report_of(self, rank: int) -> tuple[int, str | None, bool]:
         """``reported[rank]``; a cluster without a record reads as still training, at no step and with no
         hash (the in-process galaxy of unit tests publishes none)."""

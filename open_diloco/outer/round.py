@@ -672,7 +672,8 @@ class Round:
         heals this cluster is behind the majority and takes its state. θ_local goes back to θ_outer, every
         fragment of it (:meth:`OuterState.drop_progress`): its progress is dropped, as it would be at the heal
         anyway; kept, the next Δ would grow with every held round until the guard called it out of bound and
-        the cluster diverged. The trainer then trains the stride again (``CatchUp.clock_after``)."""
+        the cluster diverged. The trainer then waits for news of the others (``outer/hold_pause.py``) and
+        trains the stride again (``CatchUp.clock_after``)."""
         ctx, roster, now = self.ctx, self.roster, time.monotonic()
         self._enter(Phase.HELD)
         if ctx.holding_since is None:
@@ -687,15 +688,16 @@ class Round:
             if need := self._genesis_need():
                 ctx.warn(
                     f"outer step {self.id.number}: the galaxy's first round needs {need} clusters "
-                    f"(--hv.galaxy-size), {sorted(voting)} came: this cluster commits nothing and trains the "
-                    f"stride again (a fork after --hv.fork-after={ctx.hv.fork_after:g}s; {held})"
+                    f"(--hv.galaxy-size), {sorted(voting)} came: this cluster commits nothing and trains "
+                    f"the stride again once more come (a fork after --hv.fork-after={ctx.hv.fork_after:g}s; "
+                    f"{held})"
                 )
             else:
                 ended = f" (ended: {sorted(self.ended)})" if self.ended else ""
                 ctx.warn(
                     f"outer step {self.id.number}: clusters {present} are no majority of the roster "
-                    f"{sorted(roster)}{ended}: this cluster commits nothing, trains the stride again, and "
-                    "takes the majority's state when it is back (a fork after "
+                    f"{sorted(roster)}{ended}: this cluster commits nothing, trains the stride again once "
+                    "others are back, and takes the majority's state then (a fork after "
                     f"--hv.fork-after={ctx.hv.fork_after:g}s; {held})"
                 )
         ctx.state.drop_progress()

@@ -54,6 +54,9 @@ class InProcessGalaxy:
         """The committed work of the lead's chain (``Membership.lead_work``)."""
         self.step_seconds: dict[int, float] = {}
         """Seconds per inner step each cluster's record shows (``Membership.step_seconds``)."""
+        self.ages: dict[int, float] = {}
+        """The records' ages (``Membership.ages``); none: a holding cluster has nothing to wait for
+        (``outer/hold_pause.py``)."""
         self.lead_progress = (-1, 0.0)
         """(inner step, seconds since) the lead cluster's record shows (``Membership.lead_inner_step``)."""
         self.serve_state = serve_state
@@ -191,6 +194,7 @@ class InProcessAverager:
             sources={rank: str(rank) for rank in serving},
             reported={rank: self._record(rank, other, served.get(rank)) for rank, other in members.items()},
             step_seconds=dict(galaxy.step_seconds),
+            ages=dict(galaxy.ages),
         )
 
     def _record(

@@ -1,0 +1,75 @@
+"""A cluster that holds trains nothing until news comes that a commit could come of it.
+
+A cluster holds when those it averaged with are no majority of its chain's roster (``outer/quorum.py``):
+it commits nothing, drops the stride and goes back a stride to train it again (``CatchUp.clock_after``). That
+stride is thrown away in turn unless the round then commits, which it can only once a majority is back (a cut
+healed, a restarted cluster up: and then the galaxy is usually ahead, so the cluster takes its state and drops
+the stride anyway) or on a fork after ``--hv.fork-after``. Trained at once, round after round, the strides of
+a cut-off cluster were most of the galaxy's waste: in the elastic chaos soak of 2026-12-04, 270 of the 332
+inner steps trained and never committed (81 %) were strides trained again while holding (goodput 83.7 %).
+
+So after a held round the cluster waits, its GPUs idle, polling the membership records every
+:data:`POLL_SECONDS`, for the first of:
+
+- **the others are back**: clusters heard from since the pause began (their record refreshed) make, with this
+  one, a quorum of the roster (``has_quorum``; an elastic galaxy's first round: ``--hv.galaxy-size``
+  clusters). Clusters it still averages with refresh too, so a side of an even split without the lowest rank
+  waits on: its pair is no majority;
+- **the galaxy is ahead**: a live cluster's chain holds more committed work (its next round sits out and takes
+  that state, ``Round.start``);
+- **the fork is due**: the hold has lasted ``--hv.fork-after``; the stride trains and its round commits on a
+  fork (``Round._fork_due``).
+
+Nothing to learn from (no record read: the DHT did not answer in time, or the in-process galaxy of unit tests)
+is no pause. Every rank of the cluster polls; news on any rank wakes them all (the same collectives on every
+rank). A stop signal ends the wait as any other. The pause is the trainer's idle time: ``compute_utilization``
+and tokens per second say so, and goodput is not bought by computing less: what the cluster does not train
+could not be committed. The price: a hold that ends with news ends up to a poll and a heartbeat
+(``--hv.heartbeat-interval``) later than it would have, training on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from open_diloco.outer.protocols import Membership
+from open_diloco.outer.quorum import has_quorum, roster_of
+
+if TYPE_CHECKING:
+    from open_diloco.outer.round import RoundContext
+
+POLL_SECONDS = 1.0
+"""How often a holding cluster reads the membership records for news."""
+
+
+def news(
+    view: Membership, paused_for: float, own: tuple[int, int], galaxy_rank: int, need: int | frozenset[int]
+) -> str | None:
+    """Why a holding cluster should train again, by one membership read ``paused_for`` seconds into its
+    pause; ``None``: no news. ``own``: its chain's (committed work, outer step); ``need``: the roster whose
+    quorum a round needs, or (an elastic galaxy's first round) how many clusters."""
+    if (view.lead_work, view.lead) > own:
+        return f"the galaxy is ahead (outer step {view.lead})"
+    ended = {rank for rank in view.departed - view.silent if rank in view.reported}
+    back = {rank for rank, age in view.ages.items() if age < paused_for and rank not in ended}
+    present = back | {galaxy_rank}
+    enough = len(present) >= need if isinstance(need, int) else has_quorum(present, need, ended)
+    return f"clusters {sorted(back - {galaxy_rank})} are back" if enough and back - {galaxy_rank} else None
+
+
+def pause_while_held(ctx: RoundContext) -> float:
+    """Wait for :func:`news` (see the module docstring), at most until the fork is due; the seconds waited."""
+    hv, began = ctx.hv, time.monotonic()
+    fork_at = (ctx.holding_since or began) + hv.fork_after
+    last = ctx.committed.ledger.last
+    roster = roster_of(last, hv.galaxy_size, hv.elastic)
+    need: int | frozenset[int] = hv.galaxy_size if hv.elastic and not roster else roster
+    while ctx.cluster.all_true(time.monotonic() < fork_at):
+        view = ctx.averager.membership()
+        own = (ctx.committed.work, ctx.state.outer_step)
+        why = news(view, time.monotonic() - began, own, ctx.galaxy_rank, need)
+        if not ctx.cluster.all_true(why is None and bool(view.ages)):  # (no record read: nothing to learn)
+            break
+        time.sleep(POLL_SECONDS)
+    return time.monotonic() - began
