@@ -17,6 +17,7 @@ So after a held round the cluster waits, its GPUs idle, polling the membership r
   waits on: its pair is no majority;
 - **the galaxy is ahead**: a live cluster's chain holds more committed work (its next round sits out and takes
   that state, ``Round.start``);
+- **the others ended their run**: it is a quorum alone (those that ended vote no more);
 - **the fork is due**: the hold has lasted ``--hv.fork-after``; the stride trains and its round commits on a
   fork (``Round._fork_due``).
 
@@ -52,10 +53,11 @@ def news(
     if (view.lead_work, view.lead) > own:
         return f"the galaxy is ahead (outer step {view.lead})"
     ended = {rank for rank in view.departed - view.silent if rank in view.reported}
-    back = {rank for rank, age in view.ages.items() if age < paused_for and rank not in ended}
+    back = {rank for rank, age in view.ages.items() if age < paused_for} - ended - {galaxy_rank}
     present = back | {galaxy_rank}
-    enough = len(present) >= need if isinstance(need, int) else has_quorum(present, need, ended)
-    return f"clusters {sorted(back - {galaxy_rank})} are back" if enough and back - {galaxy_rank} else None
+    if not (len(present) >= need if isinstance(need, int) else has_quorum(present, need, ended)):
+        return None
+    return f"clusters {sorted(back)} are back" if back else f"the others ended their run ({sorted(ended)})"
 
 
 def pause_while_held(ctx: RoundContext) -> float:

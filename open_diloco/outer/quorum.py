@@ -17,8 +17,8 @@ side can hold more than half of it.
   on both sides).
 - **Without one** a cluster *holds*: it commits nothing, drops the round's stride (its fragment lands on the
   unchanged θ_outer, so its next Δ stays one stride's and within the guard's bound), trains that stride
-  again (its clock goes back: ``CatchUp.clock_after``), and takes the majority's state when the partition
-  heals (it is behind by then).
+  again (its clock goes back: ``CatchUp.clock_after``) once news comes that it could commit
+  (``outer/hold_pause.py``), and takes the majority's state when the partition heals (it is behind by then).
 - **A fork**, where no majority can be had (the majority is gone for good, or an even split's other side):
   after ``--hv.fork-after`` seconds of holding, the cluster commits on an entry marked ``fork``; its
   roster is then its own side.

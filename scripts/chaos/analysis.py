@@ -177,6 +177,20 @@ def galaxy_goodput(clusters: list[dict]) -> float | None:
     return share((c.get("tokens_computed"), c.get("tokens_committed")) for c in clusters)
 
 
+def galaxy_token_rates(clusters: list[dict]) -> tuple[float, float] | None:
+    """The galaxy's tokens per second over its syncs' span (the first cluster's first sync to the last one's
+    last): ``(computed, committed)``. Beside goodput, so that a cluster computing less shows: it lowers the
+    first and must not lower the second (issue 50). ``None``: no cluster counted tokens."""
+    counted = [c for c in clusters if c.get("tokens_computed") and c.get("first_sync_time") is not None]
+    if not counted:
+        return None
+    span = max(c["last_sync_time"] for c in counted) - min(c["first_sync_time"] for c in counted)
+    if span <= 0:
+        return None
+    computed = sum(c["tokens_computed"] for c in counted)
+    return computed / span, sum(c.get("tokens_committed") or 0 for c in counted) / span
+
+
 def _longest_streak(bad: list[bool], counted: list[bool] | None = None) -> int:
     """The longest run of bad syncs; a bad one not ``counted`` (inside a fault: the fault's doing) neither
     adds to a run nor breaks it, a good one ends it."""
@@ -240,4 +254,6 @@ def cluster_figures(
         "tokens_computed": last.get("tokens_computed"),
         "tokens_committed": last.get("tokens_committed"),
         "goodput": last.get("goodput"),
+        "first_sync_time": times[0] if times else None,
+        "last_sync_time": times[-1] if times else None,
     }

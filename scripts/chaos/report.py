@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.chaos.analysis import galaxy_goodput
+from scripts.chaos.analysis import galaxy_goodput, galaxy_token_rates
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -39,8 +39,13 @@ def cluster_table(clusters: list[dict]) -> list[str]:
             f"| {_fmt(c['final_outer_step'])} | {_fmt(c['final_param_hash'])} "
             f"| {_percent(c.get('goodput'))} |"
         )
-    goodput = galaxy_goodput(clusters)
-    rows += ["", f"Galaxy goodput (tokens committed ÷ computed, every cluster): {_percent(goodput)}."]
+    goodput, rates = galaxy_goodput(clusters), galaxy_token_rates(clusters)
+    line = f"Galaxy goodput (tokens committed ÷ computed, every cluster): {_percent(goodput)}"
+    if rates is not None:
+        line += (
+            f"; tokens per second over the syncs' span: {rates[0]:,.0f} computed, {rates[1]:,.0f} committed"
+        )
+    rows += ["", line + "."]
     return rows
 
 

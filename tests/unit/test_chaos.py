@@ -6,12 +6,14 @@ from scripts.chaos.analysis import (
     RECONNECT_SECONDS,
     cluster_figures,
     fault_figures,
+    galaxy_token_rates,
     hashes_by_step,
     repairable_from,
     windows,
 )
 from scripts.chaos.judge import lighter_taken, minority_taken, normalize, targets
 from scripts.chaos.plan import KINDS, Fault, minority_of, schedule, split_sides
+from scripts.chaos.report import cluster_table
 from scripts.chaos.run import with_overrides
 
 
@@ -296,3 +298,19 @@ def test_an_elastic_soak_has_one_leave_ids_ranked_like_its_clusters_and_judges_i
     low = [{"tokens_computed": 100, "tokens_committed": int(100 * GOODPUT_GOAL) - 1}]
     assert [row["passed"] for row in elastic_rows({**pages, "twice": [3]}, low)] == [False, False]
     assert elastic_rows(None, good) == []  # a fixed soak: no such targets
+
+
+def test_the_report_puts_the_galaxys_tokens_per_second_beside_its_goodput():
+    # two clusters over 100 s of syncs: 1,000 + 600 tokens computed, 900 + 300 committed. A cluster that
+    # computes less (a holding one that pauses) lowers the first rate; only committing less lowers the second
+    def figures(cluster, computed, committed, first, last):
+        records = [{**sync(1, first), "tokens_computed": computed // 2}, sync(2, last)]
+        records[-1] |= {"tokens_computed": computed, "tokens_committed": committed}
+        return cluster_figures(cluster, records, [], {}, hashes_by_step([records]))
+
+    clusters = [figures(0, 1000, 900, 10.0, 110.0), figures(1, 600, 300, 20.0, 90.0)]
+    assert galaxy_token_rates(clusters) == (16.0, 12.0)
+    assert galaxy_token_rates([{**clusters[0], "tokens_computed": None}]) is None
+    rows = "\n".join(cluster_table([{**c, "launches": 1, "stopped": False} for c in clusters]))
+    assert "goodput (tokens committed ÷ computed, every cluster): 75.0%" in rows
+    assert "tokens per second over the syncs' span: 16 computed, 12 committed" in rows

@@ -54,6 +54,9 @@ def test_its_own_record_is_no_news_and_a_cluster_that_ended_votes_for_nothing():
     # cluster 2 ended its run: its last record is fresh, but it will average no more
     ended = view({0: 30.0, 1: 30.0, 2: 0.1, 3: 0.0}, departed=frozenset({2}))
     assert news(ended, paused_for=2.0, own=(10, 1), galaxy_rank=3, need=ROSTER) is None
+    # ... and once the others ended too, this one is a quorum alone: it goes on (not a fork-after later)
+    done = view({0: 30.0, 1: 0.0}, departed=frozenset({0}))
+    assert news(done, 2.0, (10, 1), 1, frozenset({0, 1})) == "the others ended their run ([0])"
 
 
 def test_the_galaxy_ahead_is_news_at_once():
