@@ -26,8 +26,7 @@ is no pause. Every rank of the cluster polls; news on any rank wakes them all (t
 rank). A stop signal ends the wait as any other. The pause is the trainer's idle time: ``compute_utilization``
 and tokens per second say so, and goodput is not bought by computing less: what the cluster does not train
 could not be committed. The price: a hold that ends with news ends up to a poll and a heartbeat
-(``--hv.heartbeat-interval``) later than it would have, training on.
-"""
+(``--hv.heartbeat-interval``) later than it would have, training on."""
 
 from __future__ import annotations
 
@@ -60,8 +59,8 @@ def news(
     return f"clusters {sorted(back)} are back" if back else f"the others ended their run ({sorted(ended)})"
 
 
-def pause_while_held(ctx: RoundContext) -> float:
-    """Wait for :func:`news` (see the module docstring), at most until the fork is due; the seconds waited."""
+def pause_while_held(ctx: RoundContext) -> None:
+    """Wait for :func:`news` (see the module docstring), at most until the fork is due."""
     hv, began = ctx.hv, time.monotonic()
     fork_at = (ctx.holding_since or began) + hv.fork_after
     last = ctx.committed.ledger.last
@@ -74,4 +73,3 @@ def pause_while_held(ctx: RoundContext) -> float:
         if not ctx.cluster.all_true(why is None and bool(view.ages)):  # (no record read: nothing to learn)
             break
         time.sleep(POLL_SECONDS)
-    return time.monotonic() - began
