@@ -173,7 +173,7 @@ def build_model_and_outer_loop(
     docs/results/outer-memory.md)."""
     model = build_meta_sharded_model(config, world, precision)
     tokens_per_step = config.total_batch_size * config.seq_length
-    galaxy = start_galaxy(config.hv, model, world, model_config, tokens_per_step)
+    galaxy = start_galaxy(config.hv, model, world, model_config, (config.total_batch_size, config.seq_length))
     try:
         materialize(model, config.path_model, config.seed, world.device)
         return model, build_outer_loop(config.hv, model, galaxy, tokens_per_step)
@@ -290,11 +290,11 @@ def start_galaxy(
     model: torch.nn.Module,
     world: World,
     model_config: dict[str, Any],
-    tokens_per_step: int = 0,
+    step_shape: tuple[int, int] = (0, 0),
 ) -> tuple[GalaxyPart, ClusterComm] | None:
     """This rank's part of the galaxy when one is configured (``galaxy/build.py``): each local rank averages
     its own FSDP shard with the same shard of every other cluster. ``model`` may still be on the meta device:
-    only its names and shard sizes are read."""
+    only its names and shard sizes are read. ``step_shape``: (samples, tokens each) of one inner step."""
     if hv is None:
         return None
     from open_diloco.galaxy.build import ClusterShard, join_galaxy  # hivemind, loaded only when needed
@@ -305,7 +305,8 @@ def start_galaxy(
         numel=fragment_length(sum(shard.numel() for shard in local_shards(model)), hv.fragments),
         model_fingerprint=model_fingerprint(model),
         model_config=shape_fields(model_config),
-        tokens_per_step=tokens_per_step,
+        tokens_per_step=step_shape[0] * step_shape[1],
+        samples_per_step=step_shape[0],
     )
     cluster = ClusterComm(world.device)
     return join_galaxy(hv, shard, cluster), cluster

@@ -63,6 +63,10 @@ class ClusterShard:
     tokens_per_step: int = 0
     """Tokens of one inner step of the cluster (--total-batch-size × --seq-length): with --hv.round-steps
     by-speed a Δ's weight counts steps, so every cluster's steps must hold as many tokens."""
+    samples_per_step: int = 0
+    """Samples of one inner step (--total-batch-size): an elastic galaxy's page is one step's samples, so
+    every cluster's must be as many, of as many tokens (the same tokens cut 8 × 128 and 4 × 256 would deal
+    pages that overlap)."""
 
     @classmethod
     def flat(cls, numel: int) -> ClusterShard:
@@ -75,6 +79,7 @@ class ClusterShard:
     def schema(self, hv: HvConfig) -> dict[str, Any]:
         """What this cluster must share with every other to average (``membership_record.SCHEMA_KEYS``,
         compared at every round), and the model fields a mismatch is explained with."""
+        seq_length = self.tokens_per_step // max(1, self.samples_per_step)
         return {
             "model_fingerprint": self.model_fingerprint,
             "ranks": self.ranks,
@@ -87,7 +92,8 @@ class ClusterShard:
             ),
             # an elastic galaxy deals pages of one order: each must be as many samples of as many tokens
             "membership": (
-                f"elastic, {hv.local_steps // hv.fragments} pages a stride of {self.tokens_per_step} tokens"
+                f"elastic, {hv.local_steps // hv.fragments} pages a stride of "
+                f"{self.samples_per_step} samples of {seq_length} tokens"
                 if hv.elastic
                 else "fixed"
             ),

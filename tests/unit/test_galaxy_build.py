@@ -51,7 +51,18 @@ def test_the_schema_is_what_every_cluster_must_share():
     }
     elastic = HvConfig(galaxy_size=2, cluster_id="site-b")  # (no rank: a cluster of an elastic galaxy)
     # an elastic galaxy deals pages: every cluster's stride holds as many, of as many tokens
-    assert shard.schema(elastic)["membership"] == "elastic, 500 pages a stride of 0 tokens"
+    assert shard.schema(elastic)["membership"] == "elastic, 500 pages a stride of 0 samples of 0 tokens"
+    # ... and as many samples: the same tokens a step, cut otherwise, would deal pages that overlap
+    pages = [
+        ClusterShard(0, 1, 10, "abc", tokens_per_step=1024, samples_per_step=samples).schema(elastic)[
+            "membership"
+        ]
+        for samples in (8, 4)
+    ]
+    assert pages == [
+        "elastic, 500 pages a stride of 8 samples of 128 tokens",
+        "elastic, 500 pages a stride of 4 samples of 256 tokens",
+    ]
     # with steps by speed, a Δ's weight counts steps: every cluster's step must hold as many tokens
     by_speed = ClusterShard(index=0, ranks=1, numel=10, model_fingerprint="abc", tokens_per_step=4096)
     schema = by_speed.schema(HvConfig(round_steps="by-speed"))
