@@ -56,7 +56,7 @@ class DiLoCo:
         tokens_per_step: int = 1,
     ):
         self.averager, self.status, self.hv, self.warn = averager, status or NullStatusBoard(), hv, warn
-        self.galaxy_rank = hv.world_rank
+        self.galaxy_rank, self.fragments = hv.world_rank, hv.fragments
         self.cluster = cluster or ClusterComm(next(model.parameters()).device)
         self._finished = False
         """The trainer reported the run finished (not stopped): leaving may wait for its last peers."""
@@ -130,10 +130,6 @@ class DiLoCo:
     @property
     def outer_step(self) -> int:
         return self.state.outer_step
-
-    @property
-    def fragments(self) -> int:
-        return self.hv.fragments
 
     @property
     def ledger(self) -> Ledger:
@@ -288,7 +284,7 @@ class DiLoCo:
             flight, self.in_flight = self.in_flight, None
             results.append(flight.finish())
             results[-1].sync_step = flight.started_after
-            self._pages_after(results[-1])
+            self._after_round(results[-1])
         # (at τ = H/P a landing that re-synced may have adopted a state past this sync: the galaxy ran it
         # already)
         skip = bool(results) and self.inner_step_of_galaxy() >= inner_step
@@ -298,7 +294,7 @@ class DiLoCo:
             and (result := self._start_sync(inner_step, last))
         ):
             results.append(result)
-            self._pages_after(result)
+            self._after_round(result)
         # after a take, a sync in flight is the one this step started (a landing clears the one before)
         held = any(result.outcome == "held" for result in results)
         if held and not last:  # what it trains cannot commit before news comes (outer/hold_pause.py)
@@ -338,8 +334,11 @@ class DiLoCo:
             settled.goodput = self.goodput.metrics()
         return settled
 
-    def _pages_after(self, result: RoundResult) -> None:
-        if self.own_pages is not None:  # an elastic galaxy: what the round did to the pages
+    def _after_round(self, result: RoundResult) -> None:
+        """What the round did to the steps (and an elastic galaxy's pages) behind the next Δ."""
+        if result.outcome in ("held", "sat_out", "resynced"):  # θ_local went back to θ_outer
+            self.pace.dropped()
+        if self.own_pages is not None:
             self.own_pages.round_ended(result)
 
     def _contribution(self, fragment: int) -> Contribution:

@@ -88,6 +88,13 @@ class Pace:
         """Fragment ``fragment``'s sync started: the steps after it count towards its next one."""
         self.since_sync[fragment] = 0
 
+    def dropped(self) -> None:
+        """θ_local went back to θ_outer on every fragment (a held, re-synced or sat-out round): no step
+        taken before is behind any next Δ. Why: counted on, a cluster that held for a minute committed
+        its next Δ (one stride) as 108 inner steps (chaos soak `intercontinental`, seed 5): its ledger
+        work, which decides the heal, and its goodput counted steps whose progress was thrown away."""
+        self.since_sync = [0] * self.fragments
+
     def plan(self, own_seconds: float | None, fastest_seconds: float | None) -> int:
         """The inner steps to take in the next stride: the stride × this cluster's speed relative to the
         fastest (``--hv.cluster-speed``, else the seconds per inner step of the fastest live cluster over this

@@ -225,3 +225,25 @@ def test_an_elastic_galaxys_first_round_holds_until_it_has_its_clusters_then_for
     assert outer.after_inner_step(4)["round_outcome"] == "applied"
     assert outer.ledger.last.fork and outer.ledger.last.roster == (rank,)
     assert any("the first round's 2 clusters for --hv.fork-after=1s" in line for line in said), said
+
+
+def test_the_steps_a_held_round_dropped_are_behind_no_later_delta():
+    """H = 2, P = 2: cluster 1 of two, alone after a round together, holds three rounds of fragment 1 (its
+    outer step stays, so does the fragment), then forks. Fragment 0's next Δ holds the two strides trained
+    since the last hold dropped every fragment's progress, and its entry says 2 inner steps: counted on from
+    its last sync, it said 5 (a cluster that held a minute in the `intercontinental` soak committed one
+    stride as 108 steps: ledger work and goodput counted progress thrown away)."""
+    galaxy = InProcessGalaxy(2)
+    setting = dict(local_steps=2, fragments=2, fork_after=0.5, **PLAIN)
+    _, _, outer = run_clusters(galaxy, [1.0], {0: [[0.0]], 1: [[0.5]]}, **setting)[1]
+    with galaxy._joining:
+        del galaxy.averagers[0]
+    galaxy.departed.add(0)
+    galaxy.barrier = threading.Barrier(1)
+    assert [outer.after_inner_step(step)["round_outcome"] for step in (2, 3, 4)] == ["held"] * 3
+    time.sleep(0.6)  # past --hv.fork-after
+    assert outer.after_inner_step(5)["round_outcome"] == "applied" and outer.ledger.last.fork
+    assert outer.after_inner_step(6)["round_outcome"] == "applied"
+    forked, after = outer.ledger.entries[-2:]
+    assert [(m.rank, m.inner_steps) for m in forked.members] == [(1, 1)]  # its stride since the last hold
+    assert [(m.rank, m.inner_steps) for m in after.members] == [(1, 2)]
