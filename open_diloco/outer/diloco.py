@@ -144,9 +144,10 @@ class DiLoCo:
         got = self.catch_up.take_newer()
         if got is None and self.hv.elastic and not self.ledger.entries:
             self._refuse_a_second_genesis()
-        if got is not None and self.own_pages is not None:
-            self.own_pages.reset()  # θ_local is the downloaded θ_outer: it carries nothing of ours
-        if got is not None:
+        if got is not None:  # θ_local is the downloaded θ_outer: no step of ours is behind its next Δ
+            self.pace.dropped()
+            if self.own_pages is not None:
+                self.own_pages.reset()
             self.joined = {"event": "took_state", "galaxy_outer_step": got.step, "state_source": got.source}
             self.warn(
                 f"the galaxy is at outer step {got.step} (this cluster was at {previous}): downloaded "

@@ -374,3 +374,23 @@ def test_a_held_round_trains_its_stride_again(sync_delay):
     assert [at for at, _, _ in landed] == [20 + sync_delay] * 3  # the same round's landing, each time
     assert outer.outer_step == 0 and step == sync_delay  # the clock is where round 1's stride began
     assert any("trains the stride again" in line for line in warnings)
+
+
+def test_a_state_taken_at_join_leaves_no_step_of_the_checkpoint_behind_the_next_delta():
+    # a by-speed cluster resumed from a checkpoint that counted 3 steps behind each fragment's next Δ takes
+    # the galaxy's state as it joins: θ_local is the downloaded θ_outer, so its next Δ holds none of them (its
+    # weight and its entry's steps would count them)
+    galaxy = InProcessGalaxy(1, serve_state=True)
+    hv = dict(galaxy_size=2, on_partial_round="proceed", outer_lr=1.0, outer_momentum=0.0, join_timeout=5.0)
+    ahead_model = linear_model([1.0])
+    ahead = DiLoCo(ahead_model, galaxy.averager(0, 1), outer_hv(world_rank=0, **hv), warn=lambda *_: None)
+    for local in (0.5, 0.25):
+        with torch.no_grad():
+            ahead_model.weight.fill_(local)
+        ahead.after_inner_step(1)
+    setting = dict(round_steps="by-speed", local_steps=4, fragments=2, **hv)
+    behind = DiLoCo(linear_model([1.0]), galaxy.averager(1, 1), outer_hv(world_rank=1, **setting), warn=print)
+    behind.load_state_dict({"pace": {"planned": 2, "taken": 9, "since_sync": [3, 3]}})
+    assert behind.pace.since_sync == [3, 3]
+    behind.join_galaxy()
+    assert behind.outer_step == 2 and behind.pace.since_sync == [0, 0]
