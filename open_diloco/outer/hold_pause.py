@@ -11,10 +11,15 @@ inner steps trained and never committed (81 %) were strides trained again while 
 So after a held round the cluster waits, its GPUs idle, polling the membership records every
 :data:`POLL_SECONDS`, for the first of:
 
-- **the others are back**: clusters heard from since the pause began (their record refreshed) make, with this
+- **the others are there**: clusters heard from within a heartbeat (their record refreshed less than
+  ``--hv.heartbeat-interval`` + :data:`PUBLISH_SLACK_SECONDS` ago) or since the pause began make, with this
   one, a quorum of the roster (``has_quorum``; an elastic galaxy's first round: ``--hv.galaxy-size``
   clusters). Clusters it still averages with refresh too, so a side of an even split without the lowest rank
-  waits on: its pair is no majority;
+  waits on: its pair is no majority. Within a heartbeat, not only since the pause: four connected clusters,
+  each alone in a round by a matchmaking miss, all held; paused until the next refresh, they woke up to 5 s
+  apart, missed each other's matchmaking and held again, for 107 s (``lan`` soak, seed 5, 2026-12-05). Fresh
+  records mean the others are there: no pause, and they retry in step as before. A cut cluster still trains
+  the strides of a heartbeat or so, until the others' records age past it;
 - **the galaxy is ahead**: a live cluster's chain holds more committed work (its next round sits out and takes
   that state, ``Round.start``);
 - **the others ended their run**: it is a quorum alone (those that ended vote no more);
@@ -41,22 +46,32 @@ if TYPE_CHECKING:
 
 POLL_SECONDS = 1.0
 """How often a holding cluster reads the membership records for news."""
+PUBLISH_SLACK_SECONDS = 3.0
+"""How late a refreshed record may become readable (``galaxy/record_ages.PUBLISH_DELAY_SECONDS``): a live
+cluster's record is never older than a heartbeat plus this."""
 
 
 def news(
-    view: Membership, paused_for: float, own: tuple[int, int], galaxy_rank: int, need: int | frozenset[int]
+    view: Membership,
+    paused_for: float,
+    own: tuple[int, int],
+    galaxy_rank: int,
+    need: int | frozenset[int],
+    fresh_within: float = 8.0,
 ) -> str | None:
     """Why a holding cluster should train again, by one membership read ``paused_for`` seconds into its
     pause; ``None``: no news. ``own``: its chain's (committed work, outer step); ``need``: the roster whose
-    quorum a round needs, or (an elastic galaxy's first round) how many clusters."""
+    quorum a round needs, or (an elastic galaxy's first round) how many clusters; ``fresh_within``: a record
+    younger than this is a cluster that is there."""
     if (view.lead_work, view.lead) > own:
         return f"the galaxy is ahead (outer step {view.lead})"
     ended = {rank for rank in view.departed - view.silent if rank in view.reported}
-    back = {rank for rank, age in view.ages.items() if age < paused_for} - ended - {galaxy_rank}
+    heard = max(paused_for, fresh_within)
+    back = {rank for rank, age in view.ages.items() if age < heard} - ended - {galaxy_rank}
     present = back | {galaxy_rank}
     if not (len(present) >= need if isinstance(need, int) else has_quorum(present, need, ended)):
         return None
-    return f"clusters {sorted(back)} are back" if back else f"the others ended their run ({sorted(ended)})"
+    return f"clusters {sorted(back)} are there" if back else f"the others ended their run ({sorted(ended)})"
 
 
 def pause_while_held(ctx: RoundContext) -> None:
@@ -66,10 +81,11 @@ def pause_while_held(ctx: RoundContext) -> None:
     last = ctx.committed.ledger.last
     roster = roster_of(last, hv.galaxy_size, hv.elastic)
     need: int | frozenset[int] = hv.galaxy_size if hv.elastic and not roster else roster
+    fresh_within = hv.heartbeat_interval + PUBLISH_SLACK_SECONDS
     while ctx.cluster.all_true(time.monotonic() < fork_at):
         view = ctx.averager.membership()
         own = (ctx.committed.work, ctx.state.outer_step)
-        why = news(view, time.monotonic() - began, own, ctx.galaxy_rank, need)
+        why = news(view, time.monotonic() - began, own, ctx.galaxy_rank, need, fresh_within)
         if not ctx.cluster.all_true(why is None and bool(view.ages)):  # (no record read: nothing to learn)
             break
         time.sleep(POLL_SECONDS)

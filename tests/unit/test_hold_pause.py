@@ -31,7 +31,9 @@ def test_a_cut_off_cluster_waits_until_a_majority_refreshed_its_records_then_tra
     stale = view({0: 9.0, 1: 8.5, 2: 9.5, 3: 0.2})
     assert news(stale, paused_for=6.0, own=(50, 5), galaxy_rank=3, need=ROSTER) is None
     healed = view({0: 0.4, 1: 0.3, 2: 9.5, 3: 0.2})
-    assert news(healed, paused_for=6.0, own=(50, 5), galaxy_rank=3, need=ROSTER) == "clusters [0, 1] are back"
+    assert (
+        news(healed, paused_for=6.0, own=(50, 5), galaxy_rank=3, need=ROSTER) == "clusters [0, 1] are there"
+    )
     # one of three back, not the lowest rank, is no quorum with this one: it waits on (with cluster 0 it
     # would be, by the tie-break)
     one = view({0: 9.0, 1: 0.4, 2: 9.5, 3: 0.2})
@@ -44,7 +46,7 @@ def test_the_side_of_an_even_split_without_the_lowest_rank_waits_though_its_pair
     pair = view({0: 20.0, 1: 20.0, 2: 0.5, 3: 0.1})
     assert news(pair, paused_for=4.0, own=(50, 5), galaxy_rank=3, need=ROSTER) is None
     assert (
-        news(view({0: 1.0, 1: 20.0, 2: 0.5, 3: 0.1}), 4.0, (50, 5), 3, ROSTER) == "clusters [0, 2] are back"
+        news(view({0: 1.0, 1: 20.0, 2: 0.5, 3: 0.1}), 4.0, (50, 5), 3, ROSTER) == "clusters [0, 2] are there"
     )
 
 
@@ -73,7 +75,7 @@ def test_the_galaxy_ahead_is_news_at_once():
 def test_an_elastic_galaxys_first_round_waits_for_as_many_clusters_as_it_needs():
     first = view({11: 0.1, 22: 40.0})
     assert news(first, paused_for=3.0, own=(0, 0), galaxy_rank=11, need=2) is None
-    assert news(view({11: 0.1, 22: 40.0, 33: 0.2}), 3.0, (0, 0), 11, need=2) == "clusters [33] are back"
+    assert news(view({11: 0.1, 22: 40.0, 33: 0.2}), 3.0, (0, 0), 11, need=2) == "clusters [33] are there"
 
 
 def _holding_alone(fork_after: float = 120.0):
@@ -125,3 +127,14 @@ def test_without_any_record_read_a_held_cluster_does_not_pause():
     began = time.monotonic()
     assert outer.after_inner_step(2)["round_outcome"] == "held"
     assert time.monotonic() - began < 1.0
+
+
+def test_records_refreshed_within_a_heartbeat_are_clusters_that_are_there_no_pause():
+    # four connected clusters, each alone in a round by a matchmaking miss, all hold: the others' records are
+    # a few seconds old (a heartbeat is 5 s). Paused until the next refresh they woke apart and missed each
+    # other again (107 s in the lan soak); fresh records are news at once, and they retry in step
+    connected = view({0: 0.0, 1: 4.2, 2: 6.9, 3: 2.5})
+    assert news(connected, 0.0, (50, 5), 0, ROSTER, fresh_within=8.0) == "clusters [1, 2, 3] are there"
+    # a cut: the same records a heartbeat and more later, none refreshed since
+    cut = view({0: 0.0, 1: 9.2, 2: 11.9, 3: 8.5})
+    assert news(cut, 1.0, (50, 5), 0, ROSTER, fresh_within=8.0) is None
