@@ -18,8 +18,8 @@ So after a held round the cluster waits, its GPUs idle, polling the membership r
   waits on: its pair is no majority. Within a heartbeat, not only since the pause: four connected clusters,
   each alone in a round by a matchmaking miss, all held; paused until the next refresh, they woke up to 5 s
   apart, missed each other's matchmaking and held again, for 107 s (``lan`` soak, seed 5, 2026-12-05). Fresh
-  records mean the others are there: no pause, and they retry in step as before. A cut cluster still trains
-  the strides of a heartbeat or so, until the others' records age past it;
+  records mean the others are there: no pause, and they retry in step as before. A cut cluster's first held
+  round comes after the round's retries, ~10 s into the cut, when the others' records are that old already;
 - **the galaxy is ahead**: a live cluster's chain holds more committed work (its next round sits out and takes
   that state, ``Round.start``);
 - **the others ended their run**: it is a quorum alone (those that ended vote no more);
