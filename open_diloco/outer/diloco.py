@@ -337,7 +337,7 @@ class DiLoCo:
 
     def _after_round(self, result: RoundResult) -> None:
         """What the round did to the steps (and an elastic galaxy's pages) behind the next Δ."""
-        if result.outcome in ("held", "sat_out", "resynced"):  # θ_local went back to θ_outer
+        if result.dropped_progress:
             self.pace.dropped()
         if self.own_pages is not None:
             self.own_pages.round_ended(result)

@@ -111,7 +111,7 @@ class OwnPages:
         """Forget what the Δ carried when the round sent θ_local back to θ_outer (held, re-synced, sat out),
         and put the deal's figures in the round's record (``pages``, ``data_cursor``,
         ``data_committed_pages``)."""
-        if result.outcome in ("held", "sat_out", "resynced"):
+        if result.dropped_progress:
             self.reset()
         entry = result.ledger
         if entry is not None and entry.dealt is not None:

@@ -92,6 +92,12 @@ class RoundResult:
         cluster)."""
         return self.outcome in ("applied", "adopted")
 
+    @property
+    def dropped_progress(self) -> bool:
+        """The round sent θ_local back to θ_outer (every fragment: held, re-synced, sat out): nothing trained
+        before it is behind the next Δ (its steps, ``Pace.dropped``; its pages, ``OwnPages.reset``)."""
+        return self.outcome in ("held", "sat_out", "resynced")
+
     def metrics(self) -> dict[str, Any]:
         record = asdict(self)
         record["ledger"] = self.ledger.to_wire() if self.ledger is not None else None
